@@ -1,0 +1,186 @@
+//! `LoraAdapter`: a validated adapter in memory (per-module A and B with the scale folded into B),
+//! its content `Fingerprint`, and the `SlotSink` trait through which it is written into device slots.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use candle_core::{DType, Tensor};
+
+use crate::config::AdapterConfig;
+use crate::error::Result;
+use crate::module::{ModuleId, ModuleKind};
+use crate::shapes::ModelShapes;
+
+/// blake3-256 of an adapter's normalized config and tensor bytes: its identity in the prefix cache
+/// and the scheduler. Two adapters with the same fingerprint compute the same function.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// The raw digest.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lowercase hex of the whole digest.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", &self.to_hex()[..16])
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// One adapted module: `delta(x) = b · (a · x)` with PEFT's scaling already folded into `b`.
+#[derive(Clone, Debug)]
+pub struct LoraModule {
+    /// `[rank, in_features]` (for `embed_tokens`: `[rank, vocab]`).
+    pub a: Tensor,
+    /// `[out_features, rank]`, multiplied by `scaling` at load.
+    pub b: Tensor,
+    /// This module's rank (after `rank_pattern`).
+    pub rank: usize,
+    /// This module's alpha (after `alpha_pattern`).
+    pub alpha: f64,
+    /// The scale folded into `b`: `alpha / rank`, or `alpha / sqrt(rank)` with rsLoRA.
+    pub scaling: f64,
+}
+
+impl LoraModule {
+    /// `(in_features, out_features)` of the module, read off the tensors.
+    pub fn in_out(&self) -> (usize, usize) {
+        let (_, i) = self.a.dims2().unwrap_or((0, 0));
+        let (o, _) = self.b.dims2().unwrap_or((0, 0));
+        (i, o)
+    }
+}
+
+/// A validated LoRA adapter held in memory (on the CPU, in the LoRA dtype).
+#[derive(Clone, Debug)]
+pub struct LoraAdapter {
+    name: String,
+    config: AdapterConfig,
+    modules: BTreeMap<ModuleId, LoraModule>,
+    fingerprint: Fingerprint,
+    dtype: DType,
+}
+
+impl LoraAdapter {
+    /// Assembles an adapter from parts. The loader is the usual way in; this exists for adapters
+    /// built in memory (tests, synthetic workloads). `b` must already carry the scaling.
+    pub fn new(
+        name: impl Into<String>,
+        config: AdapterConfig,
+        modules: BTreeMap<ModuleId, LoraModule>,
+        fingerprint: Fingerprint,
+    ) -> LoraAdapter {
+        let dtype = modules.values().next().map(|m| m.a.dtype()).unwrap_or(DType::F32);
+        LoraAdapter { name: name.into(), config, modules, fingerprint, dtype }
+    }
+
+    /// The name the adapter was loaded under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The parsed `adapter_config.json`.
+    pub fn config(&self) -> &AdapterConfig {
+        &self.config
+    }
+
+    /// Content fingerprint.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// The dtype of the held tensors.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Every adapted module, in model order.
+    pub fn modules(&self) -> &BTreeMap<ModuleId, LoraModule> {
+        &self.modules
+    }
+
+    /// One module, if adapted.
+    pub fn module(&self, id: &ModuleId) -> Option<&LoraModule> {
+        self.modules.get(id)
+    }
+
+    /// The kinds of module this adapter touches (e.g. to check a model has slots for them).
+    pub fn target_kinds(&self) -> Vec<ModuleKind> {
+        let mut kinds: Vec<ModuleKind> = self.modules.keys().map(|m| m.kind).collect();
+        kinds.sort();
+        kinds.dedup();
+        kinds
+    }
+
+    /// The largest rank over all modules (what a slot must hold).
+    pub fn max_rank(&self) -> usize {
+        self.modules.values().map(|m| m.rank).max().unwrap_or(0)
+    }
+
+    /// Bytes held at the adapter's own ranks.
+    pub fn nbytes(&self) -> u64 {
+        let size = self.dtype.size_in_bytes() as u64;
+        self.modules
+            .values()
+            .map(|m| {
+                let (i, o) = m.in_out();
+                (m.rank * (i + o)) as u64 * size
+            })
+            .sum()
+    }
+
+    /// Bytes this adapter's modules occupy in slots padded to `slot_rank` with `dtype_bytes` per
+    /// element (what a device slot of `max_lora_rank` costs for the modules it targets).
+    pub fn nbytes_at_rank(&self, slot_rank: usize, dtype_bytes: usize) -> u64 {
+        self.modules
+            .values()
+            .map(|m| {
+                let (i, o) = m.in_out();
+                (slot_rank * (i + o) * dtype_bytes) as u64
+            })
+            .sum()
+    }
+}
+
+/// Where the store writes adapters: device slots, implemented by the model.
+///
+/// `write_slot` converts dtype, zero-pads the rank, copies to the device and zeroes every module
+/// the adapter does not target; `clear_slot` zeroes the slot. It maps PEFT module names onto any
+/// fused layout the model uses.
+pub trait SlotSink {
+    /// Places `adapter` in `slot`, replacing whatever was there.
+    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> Result<()>;
+    /// Zeroes `slot`.
+    fn clear_slot(&mut self, slot: usize) -> Result<()>;
+}
+
+/// A digest of a base embedding matrix `[vocab, hidden]`: blake3-256 over its values as f32
+/// little-endian, row-major. The model fills [`ModelShapes::embed_digest`] with it, and the loader
+/// compares an adapter's saved `embed_tokens.base_layer.weight` through the same function.
+pub fn embedding_digest(embedding: &Tensor) -> candle_core::Result<[u8; 32]> {
+    let values = embedding.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut hasher = blake3::Hasher::new();
+    for v in &values {
+        hasher.update(&v.to_le_bytes());
+    }
+    Ok(*hasher.finalize().as_bytes())
+}
+
+/// Shorthand used by [`ModelShapes`] users: the digest as an `Option` for `embed_digest`.
+pub fn with_embedding_digest(mut shapes: ModelShapes, embedding: &Tensor) -> candle_core::Result<ModelShapes> {
+    shapes.embed_digest = Some(embedding_digest(embedding)?);
+    Ok(shapes)
+}

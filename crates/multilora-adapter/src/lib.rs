@@ -1,0 +1,58 @@
+//! PEFT LoRA adapters for multilora, and the vocabulary the other crates share.
+//!
+//! - [`load_dir`] / [`load`] read PEFT's `adapter_config.json` + `adapter_model.safetensors`,
+//!   honour every field that changes the math (`rank_pattern`, `alpha_pattern`, `use_rslora`,
+//!   regex `target_modules`, `layers_to_transform`, `exclude_modules`, embedding LoRA) or refuse
+//!   the adapter with an [`Error`] naming the adapter, file, tensor and reason;
+//! - the scale `alpha/r` (rsLoRA `alpha/√r`) is folded into B, so later code computes `B·A·x`;
+//! - [`Fingerprint`] identifies an adapter by content (blake3-256 of the normalized config and
+//!   the tensor bytes), for the prefix cache and the scheduler;
+//! - [`LoraAdapter`], [`ModuleId`], [`ModelShapes`] and [`SlotSink`] are the shared vocabulary.
+//!
+//! ```no_run
+//! use multilora_adapter::{AdapterSource, LoadOptions, ModelShapes};
+//! # fn main() -> multilora_adapter::Result<()> {
+//! let shapes = ModelShapes::llama(4, 128, 352, 512, 4, 2);
+//! let source = AdapterSource::parse("tests/fixtures/peft-tiny/adapters/qv_r8")?;
+//! let adapter = multilora_adapter::load("sql", &source, &shapes, &LoadOptions::default().max_lora_rank(16))?;
+//! println!("{} modules, rank {}, {}", adapter.modules().len(), adapter.max_rank(), adapter.fingerprint());
+//! # Ok(()) }
+//! ```
+//!
+//! Decisions worth knowing:
+//! - `bias = "all"` or `"lora_only"` with no bias tensors in the file is accepted and changes
+//!   nothing: PEFT's own outputs for such an adapter equal plain LoRA. Bias tensors themselves are
+//!   refused ([`Error::LoraBias`]).
+//! - `fan_in_fan_out` is accepted and changes nothing for the Llama family: PEFT resets it to
+//!   false for `nn.Linear` targets, and saves `lora_A: [r, in]`, `lora_B: [out, r]` either way;
+//!   the flag only transposes the merged delta of GPT-2-style `Conv1D` weights.
+//! - A saved `embed_tokens.base_layer.weight` is accepted only when it equals the base embedding
+//!   (checked against [`ModelShapes::embed_digest`]), since PEFT would copy it over the base.
+#![forbid(unsafe_op_in_unsafe_fn)]
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod adapter;
+mod config;
+mod error;
+#[allow(unsafe_code)]
+mod load;
+mod module;
+mod shapes;
+mod source;
+mod synth;
+
+pub use adapter::{Fingerprint, LoraAdapter, LoraModule, SlotSink, embedding_digest, with_embedding_digest};
+pub use config::{AdapterConfig, ModuleSelector};
+pub use error::{Error, Result};
+pub use load::{CONFIG_FILE, ConfigSummary, LoadOptions, ModuleSetting, WEIGHTS_FILE, load_dir, read_config};
+pub use module::{ModuleId, ModuleKind};
+pub use shapes::ModelShapes;
+pub use source::{AdapterSource, HubConfig};
+pub use synth::SyntheticAdapter;
+
+/// Resolves `source` (a directory, or a hub repo through the cache) and loads the adapter.
+pub fn load(name: &str, source: &AdapterSource, shapes: &ModelShapes, opts: &LoadOptions) -> Result<LoraAdapter> {
+    let dir = source.resolve()?;
+    load_dir(name, &dir, shapes, opts)
+}

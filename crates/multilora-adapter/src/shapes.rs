@@ -1,0 +1,180 @@
+//! `ModelShapes`: what an adapter is validated against — the base model's per-module sizes, and a
+//! digest of its input embedding for adapters that carry a saved copy of it.
+
+use crate::module::{ModuleId, ModuleKind};
+
+/// Sizes of the base model that adapters must fit.
+///
+/// Built by the model crate from the loaded model, or by [`ModelShapes::from_config_json`] from a
+/// Hugging Face `config.json` (the capacity planner and tests use that).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ModelShapes {
+    /// `architectures[0]` of `config.json`, e.g. `LlamaForCausalLM`.
+    pub architecture: String,
+    /// `model_type` of `config.json`, e.g. `llama`.
+    pub model_type: String,
+    /// Number of decoder layers.
+    pub num_layers: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// MLP intermediate size.
+    pub intermediate_size: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// Key/value heads (grouped-query attention).
+    pub num_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+    /// Whether `lm_head` shares the embedding's weight.
+    pub tie_word_embeddings: bool,
+    /// blake3-256 of the base embedding (see [`crate::embedding_digest`]); `None` when unknown,
+    /// in which case an adapter that carries a saved embedding is refused, since it cannot be checked.
+    pub embed_digest: Option<[u8; 32]>,
+}
+
+impl ModelShapes {
+    /// Shapes of a Llama-family model from its sizes; the architecture is `LlamaForCausalLM`.
+    pub fn llama(
+        num_layers: usize,
+        hidden_size: usize,
+        intermediate_size: usize,
+        vocab_size: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+    ) -> ModelShapes {
+        ModelShapes {
+            architecture: "LlamaForCausalLM".to_string(),
+            model_type: "llama".to_string(),
+            num_layers,
+            hidden_size,
+            intermediate_size,
+            vocab_size,
+            num_heads,
+            num_kv_heads,
+            head_dim: hidden_size / num_heads.max(1),
+            tie_word_embeddings: false,
+            embed_digest: None,
+        }
+    }
+
+    /// Reads the sizes from a Hugging Face `config.json` value. Returns a description of the first
+    /// missing or malformed field on failure.
+    pub fn from_config_json(config: &serde_json::Value) -> std::result::Result<ModelShapes, String> {
+        let int = |key: &str| -> std::result::Result<Option<usize>, String> {
+            match config.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| Some(n as usize))
+                    .ok_or_else(|| format!("field {key:?} is not a non-negative integer: {v}")),
+            }
+        };
+        let need = |key: &str| -> std::result::Result<usize, String> {
+            int(key)?.ok_or_else(|| format!("field {key:?} is missing"))
+        };
+        let hidden_size = need("hidden_size")?;
+        let num_heads = need("num_attention_heads")?;
+        if num_heads == 0 {
+            return Err("field \"num_attention_heads\" is 0".to_string());
+        }
+        let num_kv_heads = int("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = int("head_dim")?.unwrap_or(hidden_size / num_heads);
+        let architecture =
+            config.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str()).unwrap_or("").to_string();
+        let model_type = config.get("model_type").and_then(|m| m.as_str()).unwrap_or("").to_string();
+        Ok(ModelShapes {
+            architecture,
+            model_type,
+            num_layers: need("num_hidden_layers")?,
+            hidden_size,
+            intermediate_size: need("intermediate_size")?,
+            vocab_size: need("vocab_size")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            tie_word_embeddings: config.get("tie_word_embeddings").and_then(|t| t.as_bool()).unwrap_or(false),
+            embed_digest: None,
+        })
+    }
+
+    /// `(in_features, out_features)` of a module kind. For `embed_tokens` that is `(vocab, hidden)`,
+    /// matching PEFT's `lora_embedding_A: [r, vocab]`, `lora_embedding_B: [hidden, r]`.
+    pub fn in_out(&self, kind: ModuleKind) -> (usize, usize) {
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        match kind {
+            ModuleKind::QProj => (self.hidden_size, q),
+            ModuleKind::KProj | ModuleKind::VProj => (self.hidden_size, kv),
+            ModuleKind::OProj => (q, self.hidden_size),
+            ModuleKind::GateProj | ModuleKind::UpProj => (self.hidden_size, self.intermediate_size),
+            ModuleKind::DownProj => (self.intermediate_size, self.hidden_size),
+            ModuleKind::EmbedTokens => (self.vocab_size, self.hidden_size),
+            ModuleKind::LmHead => (self.hidden_size, self.vocab_size),
+        }
+    }
+
+    /// Every module of the model that an adapter may target, in model order.
+    pub fn modules(&self) -> Vec<ModuleId> {
+        let mut out = vec![ModuleId::embed_tokens()];
+        for layer in 0..self.num_layers {
+            out.extend(ModuleKind::PROJECTIONS.iter().map(|&k| ModuleId::layer(layer, k)));
+        }
+        out.push(ModuleId::lm_head());
+        out
+    }
+
+    /// Whether `id` exists in this model.
+    pub fn contains(&self, id: ModuleId) -> bool {
+        match id.layer {
+            Some(layer) => id.kind.is_per_layer() && layer < self.num_layers,
+            None => !id.kind.is_per_layer(),
+        }
+    }
+
+    /// Bytes one adapter takes at `rank` on `kinds` (every layer for per-layer kinds), with
+    /// `dtype_bytes` bytes per element: `Σ rank · (in + out) · dtype_bytes`.
+    pub fn lora_bytes(&self, kinds: &[ModuleKind], rank: usize, dtype_bytes: usize) -> u64 {
+        kinds
+            .iter()
+            .map(|&k| {
+                let (i, o) = self.in_out(k);
+                let per = (rank * (i + o) * dtype_bytes) as u64;
+                if k.is_per_layer() { per * self.num_layers as u64 } else { per }
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixture_config_reads() {
+        let cfg = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+            "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512
+        });
+        let s = ModelShapes::from_config_json(&cfg).unwrap();
+        assert_eq!(s.in_out(ModuleKind::KProj), (128, 64));
+        assert_eq!(s.in_out(ModuleKind::EmbedTokens), (512, 128));
+        assert_eq!(s.modules().len(), 4 * 7 + 2);
+        assert!(ModelShapes::from_config_json(&serde_json::json!({"hidden_size": 1})).is_err());
+    }
+
+    #[test]
+    fn seed_model_adapter_bytes() {
+        // The seed material's model: 32 layers, hidden 4096, k/v out 1024, MLP 14336, 16-bit.
+        let mut s = ModelShapes::llama(32, 4096, 14336, 100_000, 32, 8);
+        s.head_dim = 128;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let bytes = |r| s.lora_bytes(&ModuleKind::PROJECTIONS, r, 2);
+        assert!((mib(bytes(8)) - 40.0).abs() < 0.5, "{}", mib(bytes(8)));
+        assert!((mib(bytes(16)) - 80.0).abs() < 1.0);
+        assert!((mib(bytes(64)) - 320.0).abs() < 4.0);
+    }
+}

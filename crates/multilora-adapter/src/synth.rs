@@ -1,0 +1,110 @@
+//! Writes PEFT-format adapters with seeded random weights: for benchmarks, tests of other crates
+//! and the demo, which need real adapter files without a training run.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use safetensors::{Dtype, tensor::TensorView};
+
+use crate::module::ModuleKind;
+use crate::shapes::ModelShapes;
+
+/// What to write.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SyntheticAdapter {
+    /// Rank `r`.
+    pub rank: usize,
+    /// `lora_alpha`.
+    pub alpha: f64,
+    /// Targeted module kinds (every layer for per-layer kinds).
+    pub targets: Vec<ModuleKind>,
+    /// Seed of the weights.
+    pub seed: u64,
+    /// Standard deviation of the weights (PEFT initialises B to zero; these are trained-like).
+    pub std: f32,
+}
+
+impl SyntheticAdapter {
+    /// A rank-`rank` adapter with alpha `2·rank` on `targets`.
+    pub fn new(rank: usize, targets: &[ModuleKind], seed: u64) -> SyntheticAdapter {
+        SyntheticAdapter { rank, alpha: 2.0 * rank as f64, targets: targets.to_vec(), seed, std: 0.05 }
+    }
+
+    /// Writes `adapter_config.json` and `adapter_model.safetensors` (float32) into `dir`.
+    pub fn write(&self, dir: &Path, shapes: &ModelShapes) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let mut targets: Vec<&str> = self.targets.iter().map(|k| k.short_name()).collect();
+        targets.sort();
+        let config = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": targets,
+            "bias": "none",
+            "use_rslora": false,
+            "use_dora": false,
+            "fan_in_fan_out": false,
+            "lora_dropout": 0.0,
+            "base_model_name_or_path": shapes.architecture,
+        });
+        std::fs::write(dir.join(crate::load::CONFIG_FILE), serde_json::to_string_pretty(&config)?)?;
+
+        let mut rng = SplitMix(self.seed);
+        let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for id in shapes.modules() {
+            if !self.targets.contains(&id.kind) {
+                continue;
+            }
+            let (i, o) = shapes.in_out(id.kind);
+            let (a, b) = if id.kind == ModuleKind::EmbedTokens {
+                ("lora_embedding_A", "lora_embedding_B")
+            } else {
+                ("lora_A.weight", "lora_B.weight")
+            };
+            let prefix = format!("base_model.model.{}", id.peft_name());
+            buffers.push((format!("{prefix}.{a}"), vec![self.rank, i], rng.normal_bytes(self.rank * i, self.std)));
+            buffers.push((format!("{prefix}.{b}"), vec![o, self.rank], rng.normal_bytes(o * self.rank, self.std)));
+        }
+        let views: HashMap<String, TensorView<'_>> = buffers
+            .iter()
+            .map(|(name, shape, data)| {
+                let view = TensorView::new(Dtype::F32, shape.clone(), data).map_err(std::io::Error::other)?;
+                Ok((name.clone(), view))
+            })
+            .collect::<std::io::Result<_>>()?;
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        safetensors::serialize_to_file(views, Some(meta), &dir.join(crate::load::WEIGHTS_FILE))
+            .map_err(std::io::Error::other)
+    }
+}
+
+/// SplitMix64 with Box–Muller: a few lines, stable across platforms and crate versions, which a
+/// general-purpose RNG crate does not promise for its streams.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn normal_bytes(&mut self, n: usize, std: f32) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n * 4);
+        for _ in 0..n {
+            let (u, v) = (self.uniform(), self.uniform());
+            let z = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
+            out.extend_from_slice(&((z as f32) * std).to_le_bytes());
+        }
+        out
+    }
+}

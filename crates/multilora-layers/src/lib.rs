@@ -1,0 +1,52 @@
+//! LoRA-aware layers for multilora: one batch, many adapters, one pass over the shared base weight.
+//!
+//! Every adapted linear computes `y = x · Wᵀ` for all rows, then adds each row's own
+//! `B_k · A_k · x`, with `k` the row's slot (`-1` = base model: the row keeps the base output bit
+//! for bit). Rows are grouped by slot once per step in a [`LoraMapping`], shared by every layer, and
+//! each layer runs one small GEMM pair per adapter at its true rank ([`lora_shrink`] /
+//! [`lora_expand`], Punica's SGMV); [`lora_shrink_slow`] / [`lora_expand_slow`] gather each row's
+//! matrices instead (BGMV) and are the oracle the segmented ops are tested against.
+//!
+//! - [`LoraSlots`]: the stacked `A[max_loras, max_rank, in]`, `B[max_loras, out, max_rank]` of one
+//!   module and the real rank of each slot; [`SlotConfig`] says how many, how big, where;
+//! - [`LoraLinear`]: a plain or fused (qkv, gate_up) linear with one set of slots per module, and
+//!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
+//!   driven by a mapping over logit rows;
+//! - [`LoraEmbedding`]: the input embedding with PEFT's `lora_embedding_A/B`.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use multilora_layers::{LoraLinear, LoraMapping, ModuleId, ModuleKind, SlotConfig};
+//! # fn main() -> multilora_layers::Result<()> {
+//! let dev = Device::Cpu;
+//! let cfg = SlotConfig::new(4, 16, DType::F32, &dev);
+//! let w = Tensor::randn(0f32, 1.0, (64, 32), &dev)?;
+//! let q = ModuleId::layer(0, ModuleKind::QProj);
+//! let layer = LoraLinear::new(w, None, vec![(q, 64)], Some(&cfg))?;
+//! let mapping = LoraMapping::new(&[2, 0, -1, 2, 3, 0], cfg.max_loras, &dev)?;
+//! let x = Tensor::randn(0f32, 1.0, (6, 32), &dev)?;
+//! assert_eq!(layer.forward(&x, &mapping)?.dims(), &[6, 64]);
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod embedding;
+mod error;
+mod linear;
+mod mapping;
+mod ops;
+mod slots;
+
+pub use embedding::LoraEmbedding;
+pub use error::{Error, Result};
+pub use linear::LoraLinear;
+pub use mapping::{LoraMapping, Segment};
+pub use multilora_adapter::{
+    Fingerprint, LoraAdapter, LoraModule, ModelShapes, ModuleId, ModuleKind, SlotSink, embedding_digest,
+    with_embedding_digest,
+};
+pub use ops::expand::lora_expand;
+pub use ops::shrink::lora_shrink;
+pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
+pub use slots::{LoraSlots, SlotConfig};

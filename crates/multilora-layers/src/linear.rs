@@ -1,0 +1,276 @@
+//! `LoraLinear`: a base linear layer (plain or fused, e.g. qkv or gate_up) plus the LoRA slot
+//! buffers of each module it holds.
+//!
+//! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row, then adds each LoRA
+//! row's own `B_k · A_k · x` with the segmented ops; rows with slot -1 keep the base output bit for
+//! bit. `merge(slot)` folds one adapter into the weight for deployments where one tenant carries
+//! nearly all the traffic.
+
+use candle_core::{DType, Tensor};
+use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
+
+use crate::error::{Error, Result};
+use crate::mapping::LoraMapping;
+use crate::ops::expand::lora_expand;
+use crate::ops::shrink::lora_shrink;
+use crate::slots::{LoraSlots, SlotConfig};
+
+/// A linear layer with per-slot LoRA deltas.
+#[derive(Clone, Debug)]
+pub struct LoraLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    slices: Vec<(ModuleId, usize)>,
+    /// One per slice; `None` when the layer has no slots.
+    lora: Option<Vec<LoraSlots>>,
+    merged: Option<Merged>,
+}
+
+/// The adapter folded into the weight: the slot and a copy of each slice's `(A, B)` at its rank,
+/// so `unmerge` subtracts exactly what was added even if the slot was rewritten since.
+#[derive(Clone, Debug)]
+struct Merged {
+    slot: usize,
+    parts: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl LoraLinear {
+    /// A layer over `weight: [out, in]` (+ `bias: [out]`). `slices` names the PEFT modules the
+    /// weight holds, in output order, with their output widths (they must sum to `out`): one for a
+    /// plain projection, e.g. `[(q, 4096), (k, 1024), (v, 1024)]` for a fused qkv. `lora: None`
+    /// means no slot buffers (the module is not a LoRA target, or `max_loras` is 0).
+    pub fn new(weight: Tensor, bias: Option<Tensor>, slices: Vec<(ModuleId, usize)>, lora: Option<&SlotConfig>) -> Result<LoraLinear> {
+        let name = slices.first().map(|s| s.0.to_string()).unwrap_or_else(|| "linear".to_string());
+        let (out, inp) = weight.dims2().map_err(|_| Error::shape(&name, "weight", weight.dims(), &[0, 0]))?;
+        if slices.is_empty() {
+            return Err(Error::InvalidLayer { module: name, reason: "a linear layer needs at least one slice".to_string() });
+        }
+        let total: usize = slices.iter().map(|s| s.1).sum();
+        if total != out {
+            return Err(Error::InvalidLayer {
+                module: name,
+                reason: format!("slice widths sum to {total}, but the weight has {out} output rows"),
+            });
+        }
+        if let Some(b) = &bias
+            && b.dims() != [out]
+        {
+            return Err(Error::shape(&name, "bias", b.dims(), &[out]));
+        }
+        let lora = match lora {
+            Some(cfg) if cfg.max_loras > 0 => {
+                Some(slices.iter().map(|&(id, o)| LoraSlots::zeros(id, inp, o, cfg)).collect::<Result<Vec<_>>>()?)
+            }
+            _ => None,
+        };
+        Ok(LoraLinear { weight, bias, slices, lora, merged: None })
+    }
+
+    /// Wraps a `candle_nn::Linear` as one slice named `module`.
+    pub fn from_linear(linear: candle_nn::Linear, module: ModuleId, lora: Option<&SlotConfig>) -> Result<LoraLinear> {
+        let out = linear.weight().dim(0)?;
+        LoraLinear::new(linear.weight().clone(), linear.bias().cloned(), vec![(module, out)], lora)
+    }
+
+    /// `x: [rows, in]` (or `[.., in]` with `rows` leading elements) → `[rows, out]`.
+    pub fn forward(&self, x: &Tensor, mapping: &LoraMapping) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let x2 = if dims.len() == 2 { x.clone() } else { x.flatten_to(dims.len().saturating_sub(2))? };
+        let mut y = x2.matmul(&self.weight.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(slots) = &self.lora
+            && !mapping.no_lora()
+        {
+            y = match &self.merged {
+                None => {
+                    let refs: Vec<&LoraSlots> = slots.iter().collect();
+                    let s = lora_shrink(&x2, &refs, mapping)?;
+                    lora_expand(y, &s, &refs, mapping)?
+                }
+                Some(m) => self.forward_merged(&x2, y, slots, m, mapping)?,
+            };
+        }
+        if dims.len() == 2 {
+            return Ok(y);
+        }
+        let mut out_dims = dims;
+        if let Some(last) = out_dims.last_mut() {
+            *last = self.weight.dim(0)?;
+        }
+        Ok(y.reshape(out_dims)?)
+    }
+
+    /// With slot `m` folded into the weight: rows of slot `m` need nothing more; every other row
+    /// gets its own delta (slot `m` treated as empty) minus slot `m`'s.
+    fn forward_merged(&self, x: &Tensor, y: Tensor, slots: &[LoraSlots], m: &Merged, mapping: &LoraMapping) -> Result<Tensor> {
+        let others: Vec<LoraSlots> = slots.iter().map(|s| s.without(m.slot)).collect();
+        let refs: Vec<&LoraSlots> = others.iter().collect();
+        let s = lora_shrink(x, &refs, mapping)?;
+        let y = lora_expand(y, &s, &refs, mapping)?;
+        let rows: Vec<u32> = (0..mapping.num_rows() as u32).filter(|&r| mapping.slots()[r as usize] != m.slot as i32).collect();
+        if rows.is_empty() {
+            return Ok(y);
+        }
+        let index = Tensor::from_vec(rows.clone(), rows.len(), x.device())?;
+        let xs = x.index_select(&index, 0)?.to_dtype(DType::F32)?;
+        let mut parts = Vec::with_capacity(self.slices.len());
+        for (part, &(_, width)) in m.parts.iter().zip(&self.slices) {
+            parts.push(match part {
+                Some((a, b)) => xs.matmul(&a.t()?)?.matmul(&b.t()?)?,
+                None => Tensor::zeros((rows.len(), width), DType::F32, x.device())?,
+            });
+        }
+        let delta = Tensor::cat(&parts, 1)?.neg()?;
+        Ok(y.to_dtype(DType::F32)?.index_add(&index, &delta, 0)?.to_dtype(y.dtype())?)
+    }
+
+    /// Whether the layer has slot buffers.
+    pub fn has_lora(&self) -> bool {
+        self.lora.is_some()
+    }
+
+    /// The base weight `[out, in]` (with the merged adapter folded in, while merged).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The base bias, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// The modules this layer holds and their output widths.
+    pub fn slices(&self) -> &[(ModuleId, usize)] {
+        &self.slices
+    }
+
+    /// The slot buffers, one per slice (`None` without LoRA).
+    pub fn lora_slots(&self) -> Option<&[LoraSlots]> {
+        self.lora.as_deref()
+    }
+
+    /// The slot merged into the weight, if any.
+    pub fn merged_slot(&self) -> Option<usize> {
+        self.merged.as_ref().map(|m| m.slot)
+    }
+
+    fn name(&self) -> String {
+        let names: Vec<String> = self.slices.iter().map(|s| s.0.to_string()).collect();
+        names.join("+")
+    }
+
+    fn slots_mut(&mut self) -> Result<&mut Vec<LoraSlots>> {
+        let module = self.name();
+        self.lora.as_mut().ok_or(Error::NoSlots { module })
+    }
+
+    /// Writes each slice's module of `adapter` into `slot`, and zeroes the slices it does not
+    /// target. Everything is checked before anything is written. A merged slot is unmerged first.
+    pub fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> Result<()> {
+        let wrap = |e: Error| Error::SlotWrite { slot, adapter: adapter.name().to_string(), source: Box::new(e) };
+        self.write_slot_inner(slot, adapter).map_err(wrap)
+    }
+
+    fn write_slot_inner(&mut self, slot: usize, adapter: &LoraAdapter) -> Result<()> {
+        for s in self.slots_mut()?.iter() {
+            match adapter.module(&s.module()) {
+                Some(m) => s.check(slot, m)?,
+                None if slot >= s.max_loras() => {
+                    return Err(Error::NoSuchSlot { module: s.module().to_string(), slot, max_loras: s.max_loras() });
+                }
+                None => {}
+            }
+        }
+        if self.merged_slot() == Some(slot) {
+            self.unmerge()?;
+        }
+        for s in self.slots_mut()? {
+            match adapter.module(&s.module()) {
+                Some(m) => s.write(slot, m)?,
+                None => s.clear(slot)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Zeroes `slot` in every slice. A merged slot is unmerged first.
+    pub fn clear_slot(&mut self, slot: usize) -> Result<()> {
+        let module = self.name();
+        let max = self.slots_mut()?.first().map(|s| s.max_loras()).unwrap_or(0);
+        if slot >= max {
+            return Err(Error::NoSuchSlot { module, slot, max_loras: max });
+        }
+        if self.merged_slot() == Some(slot) {
+            self.unmerge()?;
+        }
+        for s in self.slots_mut()? {
+            s.clear(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Folds slot `slot` into the weight: `W' = W + B·A` per slice (computed in f32, rounded
+    /// once). Rows of that slot then cost only the base matmul; other rows still get their own
+    /// delta (and the merged one taken back). Merging another slot unmerges the first.
+    pub fn merge(&mut self, slot: usize) -> Result<()> {
+        let module = self.name();
+        let slots = self.lora.as_ref().ok_or(Error::NoSlots { module: module.clone() })?;
+        let max = slots.first().map(|s| s.max_loras()).unwrap_or(0);
+        if slot >= max {
+            return Err(Error::NoSuchSlot { module, slot, max_loras: max });
+        }
+        if self.merged_slot() == Some(slot) {
+            return Ok(());
+        }
+        // Copies, not views: the slot may be rewritten while merged.
+        let parts = slots
+            .iter()
+            .map(|s| {
+                Ok(match s.slot_ab(slot)? {
+                    Some((a, b)) => Some((a.to_dtype(DType::F32)?.copy()?, b.to_dtype(DType::F32)?.copy()?)),
+                    None => None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.unmerge()?;
+        let merged = Merged { slot, parts };
+        self.weight = self.apply_delta(&merged, 1.0)?;
+        self.merged = Some(merged);
+        Ok(())
+    }
+
+    /// Takes the merged adapter back out of the weight (`W = W' − B·A`; equal to the original
+    /// weight up to rounding). A no-op when nothing is merged.
+    pub fn unmerge(&mut self) -> Result<()> {
+        if let Some(m) = self.merged.take() {
+            self.weight = self.apply_delta(&m, -1.0)?;
+        }
+        Ok(())
+    }
+
+    fn apply_delta(&self, m: &Merged, sign: f64) -> Result<Tensor> {
+        let inp = self.weight.dim(1)?;
+        let device = self.weight.device();
+        let mut parts = Vec::with_capacity(self.slices.len());
+        for (part, &(_, width)) in m.parts.iter().zip(&self.slices) {
+            parts.push(match part {
+                Some((a, b)) => b.matmul(a)?,
+                None => Tensor::zeros((width, inp), DType::F32, device)?,
+            });
+        }
+        let delta = (Tensor::cat(&parts, 0)? * sign)?;
+        Ok((self.weight.to_dtype(DType::F32)? + delta)?.to_dtype(self.weight.dtype())?)
+    }
+}
+
+impl SlotSink for LoraLinear {
+    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
+        Ok(LoraLinear::write_slot(self, slot, adapter)?)
+    }
+
+    fn clear_slot(&mut self, slot: usize) -> multilora_adapter::Result<()> {
+        Ok(LoraLinear::clear_slot(self, slot)?)
+    }
+}

@@ -1,0 +1,91 @@
+//! CPU expand: each segment's `[n, out_i]` product (candle's CPU GEMM on strided views of the slot
+//! buffer, at the true rank) is added straight into its rows of `y` by a small in-place op, so the
+//! output is never copied and no packed delta is built.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor, WithDType};
+
+use crate::error::Result;
+use crate::mapping::LoraMapping;
+use crate::slots::LoraSlots;
+
+pub(super) fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
+    let lora_rows = mapping.lora_rows();
+    let mut offset = 0;
+    for (t, sl) in s.iter().zip(slices) {
+        for seg in mapping.lora_segments() {
+            let p = mapping.packed_start(seg);
+            if let Some(d) = super::segment_delta(t, sl, seg.slot as usize, p, seg.len, false)? {
+                y.inplace_op2(&d, &AddRows { rows: &lora_rows[p..p + seg.len], col_offset: offset })?;
+            }
+        }
+        offset += sl.out_features();
+    }
+    Ok(())
+}
+
+/// `dst[rows[j], col_offset + c] += src[j, c]`, with `dst: [rows, width]` contiguous and
+/// `src: [rows.len(), w]` f32 contiguous; the sum is done in f32 and rounded once.
+#[derive(Debug)]
+struct AddRows<'a> {
+    rows: &'a [u32],
+    col_offset: usize,
+}
+
+impl AddRows<'_> {
+    /// Adds `src` into `dst`; `add` combines one output element with one f32 delta.
+    fn run<T>(
+        &self,
+        dst: &mut [T],
+        dst_l: &Layout,
+        src: &[f32],
+        src_l: &Layout,
+        add: impl Fn(&mut T, f32),
+    ) -> candle_core::Result<()> {
+        let (n, width) = dst_l.shape().dims2()?;
+        let (m, w) = src_l.shape().dims2()?;
+        if !dst_l.is_contiguous() || !src_l.is_contiguous() {
+            candle_core::bail!("add_rows: both operands must be contiguous");
+        }
+        if m != self.rows.len() || self.col_offset + w > width {
+            candle_core::bail!("add_rows: source [{m}, {w}] does not fit {} rows at column {}", self.rows.len(), self.col_offset);
+        }
+        let dst = &mut dst[dst_l.start_offset()..];
+        let src = &src[src_l.start_offset()..];
+        for (j, &row) in self.rows.iter().enumerate() {
+            let row = row as usize;
+            if row >= n {
+                candle_core::bail!("add_rows: row {row} out of range for {n} rows");
+            }
+            let start = row * width + self.col_offset;
+            // Two plain slices of equal length: the compiler vectorises the f32 case.
+            for (o, &v) in dst[start..start + w].iter_mut().zip(&src[j * w..(j + 1) * w]) {
+                add(o, v);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn add_rounded<T: WithDType>(o: &mut T, v: f32) {
+    *o = T::from_f64(o.to_f64() + v as f64);
+}
+
+impl InplaceOp2 for AddRows<'_> {
+    fn name(&self) -> &'static str {
+        "lora-add-rows"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(src) = s2 else {
+            candle_core::bail!("add_rows: the delta must be f32, got {:?}", s2.dtype());
+        };
+        match s1 {
+            CpuStorage::F32(dst) => self.run(dst, l1, src, l2, |o, v| *o += v),
+            CpuStorage::F16(dst) => self.run(dst, l1, src, l2, add_rounded),
+            CpuStorage::BF16(dst) => self.run(dst, l1, src, l2, add_rounded),
+            CpuStorage::F64(dst) => self.run(dst, l1, src, l2, |o, v| *o += v as f64),
+            other => candle_core::bail!("add_rows: unsupported output dtype {:?}", other.dtype()),
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! `lora_expand`: the second GEMM of a LoRA delta, added into the layer's output at each slice's
+//! column offset (Punica's SGMV expand).
+//!
+//! For every slice `i` with output width `out_i` at column offset `off_i = Σ_{i' < i} out_i'`,
+//! every adapter segment (slot `k`, real rank `r = ranks_i[k]`) and every row `j` of it:
+//!
+//! ```text
+//! y[row_j, off_i .. off_i + out_i] += s_i[j, 0..r] · B_i[k, :, 0..r]ᵀ
+//!     y: [rows, Σ out_i], s_i: [lora_rows, ≥ r] f32 (from `lora_shrink`), B_i: [max_loras, out_i, max_rank]
+//! ```
+//!
+//! Fused layouts (qkv with GQA widths, gate_up) are just several slices of different widths.
+//! The delta is computed in f32 and rounded once into `y`'s dtype. Rows with slot -1, and slots
+//! whose rank is 0 for a slice, are not touched, so they keep the base output bit for bit.
+//!
+//! On the CPU `y` is updated in place (no copy of the whole output: each segment's `[n, out_i]`
+//! product is added straight into its rows); elsewhere the deltas are packed and added with one
+//! `index_add`.
+
+mod cpu;
+
+use candle_core::{DType, Tensor};
+
+use crate::error::Result;
+use crate::mapping::LoraMapping;
+use crate::ops::check_output;
+use crate::slots::LoraSlots;
+
+/// Segmented expand: `y` plus every slice's delta, rows and columns as in the module docs.
+///
+/// `s` is what [`crate::lora_shrink`] returned for the same slices and mapping. On the CPU the
+/// storage of `y` is updated in place and returned, so pass a tensor nothing else reads, such as
+/// the fresh base output of the layer.
+pub fn lora_expand(y: Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
+    if mapping.no_lora() {
+        return Ok(y);
+    }
+    check_output("lora_expand", &y, s, slices, mapping, true)?;
+    if y.device().is_cpu() && y.is_contiguous() {
+        cpu::expand_in_place(&y, s, slices, mapping)?;
+        return Ok(y);
+    }
+    expand_tensor_ops(&y, s, slices, mapping)
+}
+
+/// One segment's `s_seg · B_slotᵀ`: `[len, out_i]` f32, or `None` when the slot's rank is 0.
+pub(crate) fn segment_delta(
+    s: &Tensor,
+    sl: &LoraSlots,
+    slot: usize,
+    packed_start: usize,
+    len: usize,
+    contiguous: bool,
+) -> Result<Option<Tensor>> {
+    let Some((_, b)) = sl.slot_ab(slot)? else { return Ok(None) };
+    let r = b.dim(1)?;
+    let s_seg = s.narrow(0, packed_start, len)?.narrow(1, 0, r)?;
+    let b_t = b.to_dtype(DType::F32)?.t()?;
+    // The CPU GEMM takes any strides; cuBLAS wants a contiguous leading dimension.
+    let (s_seg, b_t) = if contiguous { (s_seg.contiguous()?, b_t.contiguous()?) } else { (s_seg, b_t) };
+    Ok(Some(s_seg.matmul(&b_t)?))
+}
+
+/// The device-generic expand: deltas packed into `[lora_rows, Σ out]`, then one `index_add`.
+pub(crate) fn expand_tensor_ops(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
+    let Some(index) = mapping.lora_index() else { return Ok(y.clone()) };
+    let total: usize = slices.iter().map(|s| s.out_features()).sum();
+    let delta = Tensor::zeros((mapping.num_lora_rows(), total), DType::F32, y.device())?;
+    let mut offset = 0;
+    for (t, sl) in s.iter().zip(slices) {
+        for seg in mapping.lora_segments() {
+            let p = mapping.packed_start(seg);
+            if let Some(d) = segment_delta(t, sl, seg.slot as usize, p, seg.len, true)? {
+                delta.narrow(0, p, seg.len)?.slice_set(&d, 1, offset)?;
+            }
+        }
+        offset += sl.out_features();
+    }
+    if y.dtype() == DType::F32 {
+        return Ok(y.index_add(index, &delta, 0)?);
+    }
+    // Add in f32 and round once, as the in-place CPU path does.
+    Ok(y.to_dtype(DType::F32)?.index_add(index, &delta, 0)?.to_dtype(y.dtype())?)
+}

@@ -1,0 +1,80 @@
+//! The LoRA ops: `shrink` (x · Aᵀ, to rank width) and `expand` (· Bᵀ, added into the output), in a
+//! segmented form (SGMV: rows grouped by slot, one GEMM pair per adapter) and a slow gathered
+//! form (BGMV: each row's A and B gathered by slot) that serves as the oracle.
+
+pub(crate) mod expand;
+pub(crate) mod shrink;
+pub(crate) mod slow;
+
+use candle_core::Tensor;
+
+use crate::error::{Error, Result};
+use crate::mapping::LoraMapping;
+use crate::slots::LoraSlots;
+
+/// Checks `x: [rows, in]` against a mapping and the slices, and that all slices read the same input.
+pub(crate) fn check_input(op: &str, x: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
+    let (rows, width) = x.dims2().map_err(|_| Error::shape(op, "input", x.dims(), &[mapping.num_rows(), 0]))?;
+    if rows != mapping.num_rows() {
+        return Err(Error::RowMismatch { op: op.to_string(), input: rows, mapping: mapping.num_rows() });
+    }
+    for s in slices {
+        if s.a_transposed() {
+            return Err(Error::InvalidLayer {
+                module: s.module().to_string(),
+                reason: format!("{op} needs row-major A slots, not the embedding's"),
+            });
+        }
+        if s.in_features() != width {
+            return Err(Error::shape(s.module(), "input", x.dims(), &[rows, s.in_features()]));
+        }
+        check_slots(op, s, mapping)?;
+    }
+    Ok(())
+}
+
+/// Checks that the slots hold at least the slots the mapping names.
+pub(crate) fn check_slots(op: &str, s: &LoraSlots, mapping: &LoraMapping) -> Result<()> {
+    if s.max_loras() < mapping.max_loras() {
+        return Err(Error::InvalidLayer {
+            module: s.module().to_string(),
+            reason: format!("{op}: {} slots, but the mapping was built for {}", s.max_loras(), mapping.max_loras()),
+        });
+    }
+    Ok(())
+}
+
+/// Checks `y: [rows, Σ out]` and the shrink outputs against the slices.
+pub(crate) fn check_output(
+    op: &str,
+    y: &Tensor,
+    s: &[Tensor],
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+    packed: bool,
+) -> Result<()> {
+    let total: usize = slices.iter().map(|s| s.out_features()).sum();
+    let (rows, width) = y.dims2().map_err(|_| Error::shape(op, "output", y.dims(), &[mapping.num_rows(), total]))?;
+    if rows != mapping.num_rows() {
+        return Err(Error::RowMismatch { op: op.to_string(), input: rows, mapping: mapping.num_rows() });
+    }
+    if width != total {
+        return Err(Error::shape(op, "output", y.dims(), &[rows, total]));
+    }
+    if s.len() != slices.len() {
+        return Err(Error::InvalidLayer {
+            module: op.to_string(),
+            reason: format!("{} shrink outputs for {} slices", s.len(), slices.len()),
+        });
+    }
+    let want_rows = if packed { mapping.num_lora_rows() } else { rows };
+    for (t, sl) in s.iter().zip(slices) {
+        check_slots(op, sl, mapping)?;
+        let (r, w) = t.dims2().map_err(|_| Error::shape(sl.module(), "shrink output", t.dims(), &[want_rows, 0]))?;
+        let need = if packed { sl.active_rank(mapping) } else { sl.max_rank() };
+        if r != want_rows || w < need {
+            return Err(Error::shape(sl.module(), "shrink output", t.dims(), &[want_rows, need]));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,271 @@
+//! Slot buffers: for one adapted module, the stacked `A[max_loras, max_rank, in]` and
+//! `B[max_loras, out, max_rank]` of every adapter the device holds, and the real rank of each slot.
+//!
+//! Writing a slot copies an adapter's (already scaled) matrices into the slot's region in place
+//! (`slice_set` on a view of the stacked buffer, never a rebuild of the whole buffer), converting
+//! dtype and device and zero-padding a smaller rank; clearing zeroes the region. The recorded rank
+//! lets the ops multiply at the adapter's own rank, so the padding costs memory, not time.
+
+use candle_core::{DType, Device, Tensor};
+use multilora_adapter::{LoraModule, ModuleId};
+
+use crate::error::{Error, Result};
+
+/// Where and how LoRA slots are allocated: shared by every layer of a model.
+#[derive(Clone, Debug)]
+pub struct SlotConfig {
+    /// Distinct adapters one step can use (slots per module). 0 means no LoRA at all.
+    pub max_loras: usize,
+    /// Largest rank a slot holds (`max_lora_rank`); smaller ranks are zero-padded.
+    pub max_rank: usize,
+    /// The LoRA dtype (`lora_dtype`).
+    pub dtype: DType,
+    /// The device the slots live on (the model's).
+    pub device: Device,
+}
+
+impl SlotConfig {
+    /// A config for `max_loras` slots of rank `max_rank`.
+    pub fn new(max_loras: usize, max_rank: usize, dtype: DType, device: &Device) -> SlotConfig {
+        SlotConfig { max_loras, max_rank, dtype, device: device.clone() }
+    }
+}
+
+/// The slot buffers of one adapted module (one slice of a possibly fused layer).
+///
+/// `a` is `[max_loras, max_rank, in]` and `b` is `[max_loras, out, max_rank]`: PEFT's own
+/// `lora_A: [r, in]` and `lora_B: [out, r]` stacked, so that a slot's A at its real rank is a
+/// contiguous view and writing an adapter at full rank is a plain copy. For the embedding, `a` is
+/// stored transposed, `[max_loras, vocab, max_rank]`, so a token's column of `lora_embedding_A` is
+/// one contiguous row to gather.
+#[derive(Clone, Debug)]
+pub struct LoraSlots {
+    module: ModuleId,
+    a: Tensor,
+    b: Tensor,
+    ranks: Vec<usize>,
+    in_features: usize,
+    out_features: usize,
+    max_rank: usize,
+    a_transposed: bool,
+}
+
+impl LoraSlots {
+    /// Zeroed slots for a module of `in_features → out_features`.
+    pub fn zeros(module: ModuleId, in_features: usize, out_features: usize, cfg: &SlotConfig) -> Result<LoraSlots> {
+        Self::zeros_impl(module, in_features, out_features, cfg, false)
+    }
+
+    /// Zeroed slots for the input embedding (`vocab → hidden`), A stored transposed.
+    pub(crate) fn zeros_embedding(module: ModuleId, vocab: usize, hidden: usize, cfg: &SlotConfig) -> Result<LoraSlots> {
+        Self::zeros_impl(module, vocab, hidden, cfg, true)
+    }
+
+    fn zeros_impl(module: ModuleId, i: usize, o: usize, cfg: &SlotConfig, a_transposed: bool) -> Result<LoraSlots> {
+        let (l, r) = (cfg.max_loras, cfg.max_rank);
+        let a_shape = if a_transposed { (l, i, r) } else { (l, r, i) };
+        Ok(LoraSlots {
+            module,
+            a: Tensor::zeros(a_shape, cfg.dtype, &cfg.device)?,
+            b: Tensor::zeros((l, o, r), cfg.dtype, &cfg.device)?,
+            ranks: vec![0; l],
+            in_features: i,
+            out_features: o,
+            max_rank: r,
+            a_transposed,
+        })
+    }
+
+    /// Slots from ready buffers (tests and benchmarks): `a: [max_loras, max_rank, in]`,
+    /// `b: [max_loras, out, max_rank]`, `ranks[slot]` ≤ `max_rank`. The columns of a slot past its
+    /// rank must be zero for the slow reference to agree with the segmented ops.
+    pub fn from_parts(module: ModuleId, a: Tensor, b: Tensor, ranks: Vec<usize>) -> Result<LoraSlots> {
+        let (l, r, i) = a.dims3().map_err(|_| Error::shape(module, "slot A", a.dims(), &[ranks.len(), 0, 0]))?;
+        let (lb, o, rb) = b.dims3().map_err(|_| Error::shape(module, "slot B", b.dims(), &[l, 0, r]))?;
+        if lb != l || rb != r {
+            return Err(Error::shape(module, "slot B", b.dims(), &[l, o, r]));
+        }
+        if ranks.len() != l {
+            return Err(Error::InvalidLayer {
+                module: module.to_string(),
+                reason: format!("{} ranks given for {l} slots", ranks.len()),
+            });
+        }
+        if let Some(&rank) = ranks.iter().find(|&&x| x > r) {
+            return Err(Error::RankTooLarge { module: module.to_string(), rank, max_rank: r });
+        }
+        if a.dtype() != b.dtype() || !a.device().same_device(b.device()) {
+            return Err(Error::InvalidLayer {
+                module: module.to_string(),
+                reason: "slot A and B differ in dtype or device".to_string(),
+            });
+        }
+        let (a, b) = (a.contiguous()?, b.contiguous()?);
+        Ok(LoraSlots { module, a, b, ranks, in_features: i, out_features: o, max_rank: r, a_transposed: false })
+    }
+
+    /// The module these slots adapt.
+    pub fn module(&self) -> ModuleId {
+        self.module
+    }
+
+    /// `[max_loras, max_rank, in]` (`[max_loras, vocab, max_rank]` for the embedding).
+    pub fn a(&self) -> &Tensor {
+        &self.a
+    }
+
+    /// `[max_loras, out, max_rank]`.
+    pub fn b(&self) -> &Tensor {
+        &self.b
+    }
+
+    /// The real rank of every slot (0 = empty, or the adapter does not target this module).
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// The real rank of `slot` (0 when out of range).
+    pub fn rank(&self, slot: usize) -> usize {
+        self.ranks.get(slot).copied().unwrap_or(0)
+    }
+
+    /// Slots held.
+    pub fn max_loras(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Rank every slot is padded to.
+    pub fn max_rank(&self) -> usize {
+        self.max_rank
+    }
+
+    /// Input width (vocab for the embedding).
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output width of this module.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// The LoRA dtype.
+    pub fn dtype(&self) -> DType {
+        self.b.dtype()
+    }
+
+    pub(crate) fn a_transposed(&self) -> bool {
+        self.a_transposed
+    }
+
+    /// The largest real rank among the slots `mapping` uses: the width the ops work at.
+    pub(crate) fn active_rank(&self, mapping: &crate::LoraMapping) -> usize {
+        mapping.lora_segments().map(|s| self.rank(s.slot as usize)).max().unwrap_or(0)
+    }
+
+    /// A copy of these slots with `slot` treated as empty (the merged slot of a merged layer).
+    pub(crate) fn without(&self, slot: usize) -> LoraSlots {
+        let mut out = self.clone();
+        if let Some(r) = out.ranks.get_mut(slot) {
+            *r = 0;
+        }
+        out
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.ranks.len() {
+            return Err(Error::NoSuchSlot { module: self.module.to_string(), slot, max_loras: self.ranks.len() });
+        }
+        Ok(())
+    }
+
+    /// Checks that `m` fits these slots, without writing anything.
+    pub fn check(&self, slot: usize, m: &LoraModule) -> Result<()> {
+        self.check_slot(slot)?;
+        let name = self.module.to_string();
+        let (tensor_a, tensor_b) = if self.a_transposed {
+            ("lora_embedding_A", "lora_embedding_B")
+        } else {
+            ("lora_A", "lora_B")
+        };
+        if m.rank > self.max_rank {
+            return Err(Error::RankTooLarge { module: name, rank: m.rank, max_rank: self.max_rank });
+        }
+        if m.a.dims() != [m.rank, self.in_features] {
+            return Err(Error::shape(name, tensor_a, m.a.dims(), &[m.rank, self.in_features]));
+        }
+        if m.b.dims() != [self.out_features, m.rank] {
+            return Err(Error::shape(name, tensor_b, m.b.dims(), &[self.out_features, m.rank]));
+        }
+        Ok(())
+    }
+
+    /// Copies `m` into `slot`: converts dtype and device, zero-pads the rank, records it.
+    pub fn write(&mut self, slot: usize, m: &LoraModule) -> Result<()> {
+        self.check(slot, m)?;
+        let r = m.rank;
+        if r == 0 {
+            return self.clear(slot);
+        }
+        let (dtype, device) = (self.a.dtype(), self.a.device().clone());
+        // Convert on the host side first: a narrower LoRA dtype means fewer bytes to move.
+        let a = m.a.to_dtype(dtype)?.to_device(&device)?;
+        let b = m.b.to_dtype(dtype)?.to_device(&device)?.contiguous()?;
+        let a_slot = self.a.narrow(0, slot, 1)?;
+        let b_slot = self.b.narrow(0, slot, 1)?;
+        if self.a_transposed {
+            a_slot.slice_set(&a.t()?.contiguous()?.unsqueeze(0)?, 2, 0)?;
+        } else {
+            a_slot.slice_set(&a.contiguous()?.unsqueeze(0)?, 1, 0)?;
+        }
+        b_slot.slice_set(&b.unsqueeze(0)?, 2, 0)?;
+        if r < self.max_rank {
+            // Padding must be zero: the slow reference reads the whole padded slot.
+            self.zero_from(slot, r)?;
+        }
+        self.ranks[slot] = r;
+        Ok(())
+    }
+
+    /// Zeroes `slot` and marks it empty.
+    pub fn clear(&mut self, slot: usize) -> Result<()> {
+        self.check_slot(slot)?;
+        self.zero_from(slot, 0)?;
+        self.ranks[slot] = 0;
+        Ok(())
+    }
+
+    /// Zeroes ranks `from..max_rank` of `slot`.
+    fn zero_from(&self, slot: usize, from: usize) -> Result<()> {
+        let pad = self.max_rank - from;
+        if pad == 0 {
+            return Ok(());
+        }
+        let (dtype, device) = (self.a.dtype(), self.a.device());
+        let (i, o) = (self.in_features, self.out_features);
+        let a_slot = self.a.narrow(0, slot, 1)?;
+        if self.a_transposed {
+            a_slot.slice_set(&Tensor::zeros((1, i, pad), dtype, device)?, 2, from)?;
+        } else {
+            a_slot.slice_set(&Tensor::zeros((1, pad, i), dtype, device)?, 1, from)?;
+        }
+        self.b.narrow(0, slot, 1)?.slice_set(&Tensor::zeros((1, o, pad), dtype, device)?, 2, from)?;
+        Ok(())
+    }
+
+    /// Slot `slot`'s `(A [r, in], B [out, r])` at its real rank, as views (A as `[r, vocab]` views
+    /// are not available for the embedding; use the transposed buffer there).
+    pub(crate) fn slot_ab(&self, slot: usize) -> Result<Option<(Tensor, Tensor)>> {
+        let r = self.rank(slot);
+        if r == 0 {
+            return Ok(None);
+        }
+        let a = if self.a_transposed {
+            self.a.get(slot)?.narrow(1, 0, r)?.t()?
+        } else {
+            self.a.get(slot)?.narrow(0, 0, r)?
+        };
+        let b = self.b.get(slot)?.narrow(1, 0, r)?;
+        Ok(Some((a, b)))
+    }
+}

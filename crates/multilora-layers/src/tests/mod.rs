@@ -1,0 +1,99 @@
+//! In-crate tests: one body per check, run on the CPU and, with feature `cuda`, on the first GPU.
+//! They live inside the crate so the device-generic op path can be checked on the CPU too.
+
+mod layers;
+mod ops;
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor};
+use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule, ModuleId};
+
+/// Runs `$body(&Device)` as a CPU test, and as a CUDA test when built with the feature.
+macro_rules! test_device {
+    ($body:ident, $cpu:ident, $cuda:ident) => {
+        #[test]
+        fn $cpu() -> anyhow::Result<()> {
+            $body(&candle_core::Device::Cpu)
+        }
+
+        #[cfg(feature = "cuda")]
+        #[test]
+        fn $cuda() -> anyhow::Result<()> {
+            $body(&candle_core::Device::new_cuda(0)?)
+        }
+    };
+}
+pub(crate) use test_device;
+
+/// SplitMix64: seeded, a few lines, the same stream everywhere.
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub(crate) fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// Uniform in [-1, 1).
+    pub(crate) fn unit(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    pub(crate) fn tensor(&mut self, shape: &[usize], scale: f32, dtype: DType, dev: &Device) -> anyhow::Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| self.unit() * scale).collect();
+        Ok(Tensor::from_vec(v, shape, dev)?.to_dtype(dtype)?)
+    }
+
+    /// A random slot list: each row -1 or a slot below `max_loras`.
+    pub(crate) fn slots(&mut self, rows: usize, max_loras: usize) -> Vec<i32> {
+        (0..rows).map(|_| self.range(0, max_loras) as i32 - 1).collect()
+    }
+}
+
+/// An in-memory adapter with random `(A, B)` for each `(module, rank, in, out)`, on the CPU in f32.
+pub(crate) fn adapter(name: &str, modules: &[(ModuleId, usize, usize, usize)], seed: u64) -> anyhow::Result<LoraAdapter> {
+    let mut rng = Rng::new(seed);
+    let mut map = BTreeMap::new();
+    for &(id, rank, i, o) in modules {
+        let a = rng.tensor(&[rank, i], 0.3, DType::F32, &Device::Cpu)?;
+        let b = rng.tensor(&[o, rank], 0.3, DType::F32, &Device::Cpu)?;
+        map.insert(id, LoraModule { a, b, rank, alpha: rank as f64, scaling: 1.0 });
+    }
+    let config = AdapterConfig::parse(r#"{"target_modules": ["q_proj"]}"#).map_err(anyhow::Error::msg)?;
+    Ok(LoraAdapter::new(name, config, map, Fingerprint([seed as u8; 32])))
+}
+
+/// ‖a − b‖ / ‖b‖ in f64 (0 when both are zero).
+pub(crate) fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
+    let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    anyhow::ensure!(a.len() == b.len(), "lengths differ: {} vs {}", a.len(), b.len());
+    let num: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+    Ok(if den == 0.0 { num } else { num / den })
+}
+
+/// The raw bits of a tensor's values, for bit-for-bit comparisons.
+pub(crate) fn bits(t: &Tensor) -> anyhow::Result<Vec<u64>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => t.to_vec1::<f32>()?.iter().map(|v| v.to_bits() as u64).collect(),
+        DType::BF16 => t.to_vec1::<half::bf16>()?.iter().map(|v| v.to_bits() as u64).collect(),
+        DType::F16 => t.to_vec1::<half::f16>()?.iter().map(|v| v.to_bits() as u64).collect(),
+        _ => t.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().map(|v| v.to_bits()).collect(),
+    })
+}

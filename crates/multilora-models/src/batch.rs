@@ -1,0 +1,202 @@
+//! One step's input as plain data ([`Batch`], [`SeqInput`]), and the per-step plan the forward
+//! derives from it once and shares with every layer: flat token ids and positions, the cache rows
+//! to write and to read per sequence, causal masks, the rows that want logits, and the two
+//! `LoraMapping`s (per token, per logit row).
+
+use candle_core::{Device, Tensor};
+use multilora_layers::LoraMapping;
+
+use crate::error::{Error, Result};
+
+/// Which positions of a sequence produce logits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LogitsRows {
+    /// Only the last new token (decode, or the final prefill chunk).
+    #[default]
+    Last,
+    /// Every new token (prompt logprobs).
+    All,
+    /// None (a prefill chunk that is not the last one).
+    None,
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqInput {
+    /// The new tokens: a prefill chunk or one decode token.
+    pub tokens: Vec<u32>,
+    /// Tokens of this sequence already in the cache; the first new token sits at this position.
+    pub start_pos: usize,
+    /// The sequence's blocks, in order; it must cover `start_pos + tokens.len()` positions.
+    pub block_table: Vec<u32>,
+    /// The LoRA slot, `-1` for the base model.
+    pub slot: i32,
+    /// Which new tokens want logits.
+    pub logits: LogitsRows,
+}
+
+impl SeqInput {
+    /// A sequence with logits for its last token.
+    pub fn new(tokens: Vec<u32>, start_pos: usize, block_table: Vec<u32>, slot: i32) -> SeqInput {
+        SeqInput { tokens, start_pos, block_table, slot, logits: LogitsRows::Last }
+    }
+
+    /// Sets which rows produce logits.
+    pub fn with_logits(mut self, logits: LogitsRows) -> SeqInput {
+        self.logits = logits;
+        self
+    }
+
+    /// How many logit rows this sequence produces.
+    pub fn num_logit_rows(&self) -> usize {
+        match self.logits {
+            LogitsRows::Last => 1,
+            LogitsRows::All => self.tokens.len(),
+            LogitsRows::None => 0,
+        }
+    }
+}
+
+/// The sequences of one step, in the order their logit rows come back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// The sequences.
+    pub seqs: Vec<SeqInput>,
+}
+
+impl Batch {
+    /// A batch of `seqs`.
+    pub fn new(seqs: Vec<SeqInput>) -> Batch {
+        Batch { seqs }
+    }
+
+    /// Total new tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// Total logit rows the forward returns.
+    pub fn num_logit_rows(&self) -> usize {
+        self.seqs.iter().map(SeqInput::num_logit_rows).sum()
+    }
+}
+
+/// Limits a batch is checked against.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub(crate) vocab: usize,
+    pub(crate) max_len: usize,
+    pub(crate) max_loras: usize,
+    pub(crate) num_blocks: usize,
+    pub(crate) block_size: usize,
+    pub(crate) kv_width: usize,
+}
+
+/// One sequence's attention inputs.
+#[derive(Debug)]
+pub(crate) struct SeqPlan {
+    /// First row of the sequence in the flat batch.
+    pub(crate) offset: usize,
+    /// New tokens.
+    pub(crate) len: usize,
+    /// Flat cache rows of positions `0..start_pos + len`.
+    pub(crate) ctx_rows: Tensor,
+    /// `[len, ctx]` additive causal mask in f32; `None` when one token attends to everything.
+    pub(crate) mask: Option<Tensor>,
+}
+
+/// Everything the layers need about a step, computed once.
+#[derive(Debug)]
+pub(crate) struct StepPlan {
+    pub(crate) ids: Tensor,
+    pub(crate) positions: Tensor,
+    /// `[tokens, kv_width]` u32: the flat cache row of each new token, repeated along the row,
+    /// the shape `scatter_set` wants.
+    pub(crate) write_index: Tensor,
+    pub(crate) seqs: Vec<SeqPlan>,
+    /// Rows of the flat batch that want logits; `None` when that is every row.
+    pub(crate) logit_rows: Option<Tensor>,
+    pub(crate) token_mapping: LoraMapping,
+    pub(crate) logit_mapping: LoraMapping,
+}
+
+impl StepPlan {
+    pub(crate) fn new(batch: &Batch, lim: Limits, device: &Device) -> Result<StepPlan> {
+        let total = batch.num_tokens();
+        if batch.seqs.is_empty() {
+            return Err(Error::batch(0, "the batch holds no sequences"));
+        }
+        let mut ids = Vec::with_capacity(total);
+        let mut positions = Vec::with_capacity(total);
+        let mut write_rows = Vec::with_capacity(total);
+        let mut token_slots = Vec::with_capacity(total);
+        let mut logit_rows = Vec::new();
+        let mut logit_slots = Vec::new();
+        let mut seqs = Vec::with_capacity(batch.seqs.len());
+        let bs = lim.block_size;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let len = s.tokens.len();
+            if len == 0 {
+                return Err(Error::batch(i, "no new tokens"));
+            }
+            let ctx = s.start_pos + len;
+            if ctx > lim.max_len {
+                return Err(Error::batch(i, format!("context of {ctx} tokens exceeds the model's {}", lim.max_len)));
+            }
+            if s.block_table.len() * bs < ctx {
+                return Err(Error::batch(
+                    i,
+                    format!("{} blocks of {bs} tokens cannot hold {ctx} positions", s.block_table.len()),
+                ));
+            }
+            if let Some(b) = s.block_table.iter().find(|&&b| b as usize >= lim.num_blocks) {
+                return Err(Error::batch(i, format!("block {b} is out of range (the cache has {})", lim.num_blocks)));
+            }
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= lim.vocab) {
+                return Err(Error::batch(i, format!("token {t} is out of the vocabulary of {}", lim.vocab)));
+            }
+            if s.slot < -1 || s.slot as i64 >= lim.max_loras as i64 {
+                return Err(Error::batch(i, format!("slot {} is out of range (max_loras {})", s.slot, lim.max_loras)));
+            }
+            let row = |p: usize| s.block_table[p / bs] * bs as u32 + (p % bs) as u32;
+            let offset = ids.len();
+            ids.extend_from_slice(&s.tokens);
+            positions.extend((s.start_pos..ctx).map(|p| p as u32));
+            write_rows.extend((s.start_pos..ctx).map(row));
+            token_slots.extend(std::iter::repeat_n(s.slot, len));
+            let wanted = match s.logits {
+                LogitsRows::Last => offset + len - 1..offset + len,
+                LogitsRows::All => offset..offset + len,
+                LogitsRows::None => offset..offset,
+            };
+            logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
+            logit_rows.extend(wanted.map(|r| r as u32));
+            let ctx_rows: Vec<u32> = (0..ctx).map(row).collect();
+            let mask = if len == 1 {
+                None
+            } else {
+                // New token j sits at position start_pos + j and sees positions up to it.
+                let m: Vec<f32> = (0..len)
+                    .flat_map(|j| (0..ctx).map(move |p| if p <= s.start_pos + j { 0.0 } else { f32::NEG_INFINITY }))
+                    .collect();
+                Some(Tensor::from_vec(m, (len, ctx), device)?)
+            };
+            seqs.push(SeqPlan { offset, len, ctx_rows: Tensor::from_vec(ctx_rows, ctx, device)?, mask });
+        }
+        let write_index = Tensor::from_vec(write_rows, (total, 1), device)?
+            .broadcast_as((total, lim.kv_width))?
+            .contiguous()?;
+        let all_rows = logit_rows.len() == total;
+        let logit_rows_t = if all_rows { None } else { Some(Tensor::from_vec(logit_rows.clone(), logit_rows.len(), device)?) };
+        Ok(StepPlan {
+            ids: Tensor::from_vec(ids, total, device)?,
+            positions: Tensor::from_vec(positions, total, device)?,
+            write_index,
+            seqs,
+            logit_rows: logit_rows_t,
+            token_mapping: LoraMapping::new(&token_slots, lim.max_loras, device)?,
+            logit_mapping: LoraMapping::new(&logit_slots, lim.max_loras, device)?,
+        })
+    }
+}

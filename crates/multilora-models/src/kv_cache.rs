@@ -1,0 +1,126 @@
+//! The paged KV cache: per layer, K and V of `[num_blocks, block_size, kv_heads, head_dim]`.
+//!
+//! Block `b`, offset `o` is flat row `b · block_size + o`; tensors are held as
+//! `[num_blocks · block_size, kv_heads · head_dim]` (the same memory) so that one step writes all
+//! its new rows with one in-place scatter per layer, and a sequence's context is one row gather.
+//! Block ids come from the prefix cache's block pool; this type only stores what they address.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+
+/// How big the cache is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KvCacheConfig {
+    /// Number of blocks.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl KvCacheConfig {
+    /// `num_blocks` blocks of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize) -> KvCacheConfig {
+        KvCacheConfig { num_blocks, block_size }
+    }
+
+    /// As many blocks of `block_size` tokens as fit in `budget_bytes` for `cfg` in `dtype`.
+    pub fn for_budget(cfg: &ModelConfig, dtype: DType, block_size: usize, budget_bytes: u64) -> KvCacheConfig {
+        KvCacheConfig { num_blocks: num_blocks_for_budget(cfg, dtype, block_size, budget_bytes), block_size }
+    }
+}
+
+/// Bytes of K and V one token takes over all layers: `2 · layers · kv_heads · head_dim · dtype`.
+pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: DType) -> u64 {
+    2 * (cfg.num_layers * cfg.kv_size() * dtype.size_in_bytes()) as u64
+}
+
+/// How many blocks of `block_size` tokens fit in `budget_bytes`.
+pub fn num_blocks_for_budget(cfg: &ModelConfig, dtype: DType, block_size: usize, budget_bytes: u64) -> usize {
+    let per_block = kv_bytes_per_token(cfg, dtype) * block_size.max(1) as u64;
+    if per_block == 0 { 0 } else { (budget_bytes / per_block) as usize }
+}
+
+/// The K/V blocks of every layer. Not `Clone`: a clone would share storage with the original,
+/// and writes through one would show in the other.
+#[derive(Debug)]
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    config: KvCacheConfig,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl KvCache {
+    /// A zeroed cache for a model of `cfg`.
+    pub fn new(cfg: &ModelConfig, config: KvCacheConfig, dtype: DType, device: &Device) -> Result<KvCache> {
+        if config.block_size == 0 {
+            return Err(Error::KvCache { reason: "block_size must be positive".into() });
+        }
+        let rows = config.num_blocks * config.block_size;
+        let alloc = || Tensor::zeros((rows, cfg.kv_size()), dtype, device);
+        let k = (0..cfg.num_layers).map(|_| alloc()).collect::<candle_core::Result<Vec<_>>>()?;
+        let v = (0..cfg.num_layers).map(|_| alloc()).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(KvCache { k, v, config, kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim })
+    }
+
+    /// The sizes it was made with.
+    pub fn config(&self) -> KvCacheConfig {
+        self.config
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.k.len()
+    }
+
+    /// Bytes held by all K and V tensors.
+    pub fn nbytes(&self) -> u64 {
+        self.k.iter().chain(&self.v).map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum()
+    }
+
+    /// Layer `layer`'s keys as `[num_blocks, block_size, kv_heads, head_dim]` (a view).
+    pub fn keys(&self, layer: usize) -> Result<Tensor> {
+        self.view(&self.k[layer])
+    }
+
+    /// Layer `layer`'s values as `[num_blocks, block_size, kv_heads, head_dim]` (a view).
+    pub fn values(&self, layer: usize) -> Result<Tensor> {
+        self.view(&self.v[layer])
+    }
+
+    fn view(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.reshape((self.config.num_blocks, self.config.block_size, self.kv_heads, self.head_dim))?)
+    }
+
+    /// The flat `[rows, kv_heads · head_dim]` K and V of a layer.
+    pub(crate) fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
+        (&self.k[layer], &self.v[layer])
+    }
+
+    pub(crate) fn check(&self, cfg: &ModelConfig, dtype: DType) -> Result<()> {
+        let ok = self.k.len() == cfg.num_layers
+            && self.kv_heads == cfg.num_kv_heads
+            && self.head_dim == cfg.head_dim
+            && self.k.first().is_none_or(|t| t.dtype() == dtype);
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::KvCache {
+                reason: format!(
+                    "made for {} layers of {}x{} in {:?}, the model has {} layers of {}x{} in {dtype:?}",
+                    self.k.len(),
+                    self.kv_heads,
+                    self.head_dim,
+                    self.k.first().map(|t| t.dtype()),
+                    cfg.num_layers,
+                    cfg.num_kv_heads,
+                    cfg.head_dim
+                ),
+            })
+        }
+    }
+}

@@ -1,0 +1,450 @@
+//! The Llama-family decoder: embeddings, `num_layers` × (RMSNorm → attention → RMSNorm → SiLU MLP),
+//! final norm and `lm_head`, every projection a `LoraLinear` so each token gets its own adapter.
+//!
+//! q/k/v are fused into one `[q + 2·kv, hidden]` weight and gate/up into one `[2·inter, hidden]`
+//! weight: one GEMM each per step for the whole flat batch. The fused layers keep one slot buffer
+//! per PEFT module (`q_proj`, `k_proj`, …), so adapters find their slots by PEFT name.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use multilora_layers::{
+    LoraAdapter, LoraEmbedding, LoraLinear, ModelShapes, ModuleId, ModuleKind, SlotConfig, with_embedding_digest,
+};
+
+use crate::attention::{AttnDims, paged_attention, write_kv};
+use crate::batch::{Batch, Limits, StepPlan};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
+use crate::rope::Rope;
+use crate::weights::{CheckpointFiles, HubCache, ModelSource, Weights};
+
+/// How to load a model.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ModelOptions {
+    /// Weight and activation dtype (f32 by default; bf16/f16 allowed).
+    pub dtype: DType,
+    /// Where the model runs.
+    pub device: Device,
+    /// Adapter slots (distinct adapters per step); 0 builds no LoRA buffers at all.
+    pub max_loras: usize,
+    /// Largest adapter rank a slot holds.
+    pub max_lora_rank: usize,
+    /// Modules that get slot buffers; adapters targeting anything else are refused at `write_slot`.
+    /// Default: the seven projections and `embed_tokens`.
+    pub lora_target_modules: Vec<ModuleKind>,
+    /// Dtype of the slot buffers; the model dtype when `None`.
+    pub lora_dtype: Option<DType>,
+    /// The hub cache used for repo ids.
+    pub hub: HubCache,
+}
+
+impl Default for ModelOptions {
+    fn default() -> ModelOptions {
+        let mut targets = ModuleKind::PROJECTIONS.to_vec();
+        targets.push(ModuleKind::EmbedTokens);
+        ModelOptions {
+            dtype: DType::F32,
+            device: Device::Cpu,
+            max_loras: 8,
+            max_lora_rank: 16,
+            lora_target_modules: targets,
+            lora_dtype: None,
+            hub: HubCache::from_env(),
+        }
+    }
+}
+
+impl ModelOptions {
+    /// Sets the dtype.
+    pub fn dtype(mut self, dtype: DType) -> ModelOptions {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Sets the device.
+    pub fn device(mut self, device: Device) -> ModelOptions {
+        self.device = device;
+        self
+    }
+
+    /// Sets `max_loras`.
+    pub fn max_loras(mut self, n: usize) -> ModelOptions {
+        self.max_loras = n;
+        self
+    }
+
+    /// Sets `max_lora_rank`.
+    pub fn max_lora_rank(mut self, r: usize) -> ModelOptions {
+        self.max_lora_rank = r;
+        self
+    }
+
+    /// Sets `lora_target_modules`.
+    pub fn lora_target_modules(mut self, kinds: &[ModuleKind]) -> ModelOptions {
+        self.lora_target_modules = kinds.to_vec();
+        self
+    }
+
+    /// Sets `lora_dtype`.
+    pub fn lora_dtype(mut self, dtype: DType) -> ModelOptions {
+        self.lora_dtype = Some(dtype);
+        self
+    }
+
+    /// Sets the hub cache.
+    pub fn hub(mut self, hub: HubCache) -> ModelOptions {
+        self.hub = hub;
+        self
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    qkv: LoraLinear,
+    o: LoraLinear,
+    gate_up: LoraLinear,
+    down: LoraLinear,
+    input_norm: Tensor,
+    post_norm: Tensor,
+}
+
+/// A loaded Llama-family model with LoRA slots.
+#[derive(Debug)]
+pub struct Model {
+    cfg: ModelConfig,
+    dtype: DType,
+    device: Device,
+    max_loras: usize,
+    targets: Vec<ModuleKind>,
+    embed: LoraEmbedding,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: LoraLinear,
+    rope: Rope,
+    shapes: ModelShapes,
+}
+
+impl Model {
+    /// Loads from a directory or a hub id (`org/name[@rev]`).
+    pub fn load(source: &ModelSource, opts: &ModelOptions) -> Result<Model> {
+        let files = source.resolve(&opts.hub)?;
+        Model::load_files(&files, opts)
+    }
+
+    /// Loads from a local directory holding `config.json` and safetensors.
+    pub fn load_dir(dir: &std::path::Path, opts: &ModelOptions) -> Result<Model> {
+        Model::load_files(&CheckpointFiles::from_dir(dir)?, opts)
+    }
+
+    /// Loads from resolved checkpoint files.
+    pub fn load_files(files: &CheckpointFiles, opts: &ModelOptions) -> Result<Model> {
+        let cfg = ModelConfig::from_file(&files.config)?;
+        let w = Weights::open(files, opts.dtype, &opts.device)?;
+        Model::build(cfg, &w, opts)
+    }
+
+    /// Builds a model from tensors already in memory, named as in a Hugging Face checkpoint
+    /// (benches and tests use it for random models without writing a file).
+    pub fn from_tensors(cfg: ModelConfig, tensors: HashMap<String, Tensor>, opts: &ModelOptions) -> Result<Model> {
+        let w = Weights::in_memory(tensors, opts.dtype, &opts.device);
+        Model::build(cfg, &w, opts)
+    }
+
+    fn build(cfg: ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<Model> {
+        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (qs, kvs) = (cfg.q_size(), cfg.kv_size());
+        let slot_cfg = SlotConfig::new(
+            opts.max_loras,
+            opts.max_lora_rank,
+            opts.lora_dtype.unwrap_or(opts.dtype),
+            &opts.device,
+        );
+        let targets = opts.lora_target_modules.clone();
+        let lora_for = |kinds: &[ModuleKind]| kinds.iter().any(|k| targets.contains(k)).then_some(&slot_cfg);
+        let embed_w = w.get("model.embed_tokens.weight", &[v, h])?;
+        let embed = LoraEmbedding::new(embed_w.clone(), lora_for(&[ModuleKind::EmbedTokens]))?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let id = |k| ModuleId::layer(l, k);
+            let qkv_w = Tensor::cat(
+                &[
+                    w.get(&format!("{p}.self_attn.q_proj.weight"), &[qs, h])?,
+                    w.get(&format!("{p}.self_attn.k_proj.weight"), &[kvs, h])?,
+                    w.get(&format!("{p}.self_attn.v_proj.weight"), &[kvs, h])?,
+                ],
+                0,
+            )?;
+            let qkv_b = if cfg.attention_bias {
+                Some(Tensor::cat(
+                    &[
+                        w.get(&format!("{p}.self_attn.q_proj.bias"), &[qs])?,
+                        w.get(&format!("{p}.self_attn.k_proj.bias"), &[kvs])?,
+                        w.get(&format!("{p}.self_attn.v_proj.bias"), &[kvs])?,
+                    ],
+                    0,
+                )?)
+            } else {
+                None
+            };
+            let qkv_kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
+            let qkv = LoraLinear::new(
+                qkv_w,
+                qkv_b,
+                vec![(id(ModuleKind::QProj), qs), (id(ModuleKind::KProj), kvs), (id(ModuleKind::VProj), kvs)],
+                lora_for(&qkv_kinds),
+            )?;
+            let o_b = if cfg.attention_bias && w.contains(&format!("{p}.self_attn.o_proj.bias")) {
+                Some(w.get(&format!("{p}.self_attn.o_proj.bias"), &[h])?)
+            } else {
+                None
+            };
+            let o = LoraLinear::new(
+                w.get(&format!("{p}.self_attn.o_proj.weight"), &[h, qs])?,
+                o_b,
+                vec![(id(ModuleKind::OProj), h)],
+                lora_for(&[ModuleKind::OProj]),
+            )?;
+            let gate_up_w = Tensor::cat(
+                &[w.get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?, w.get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?],
+                0,
+            )?;
+            let gate_up = LoraLinear::new(
+                gate_up_w,
+                None,
+                vec![(id(ModuleKind::GateProj), i), (id(ModuleKind::UpProj), i)],
+                lora_for(&[ModuleKind::GateProj, ModuleKind::UpProj]),
+            )?;
+            let down = LoraLinear::new(
+                w.get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                None,
+                vec![(id(ModuleKind::DownProj), h)],
+                lora_for(&[ModuleKind::DownProj]),
+            )?;
+            layers.push(Layer {
+                qkv,
+                o,
+                gate_up,
+                down,
+                input_norm: w.get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                post_norm: w.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+            });
+        }
+        let norm = w.get("model.norm.weight", &[h])?;
+        // A tied head shares the embedding's storage; a checkpoint that also stores `lm_head`
+        // for a tied model is read from the embedding all the same, as transformers does.
+        let head_w = if cfg.tie_word_embeddings { embed_w.clone() } else { w.get("lm_head.weight", &[v, h])? };
+        let lm_head = LoraLinear::new(head_w, None, vec![(ModuleId::lm_head(), v)], lora_for(&[ModuleKind::LmHead]))?;
+        let rope = Rope::new(&cfg, opts.dtype, &opts.device)?;
+        let shapes = model_shapes(&cfg, &embed_w)?;
+        Ok(Model {
+            cfg,
+            dtype: opts.dtype,
+            device: opts.device.clone(),
+            max_loras: opts.max_loras,
+            targets,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            shapes,
+        })
+    }
+
+    /// The parsed `config.json`.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// What adapters are validated against, with the digest of the base embedding.
+    pub fn shapes(&self) -> &ModelShapes {
+        &self.shapes
+    }
+
+    /// The activation dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Number of adapter slots.
+    pub fn max_loras(&self) -> usize {
+        self.max_loras
+    }
+
+    /// The modules that hold slot buffers.
+    pub fn lora_target_modules(&self) -> &[ModuleKind] {
+        &self.targets
+    }
+
+    /// Bytes of K and V per token over all layers, in the model dtype.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        kv_bytes_per_token(&self.cfg, self.dtype)
+    }
+
+    /// Bytes held by all LoRA slot buffers (every slot, at `max_lora_rank`).
+    pub fn lora_slot_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        let mut total: u64 = self.embed.lora_slots().map(|s| bytes(s.a()) + bytes(s.b())).unwrap_or(0);
+        let linears = self.layers.iter().flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]).chain([&self.lm_head]);
+        for lin in linears {
+            total += lin.lora_slots().unwrap_or(&[]).iter().map(|s| bytes(s.a()) + bytes(s.b())).sum::<u64>();
+        }
+        total
+    }
+
+    /// A zeroed KV cache for this model.
+    pub fn new_kv_cache(&self, config: KvCacheConfig) -> Result<KvCache> {
+        KvCache::new(&self.cfg, config, self.dtype, &self.device)
+    }
+
+    /// Runs one step: writes the new tokens' K/V into their blocks and returns f32 logits
+    /// `[batch.num_logit_rows(), vocab]`, rows in sequence order.
+    pub fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Tensor> {
+        cache.check(&self.cfg, self.dtype)?;
+        let kc = cache.config();
+        let lim = Limits {
+            vocab: self.cfg.vocab_size,
+            max_len: self.cfg.max_model_len(),
+            max_loras: self.max_loras,
+            num_blocks: kc.num_blocks,
+            block_size: kc.block_size,
+            kv_width: self.cfg.kv_size(),
+        };
+        let plan = StepPlan::new(batch, lim, &self.device)?;
+        let tokens = batch.num_tokens();
+        let (qs, kvs) = (self.cfg.q_size(), self.cfg.kv_size());
+        let dims = AttnDims { heads: self.cfg.num_heads, kv_heads: self.cfg.num_kv_heads, head_dim: self.cfg.head_dim };
+        let eps = self.cfg.rms_norm_eps as f32;
+        let map = &plan.token_mapping;
+        let (cos, sin) = self.rope.gather(&plan.positions)?;
+        let mut x = self.embed.forward(&plan.ids, map)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
+            let qkv = layer.qkv.forward(&h, map)?;
+            let q = qkv.narrow(1, 0, qs)?.reshape((tokens, dims.heads, dims.head_dim))?;
+            let k = qkv.narrow(1, qs, kvs)?.reshape((tokens, dims.kv_heads, dims.head_dim))?;
+            let v = qkv.narrow(1, qs + kvs, kvs)?;
+            let q = Rope::apply(&q, &cos, &sin)?;
+            let k = Rope::apply(&k, &cos, &sin)?.reshape((tokens, kvs))?;
+            let (ck, cv) = cache.layer(l);
+            write_kv(&plan, ck, cv, &k, &v)?;
+            let attn = paged_attention(&plan, &q, ck, cv, dims)?;
+            x = (x + layer.o.forward(&attn, map)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.post_norm, eps)?;
+            let gu = layer.gate_up.forward(&h, map)?;
+            let inter = self.cfg.intermediate_size;
+            let act = (candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?)?;
+            x = (x + layer.down.forward(&act, map)?)?;
+        }
+        if batch.num_logit_rows() == 0 {
+            return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
+        }
+        let x = match &plan.logit_rows {
+            Some(rows) => x.index_select(rows, 0)?,
+            None => x,
+        };
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        Ok(self.lm_head.forward(&x, &plan.logit_mapping)?.to_dtype(DType::F32)?)
+    }
+
+    /// Places `adapter` in `slot` at every LoRA site, zeroing the modules it does not target.
+    /// An adapter that targets a module without slot buffers is refused before anything is
+    /// written; if a later write fails, the slot is cleared so no half-written adapter remains.
+    pub fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> Result<()> {
+        if let Some(id) = adapter.modules().keys().find(|id| !self.targets.contains(&id.kind) || self.max_loras == 0) {
+            return Err(Error::NotATarget { adapter: adapter.name().to_string(), module: id.peft_name() });
+        }
+        let written = self.for_each_site(|site| site.write(slot, adapter));
+        if written.is_err() {
+            // Best effort: the write error is the one worth reporting.
+            let _ = self.clear_slot(slot);
+        }
+        written
+    }
+
+    /// Zeroes `slot` at every LoRA site.
+    pub fn clear_slot(&mut self, slot: usize) -> Result<()> {
+        self.for_each_site(|site| site.clear(slot))
+    }
+
+    fn for_each_site(&mut self, mut f: impl FnMut(Site<'_>) -> multilora_layers::Result<()>) -> Result<()> {
+        if self.embed.has_lora() {
+            f(Site::Embedding(&mut self.embed))?;
+        }
+        for layer in &mut self.layers {
+            for lin in [&mut layer.qkv, &mut layer.o, &mut layer.gate_up, &mut layer.down] {
+                if lin.has_lora() {
+                    f(Site::Linear(lin))?;
+                }
+            }
+        }
+        if self.lm_head.has_lora() {
+            f(Site::Linear(&mut self.lm_head))?;
+        }
+        Ok(())
+    }
+}
+
+/// One LoRA site, so slot writes and clears walk the model once.
+enum Site<'a> {
+    Embedding(&'a mut LoraEmbedding),
+    Linear(&'a mut LoraLinear),
+}
+
+impl Site<'_> {
+    fn write(self, slot: usize, adapter: &LoraAdapter) -> multilora_layers::Result<()> {
+        match self {
+            Site::Embedding(e) => e.write_slot(slot, adapter),
+            Site::Linear(l) => l.write_slot(slot, adapter),
+        }
+    }
+
+    fn clear(self, slot: usize) -> multilora_layers::Result<()> {
+        match self {
+            Site::Embedding(e) => e.clear_slot(slot),
+            Site::Linear(l) => l.clear_slot(slot),
+        }
+    }
+}
+
+impl multilora_layers::SlotSink for Model {
+    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
+        Model::write_slot(self, slot, adapter).map_err(|e| into_adapter_error(e, slot, adapter.name()))
+    }
+
+    fn clear_slot(&mut self, slot: usize) -> multilora_adapter::Result<()> {
+        Model::clear_slot(self, slot).map_err(|e| into_adapter_error(e, slot, ""))
+    }
+}
+
+fn into_adapter_error(e: Error, slot: usize, adapter: &str) -> multilora_adapter::Error {
+    match e {
+        Error::Layer(e) => e.into(),
+        other => multilora_adapter::Error::SlotWrite { slot, adapter: adapter.to_string(), reason: other.to_string() },
+    }
+}
+
+fn model_shapes(cfg: &ModelConfig, embed: &Tensor) -> Result<ModelShapes> {
+    let mut s = ModelShapes::llama(
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+    );
+    s.architecture = cfg.architecture.class_name().to_string();
+    s.model_type = cfg.architecture.model_type().to_string();
+    s.head_dim = cfg.head_dim;
+    s.tie_word_embeddings = cfg.tie_word_embeddings;
+    Ok(with_embedding_digest(s, embed)?)
+}

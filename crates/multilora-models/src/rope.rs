@@ -1,0 +1,79 @@
+//! Rotary position embeddings at absolute positions, for a flat batch of tokens.
+//!
+//! The Hugging Face Llama family rotates the two halves of each head (`rotate_half`), which is
+//! candle-nn's non-interleaved `rope`; `rope_thd` takes `[1, tokens, heads, head_dim]`, so one call
+//! covers every token of a varlen batch once the cos/sin rows of their positions are gathered.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{ModelConfig, RopeScaling};
+use crate::error::Result;
+
+/// Precomputed `cos`/`sin` tables, `[max_positions, head_dim / 2]`.
+#[derive(Clone, Debug)]
+pub(crate) struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// The inverse frequencies, computed in f32 the way transformers does, so positions far into a
+/// long prompt get the same angles as the reference (an f64 table drifts by ~1e-5 rad at 256).
+pub(crate) fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
+    let d = cfg.head_dim;
+    let base = cfg.rope_theta as f32;
+    let plain: Vec<f32> = (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32)).collect();
+    match cfg.rope_scaling {
+        RopeScaling::Default => plain,
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            let old = original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            plain
+                .iter()
+                .map(|&f| {
+                    let f = f as f64;
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                    if wavelen < high_wavelen || wavelen > low_wavelen {
+                        scaled as f32
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        ((1.0 - smooth) * scaled / factor + smooth * scaled) as f32
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+impl Rope {
+    pub(crate) fn new(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Rope> {
+        let freqs = inv_freq(cfg);
+        let n = cfg.max_position_embeddings.max(1);
+        let half = freqs.len();
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for &f in &freqs {
+                // The angle is an f32 product, as in the reference; cos/sin of it are exact.
+                let angle = (p as f32 * f) as f64;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let cos = Tensor::from_vec(cos, (n, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (n, half), device)?.to_dtype(dtype)?;
+        Ok(Rope { cos, sin })
+    }
+
+    /// The cos/sin rows of `positions` (`[tokens]`, u32), gathered once per step.
+    pub(crate) fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((self.cos.index_select(positions, 0)?, self.sin.index_select(positions, 0)?))
+    }
+
+    /// Rotates `x: [tokens, heads, head_dim]` by the gathered rows.
+    pub(crate) fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.unsqueeze(0)?.contiguous()?;
+        Ok(candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)?)
+    }
+}

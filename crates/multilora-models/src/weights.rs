@@ -1,0 +1,247 @@
+//! Where a checkpoint comes from (a directory, or a hub repo through the `hf-hub` cache) and how
+//! its tensors are read (memory-mapped safetensors, one file or a sharded index).
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+use hf_hub::{Cache, Repo, RepoType};
+
+use crate::error::{Error, Result};
+
+/// Where the hub cache lives and whether the network may be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HubCache {
+    /// The cache root: `$HF_HOME/hub`, or `~/.cache/huggingface/hub`.
+    pub cache_dir: PathBuf,
+    /// Serve from the cache alone.
+    pub offline: bool,
+}
+
+impl HubCache {
+    /// Settings as `huggingface_hub` reads them: `HF_HOME` and `HF_HUB_OFFLINE`.
+    pub fn from_env() -> HubCache {
+        let offline = std::env::var("HF_HUB_OFFLINE")
+            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+        HubCache { cache_dir: Cache::from_env().path().clone(), offline }
+    }
+
+    /// Explicit settings; `cache_dir` is the `hub` folder (holding `models--org--name`).
+    pub fn new(cache_dir: impl Into<PathBuf>, offline: bool) -> HubCache {
+        HubCache { cache_dir: cache_dir.into(), offline }
+    }
+
+    fn file(&self, repo: &str, revision: &str, file: &str) -> Result<Option<PathBuf>> {
+        let hub_repo = Repo::with_revision(repo.to_string(), RepoType::Model, revision.to_string());
+        if let Some(path) = Cache::new(self.cache_dir.clone()).repo(hub_repo.clone()).get(file) {
+            return Ok(Some(path));
+        }
+        // A commit id needs no `refs/` entry: the snapshot folder is named by it.
+        let direct = self.cache_dir.join(hub_repo.folder_name()).join("snapshots").join(revision).join(file);
+        if direct.is_file() {
+            return Ok(Some(direct));
+        }
+        if self.offline {
+            return Ok(None);
+        }
+        let err = |reason: String| Error::Hub { repo: repo.into(), revision: revision.into(), reason };
+        let api = hf_hub::api::sync::ApiBuilder::from_env()
+            .with_cache_dir(self.cache_dir.clone())
+            .build()
+            .map_err(|e| err(format!("cannot start the hub client: {e}")))?;
+        match api.repo(hub_repo).get(file) {
+            Ok(p) => Ok(Some(p)),
+            // The caller decides whether an absent file is an error (index vs single file).
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+/// A checkpoint's location.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ModelSource {
+    /// A local directory with `config.json` and safetensors.
+    Local(PathBuf),
+    /// A hub repository `org/name` at a revision (branch, tag or commit).
+    Hub {
+        /// `org/name`.
+        repo: String,
+        /// Revision, `main` unless `@rev` was given.
+        revision: String,
+    },
+}
+
+impl ModelSource {
+    /// An existing directory is local; otherwise `org/name[@rev]` is a hub id.
+    pub fn parse(s: &str) -> Result<ModelSource> {
+        let path = Path::new(s);
+        if path.is_dir() {
+            return Ok(ModelSource::Local(path.to_path_buf()));
+        }
+        let (repo, revision) = s.split_once('@').unwrap_or((s, "main"));
+        let ok = |p: &str| {
+            !p.is_empty()
+                && !p.starts_with(['.', '-'])
+                && !p.contains("..")
+                && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        };
+        match repo.split_once('/') {
+            Some((org, name)) if ok(org) && ok(name) && !revision.is_empty() && !revision.contains("..") => {
+                Ok(ModelSource::Hub { repo: repo.to_string(), revision: revision.to_string() })
+            }
+            _ => Err(Error::Config {
+                path: path.to_path_buf(),
+                reason: "neither an existing directory nor a hub id org/name[@revision]".into(),
+            }),
+        }
+    }
+
+    /// The files of the checkpoint on disk: `config.json` and the safetensors files.
+    pub fn resolve(&self, hub: &HubCache) -> Result<CheckpointFiles> {
+        match self {
+            ModelSource::Local(dir) => CheckpointFiles::from_dir(dir),
+            ModelSource::Hub { repo, revision } => {
+                let err = |reason: String| Error::Hub { repo: repo.clone(), revision: revision.clone(), reason };
+                let get = |f: &str| hub.file(repo, revision, f);
+                let missing = |f: &str| {
+                    let mode = if hub.offline { " and offline mode is on" } else { "" };
+                    err(format!("{f} is not in the hub cache at {}{mode}", hub.cache_dir.display()))
+                };
+                let config = get("config.json")?.ok_or_else(|| missing("config.json"))?;
+                let weights = if let Some(single) = get("model.safetensors")? {
+                    vec![single]
+                } else {
+                    let index = get(INDEX_FILE)?.ok_or_else(|| missing("model.safetensors"))?;
+                    shard_names(&index)?
+                        .iter()
+                        .map(|s| get(s)?.ok_or_else(|| missing(s)))
+                        .collect::<Result<Vec<_>>>()?
+                };
+                let dir = config.parent().map(Path::to_path_buf).unwrap_or_default();
+                Ok(CheckpointFiles { dir, config, weights })
+            }
+        }
+    }
+}
+
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The files of one checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CheckpointFiles {
+    /// The directory (snapshot folder for a hub repo); errors name it.
+    pub dir: PathBuf,
+    /// `config.json`.
+    pub config: PathBuf,
+    /// `model.safetensors`, or every shard listed in the index.
+    pub weights: Vec<PathBuf>,
+}
+
+impl CheckpointFiles {
+    /// The files of a local directory.
+    pub fn from_dir(dir: &Path) -> Result<CheckpointFiles> {
+        let config = dir.join("config.json");
+        if !config.is_file() {
+            return Err(Error::Config { path: config, reason: "file not found".into() });
+        }
+        let single = dir.join("model.safetensors");
+        let weights = if single.is_file() {
+            vec![single]
+        } else {
+            let index = dir.join(INDEX_FILE);
+            if !index.is_file() {
+                return Err(Error::Config { path: single, reason: format!("file not found (nor {INDEX_FILE})") });
+            }
+            shard_names(&index)?.iter().map(|s| dir.join(s)).collect()
+        };
+        Ok(CheckpointFiles { dir: dir.to_path_buf(), config, weights })
+    }
+}
+
+fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let bad = |reason: String| Error::Config { path: index.to_path_buf(), reason };
+    let text = std::fs::read_to_string(index).map_err(|source| Error::Io { path: index.to_path_buf(), source })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no weight_map object".into()))?;
+    let mut files = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| bad(format!("weight_map entry {tensor} is not a string")))?;
+        if file.contains('/') || file.contains('\\') || file.contains("..") {
+            return Err(bad(format!("shard name {file:?} is not a plain file name")));
+        }
+        files.insert(file.to_string());
+    }
+    Ok(files.into_iter().collect())
+}
+
+/// Checkpoint tensors, read one at a time into the requested dtype and device: memory-mapped
+/// safetensors, or tensors handed over in memory.
+pub(crate) struct Weights {
+    source: Source,
+    dir: PathBuf,
+    dtype: DType,
+    device: Device,
+}
+
+enum Source {
+    Mmap(MmapedSafetensors),
+    Memory(HashMap<String, Tensor>),
+}
+
+impl std::fmt::Debug for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Weights").field("dir", &self.dir).field("dtype", &self.dtype).finish()
+    }
+}
+
+impl Weights {
+    #[allow(unsafe_code)]
+    pub(crate) fn open(files: &CheckpointFiles, dtype: DType, device: &Device) -> Result<Weights> {
+        for f in &files.weights {
+            if !f.is_file() {
+                return Err(Error::Config { path: f.clone(), reason: "file not found".into() });
+            }
+        }
+        // SAFETY: the mapping is read-only and lives in `Weights`, which is dropped once the model
+        // is built; every tensor is copied out of it. A checkpoint file truncated or rewritten by
+        // another process while we load is outside what any mmap reader can guard against, the
+        // same contract as candle's and safetensors' own loaders.
+        let st = unsafe { MmapedSafetensors::multi(&files.weights) }.map_err(|e| Error::Config {
+            path: files.weights.first().cloned().unwrap_or_default(),
+            reason: format!("not a readable safetensors file: {e}"),
+        })?;
+        Ok(Weights { source: Source::Mmap(st), dir: files.dir.clone(), dtype, device: device.clone() })
+    }
+
+    pub(crate) fn in_memory(tensors: HashMap<String, Tensor>, dtype: DType, device: &Device) -> Weights {
+        Weights { source: Source::Memory(tensors), dir: PathBuf::from("<memory>"), dtype, device: device.clone() }
+    }
+
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        match &self.source {
+            Source::Mmap(st) => st.get(name).is_ok(),
+            Source::Memory(m) => m.contains_key(name),
+        }
+    }
+
+    /// The tensor `name`, checked against `shape`, in the model dtype on the model device.
+    pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let missing = || Error::TensorMissing { tensor: name.to_string(), dir: self.dir.clone() };
+        let got = match &self.source {
+            Source::Mmap(st) => st.get(name).map_err(|_| missing())?.shape().to_vec(),
+            Source::Memory(m) => m.get(name).ok_or_else(missing)?.dims().to_vec(),
+        };
+        if got != shape {
+            return Err(Error::ShapeMismatch { tensor: name.to_string(), got, expected: shape.to_vec() });
+        }
+        let t = match &self.source {
+            Source::Mmap(st) => st.load(name, &Device::Cpu)?,
+            Source::Memory(m) => m.get(name).ok_or_else(missing)?.clone(),
+        };
+        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+    }
+}

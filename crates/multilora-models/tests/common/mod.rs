@@ -1,0 +1,148 @@
+//! Shared helpers of the integration tests: the PEFT fixture, adapters in slots, block tables.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use multilora_adapter::{LoadOptions, ModuleKind};
+use multilora_models::{Batch, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, SeqInput};
+use serde_json::Value;
+
+pub const TOL: f32 = 1e-4;
+
+pub fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
+}
+
+pub fn cases() -> Result<Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(fixture().join("cases.json"))?)?)
+}
+
+/// Every adapter the fixture's rows use, with where it lives.
+pub const ADAPTERS: [(&str, &str); 9] = [
+    ("qv_r8", "adapters/qv_r8"),
+    ("all_r16", "adapters/all_r16"),
+    ("rslora_r4", "adapters/rslora_r4"),
+    ("pattern_r8", "adapters/pattern_r8"),
+    ("regex_layers", "adapters/regex_layers"),
+    ("layers_subset", "adapters/layers_subset"),
+    ("rank32", "adapters/rank32"),
+    ("embed_target", "invalid_adapters/embed_target"),
+    ("bias_all", "invalid_adapters/bias_all"),
+];
+
+/// The base model with every fixture adapter in a slot; returns the model and name → slot.
+pub fn model_with_adapters(dtype: DType) -> Result<(Model, HashMap<String, i32>)> {
+    let mut targets = ModuleKind::PROJECTIONS.to_vec();
+    targets.push(ModuleKind::EmbedTokens);
+    let opts = ModelOptions::default()
+        .dtype(dtype)
+        .max_loras(ADAPTERS.len())
+        .max_lora_rank(32)
+        .lora_target_modules(&targets);
+    let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
+    let mut slots = HashMap::new();
+    for (slot, (name, dir)) in ADAPTERS.iter().enumerate() {
+        let adapter = multilora_adapter::load_dir(
+            name,
+            &fixture().join(dir),
+            model.shapes(),
+            &LoadOptions::new(dtype).max_lora_rank(32),
+        )?;
+        model.write_slot(slot, &adapter)?;
+        slots.insert(name.to_string(), slot as i32);
+    }
+    Ok((model, slots))
+}
+
+/// One row of a fixture batch.
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub batch: String,
+    pub tensor: String,
+    pub adapter: Option<String>,
+    pub ids: Vec<u32>,
+    pub expected: Tensor,
+}
+
+/// Rows of `batches` (and of `extra_batches` when `extra`), with their expected logits.
+pub fn rows(extra: bool) -> Result<Vec<Row>> {
+    let cases = cases()?;
+    let mut lists = vec![cases["batches"].as_array().cloned().unwrap_or_default()];
+    if extra {
+        lists.push(cases["extra_batches"].as_array().cloned().unwrap_or_default());
+    }
+    let mut out = Vec::new();
+    for b in lists.into_iter().flatten() {
+        let name = b["name"].as_str().unwrap_or_default().to_string();
+        let expected = candle_core::safetensors::load(fixture().join(format!("expected/{name}.safetensors")), &Device::Cpu)?;
+        for r in b["rows"].as_array().into_iter().flatten() {
+            let tensor = r["tensor"].as_str().unwrap_or_default().to_string();
+            out.push(Row {
+                batch: name.clone(),
+                adapter: r["adapter"].as_str().map(str::to_string),
+                ids: r["input_ids"].as_array().into_iter().flatten().map(|x| x.as_u64().unwrap_or(0) as u32).collect(),
+                expected: expected[&tensor].clone(),
+                tensor,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Hands out fresh block ids.
+#[derive(Debug, Default)]
+pub struct Blocks {
+    next: u32,
+}
+
+impl Blocks {
+    pub fn table(&mut self, tokens: usize, block_size: usize) -> Vec<u32> {
+        let n = tokens.div_ceil(block_size) as u32;
+        let t = (self.next..self.next + n).collect();
+        self.next += n;
+        t
+    }
+}
+
+pub fn cache(model: &Model, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+    Ok(model.new_kv_cache(KvCacheConfig::new(num_blocks, block_size))?)
+}
+
+pub fn slot_of(slots: &HashMap<String, i32>, adapter: &Option<String>) -> i32 {
+    adapter.as_ref().map(|a| slots[a]).unwrap_or(-1)
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+/// Runs `rows` as one flat batch from position 0 with logits at every position; returns each
+/// row's `[len, vocab]` logits.
+pub fn run_all_positions(model: &Model, slots: &HashMap<String, i32>, rows: &[Row]) -> Result<Vec<Tensor>> {
+    let bs = 16;
+    let need: usize = rows.iter().map(|r| r.ids.len().div_ceil(bs)).sum();
+    let mut kv = cache(model, need, bs)?;
+    let mut blocks = Blocks::default();
+    let seqs = rows
+        .iter()
+        .map(|r| {
+            SeqInput::new(r.ids.clone(), 0, blocks.table(r.ids.len(), bs), slot_of(slots, &r.adapter))
+                .with_logits(LogitsRows::All)
+        })
+        .collect();
+    let logits = model.forward(&Batch::new(seqs), &mut kv)?;
+    let mut out = Vec::new();
+    let mut at = 0;
+    for r in rows {
+        out.push(logits.narrow(0, at, r.ids.len())?);
+        at += r.ids.len();
+    }
+    Ok(out)
+}
+
+pub fn argmax(row: &Tensor) -> Result<u32> {
+    Ok(row.to_dtype(DType::F32)?.argmax(0)?.to_scalar::<u32>()?)
+}

@@ -1,0 +1,187 @@
+//! Scheduler configuration: budgets, the `max_loras` limit, the admission policy and the KV pool.
+
+use multilora_prefix_cache::KvConfig;
+
+use crate::{Error, Result};
+
+/// Default for [`Policy::Aging`]'s `max_skipped_steps`.
+pub const DEFAULT_MAX_SKIPPED_STEPS: u32 = 32;
+
+/// How waiting requests are admitted when the `max_loras` limit is reached.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// vLLM's rule and nothing more: a request whose adapter would be one too many is skipped and
+    /// keeps its place; requests behind it with a running adapter, or none, are admitted. Under a
+    /// steady stream for the running adapters a skipped adapter can wait forever.
+    Fcfs,
+    /// vLLM's rule plus aging. Once a waiting request has been skipped for the adapter limit in
+    /// more than `max_skipped_steps` steps (it is *starved*) and its adapter is not running, the
+    /// first such request in queue order becomes the aging target:
+    ///
+    /// - no other new adapter enters the running set until the target's adapter does, so the next
+    ///   slot that drains goes to it;
+    /// - while every slot is taken, the running adapter with the fewest running requests stops
+    ///   admitting new requests, so its slot drains even under a steady stream (without this a
+    ///   stream for a running adapter would hold its slot forever);
+    /// - requests of the other running adapters and base-model requests are still admitted.
+    Aging {
+        /// Steps a request may be skipped for the adapter limit before it is starved.
+        max_skipped_steps: u32,
+    },
+}
+
+impl Policy {
+    /// [`Policy::Aging`] with the given bound.
+    pub fn aging(max_skipped_steps: u32) -> Self {
+        Policy::Aging { max_skipped_steps }
+    }
+
+    /// A stable snake_case name: `fcfs` or `aging`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Policy::Fcfs => "fcfs",
+            Policy::Aging { .. } => "aging",
+        }
+    }
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy::aging(DEFAULT_MAX_SKIPPED_STEPS)
+    }
+}
+
+/// Budgets and limits of the scheduler, named as in vLLM.
+///
+/// Built from [`Default`] with builder-style setters:
+///
+/// ```
+/// use multilora_scheduler::{Policy, SchedulerConfig};
+///
+/// let config = SchedulerConfig::default().max_loras(8).max_num_seqs(64).policy(Policy::Fcfs);
+/// assert_eq!(config.max_loras, 8);
+/// ```
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most requests running at once (default 256).
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step, prefill chunks and decodes together (default 8192).
+    pub max_num_batched_tokens: usize,
+    /// The model's context length: prompt plus outputs never exceed it (default 8192).
+    pub max_model_len: usize,
+    /// Most distinct adapter generations among running requests; 0 turns LoRA off and rejects
+    /// requests that name an adapter (default 1, as in vLLM).
+    pub max_loras: usize,
+    /// The admission policy at the adapter limit (default [`Policy::Aging`]).
+    pub policy: Policy,
+    /// The KV block pool and prefix cache (default [`KvConfig::default`]: 1024 blocks of 16).
+    pub kv: KvConfig,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 8192,
+            max_loras: 1,
+            policy: Policy::default(),
+            kv: KvConfig::default(),
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Sets [`SchedulerConfig::max_num_seqs`].
+    pub fn max_num_seqs(mut self, n: usize) -> Self {
+        self.max_num_seqs = n;
+        self
+    }
+
+    /// Sets [`SchedulerConfig::max_num_batched_tokens`].
+    pub fn max_num_batched_tokens(mut self, n: usize) -> Self {
+        self.max_num_batched_tokens = n;
+        self
+    }
+
+    /// Sets [`SchedulerConfig::max_model_len`].
+    pub fn max_model_len(mut self, n: usize) -> Self {
+        self.max_model_len = n;
+        self
+    }
+
+    /// Sets [`SchedulerConfig::max_loras`].
+    pub fn max_loras(mut self, n: usize) -> Self {
+        self.max_loras = n;
+        self
+    }
+
+    /// Sets [`SchedulerConfig::policy`].
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets [`SchedulerConfig::kv`].
+    pub fn kv(mut self, kv: KvConfig) -> Self {
+        self.kv = kv;
+        self
+    }
+
+    /// Checks that the configuration can work: every budget at least 1, and one request of
+    /// `max_model_len` tokens fits in the KV pool alone (so a request never waits for blocks
+    /// that can never exist).
+    pub fn validate(&self) -> Result<()> {
+        let fail = |msg: String| Err(Error::InvalidConfig(msg));
+        if self.max_num_seqs == 0 {
+            return fail("max_num_seqs must be at least 1".into());
+        }
+        if self.max_num_batched_tokens == 0 {
+            return fail("max_num_batched_tokens must be at least 1".into());
+        }
+        if self.max_model_len < 2 {
+            return fail(format!("max_model_len {} leaves no room for a prompt and a new token", self.max_model_len));
+        }
+        if self.kv.block_size == 0 {
+            return fail("kv.block_size must be at least 1".into());
+        }
+        let capacity = self.kv.num_blocks.saturating_mul(self.kv.block_size);
+        if capacity < self.max_model_len {
+            return fail(format!(
+                "the kv pool holds {capacity} tokens ({} blocks of {}), fewer than max_model_len {}",
+                self.kv.num_blocks, self.kv.block_size, self.max_model_len
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_aging() {
+        let c = SchedulerConfig::default();
+        c.validate().unwrap();
+        assert_eq!(c.policy, Policy::Aging { max_skipped_steps: DEFAULT_MAX_SKIPPED_STEPS });
+        assert_eq!(c.policy.name(), "aging");
+        assert_eq!(Policy::Fcfs.name(), "fcfs");
+    }
+
+    #[test]
+    fn rejects_impossible_configs() {
+        let small_pool = SchedulerConfig::default().kv(KvConfig { num_blocks: 2, ..KvConfig::default() });
+        let e = small_pool.validate().unwrap_err();
+        assert_eq!(e.kind(), "invalid_config");
+        assert_eq!(
+            e.to_string(),
+            "invalid scheduler config: the kv pool holds 32 tokens (2 blocks of 16), fewer than max_model_len 8192"
+        );
+        assert!(SchedulerConfig::default().max_num_seqs(0).validate().is_err());
+        assert!(SchedulerConfig::default().max_num_batched_tokens(0).validate().is_err());
+        assert!(SchedulerConfig::default().max_model_len(1).validate().is_err());
+    }
+}

@@ -1,0 +1,148 @@
+//! `StoreConfig`: the knobs of the tiers (vLLM's names where vLLM has one) and of runtime updates.
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+use multilora_adapter::{LoadOptions, ModelShapes};
+
+use crate::error::{Error, Result};
+
+/// How the store is sized and what it allows at run time.
+///
+/// Runtime updates, resolvers and hub sources are off by default: an operator turns each on.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct StoreConfig {
+    /// Device slots: distinct adapter generations per step (0 = no LoRA at all).
+    pub max_loras: usize,
+    /// Capacity of the CPU tier; at least `max_loras`.
+    pub max_cpu_loras: usize,
+    /// Adapters whose rank exceeds this are refused at load; device slots hold this rank.
+    pub max_lora_rank: usize,
+    /// The dtype adapters are held in.
+    pub lora_dtype: DType,
+    /// The served base model's name: no adapter may take it.
+    pub base_model_name: String,
+    /// The base model adapters are validated against.
+    pub shapes: ModelShapes,
+    /// Allows `load`, `unload`, `reload_in_place` and resolvers at run time.
+    pub allow_runtime_updates: bool,
+    /// Directories runtime local sources must lie in (after resolving `..` and symlinks).
+    pub allowed_roots: Vec<PathBuf>,
+    /// Allows hub sources at run time (startup adapters may always come from the hub).
+    pub allow_hub_at_runtime: bool,
+    /// Loader threads (at least 1).
+    pub loader_threads: usize,
+}
+
+impl Default for StoreConfig {
+    /// vLLM's defaults where it has them (`max_loras` 1, `max_cpu_loras` = `max_loras`,
+    /// `max_lora_rank` 16), float32, and an empty model: set [`StoreConfig::shapes`].
+    fn default() -> StoreConfig {
+        StoreConfig {
+            max_loras: 1,
+            max_cpu_loras: 1,
+            max_lora_rank: 16,
+            lora_dtype: DType::F32,
+            base_model_name: String::new(),
+            shapes: ModelShapes::llama(0, 0, 0, 0, 0, 0),
+            allow_runtime_updates: false,
+            allowed_roots: Vec::new(),
+            allow_hub_at_runtime: false,
+            loader_threads: 1,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// The defaults for a base model named `base_model_name` with `shapes`.
+    pub fn new(base_model_name: impl Into<String>, shapes: ModelShapes) -> StoreConfig {
+        StoreConfig { base_model_name: base_model_name.into(), shapes, ..StoreConfig::default() }
+    }
+
+    /// Sets `max_loras`.
+    pub fn max_loras(mut self, n: usize) -> StoreConfig {
+        self.max_loras = n;
+        self
+    }
+
+    /// Sets `max_cpu_loras`.
+    pub fn max_cpu_loras(mut self, n: usize) -> StoreConfig {
+        self.max_cpu_loras = n;
+        self
+    }
+
+    /// Sets `max_lora_rank`.
+    pub fn max_lora_rank(mut self, rank: usize) -> StoreConfig {
+        self.max_lora_rank = rank;
+        self
+    }
+
+    /// Sets the LoRA dtype.
+    pub fn lora_dtype(mut self, dtype: DType) -> StoreConfig {
+        self.lora_dtype = dtype;
+        self
+    }
+
+    /// Turns runtime load / unload / reload and resolvers on or off.
+    pub fn allow_runtime_updates(mut self, allow: bool) -> StoreConfig {
+        self.allow_runtime_updates = allow;
+        self
+    }
+
+    /// Adds a root that runtime local sources may come from.
+    pub fn allowed_root(mut self, root: impl Into<PathBuf>) -> StoreConfig {
+        self.allowed_roots.push(root.into());
+        self
+    }
+
+    /// Turns hub sources at run time on or off.
+    pub fn allow_hub_at_runtime(mut self, allow: bool) -> StoreConfig {
+        self.allow_hub_at_runtime = allow;
+        self
+    }
+
+    /// Sets the number of loader threads.
+    pub fn loader_threads(mut self, n: usize) -> StoreConfig {
+        self.loader_threads = n;
+        self
+    }
+
+    /// The options every load uses: the LoRA dtype and `max_lora_rank`.
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions::new(self.lora_dtype).max_lora_rank(self.max_lora_rank)
+    }
+
+    /// Checks the invariants the tiers rely on.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(Error::Config { reason });
+        if self.max_cpu_loras < self.max_loras {
+            return bad(format!(
+                "max_cpu_loras ({}) must be at least max_loras ({})",
+                self.max_cpu_loras, self.max_loras
+            ));
+        }
+        if self.max_lora_rank == 0 && self.max_loras > 0 {
+            return bad("max_lora_rank must be positive".into());
+        }
+        if self.loader_threads == 0 {
+            return bad("loader_threads must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_tier_must_hold_the_slots() {
+        let config = StoreConfig::default().max_loras(4).max_cpu_loras(2);
+        let err = config.validate().unwrap_err();
+        assert_eq!(err.kind(), "config");
+        assert!(err.to_string().contains("max_cpu_loras (2) must be at least max_loras (4)"), "{err}");
+        assert!(StoreConfig::default().max_loras(4).max_cpu_loras(4).validate().is_ok());
+        assert!(StoreConfig::default().loader_threads(0).validate().is_err());
+    }
+}

@@ -1,0 +1,129 @@
+//! The store's error type: one enum, each variant naming the adapter it concerns.
+
+use std::path::PathBuf;
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything the store can refuse or fail at.
+///
+/// Messages are lowercase and name the adapter. [`Error::kind`] gives a stable label for metrics;
+/// for [`Error::Adapter`] it is the adapter crate's own label (`shape_mismatch`, `rank_too_large`…),
+/// so load failures are counted by their real cause.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No adapter of that name is registered, and no resolver provides one. The engine answers
+    /// `model_not_found`.
+    #[error("adapter {name:?} not found")]
+    UnknownAdapter {
+        /// The name asked for.
+        name: String,
+    },
+    /// The name cannot name an adapter.
+    #[error("adapter name {name:?} is invalid: {reason}")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// `load` of a name that is taken; `reload_in_place` replaces an adapter.
+    #[error("adapter {name:?} is already registered; use reload_in_place to replace it")]
+    AlreadyRegistered {
+        /// The name.
+        name: String,
+    },
+    /// A runtime change (load, unload, reload, resolvers) while runtime updates are off.
+    #[error("cannot {op} adapter {name:?}: runtime adapter updates are disabled")]
+    RuntimeUpdatesDisabled {
+        /// What was attempted: `load`, `unload`, `reload`, `resolve`.
+        op: &'static str,
+        /// The adapter.
+        name: String,
+    },
+    /// A runtime source directory lies outside every allowed root (after resolving `..` and links).
+    #[error("adapter {name:?}: source {} is outside the allowed roots {roots:?}", path.display())]
+    PathOutsideRoots {
+        /// The adapter.
+        name: String,
+        /// The path as resolved (canonical).
+        path: PathBuf,
+        /// The configured roots.
+        roots: Vec<PathBuf>,
+    },
+    /// A hub source at run time while hub loading at run time is off.
+    #[error("adapter {name:?}: hub source {repo:?} refused: loading from the hub at run time is disabled")]
+    HubDisabled {
+        /// The adapter.
+        name: String,
+        /// The hub repository id.
+        repo: String,
+    },
+    /// `activate` found every slot pinned by running requests (or the operator); with
+    /// `max_loras` 0 there are no slots at all.
+    #[error("cannot activate adapter {name:?}: all {max_loras} slots are pinned")]
+    AllSlotsPinned {
+        /// The adapter that wanted a slot.
+        name: String,
+        /// The number of slots.
+        max_loras: usize,
+    },
+    /// Every entry of the CPU tier is pinned, so a new adapter has no room.
+    #[error("cannot cache adapter {name:?}: all {max_cpu_loras} entries of the cpu tier are pinned")]
+    CpuTierFull {
+        /// The adapter that wanted room.
+        name: String,
+        /// The capacity.
+        max_cpu_loras: usize,
+    },
+    /// `activate` or `pin` of a generation that is not in the CPU tier (not loaded yet, evicted,
+    /// or superseded and released).
+    #[error("adapter {name:?} is not loaded")]
+    NotReady {
+        /// The adapter (or its id when it is no longer registered).
+        name: String,
+    },
+    /// The configuration is inconsistent.
+    #[error("invalid store configuration: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: String,
+    },
+    /// Reading or validating the adapter failed.
+    #[error(transparent)]
+    Adapter(#[from] multilora_adapter::Error),
+    /// The adapter loader panicked (a bug in it); the store carries on.
+    #[error("adapter {name:?}: the loader panicked")]
+    LoaderPanicked {
+        /// The adapter.
+        name: String,
+    },
+    /// The store is shutting down; the load was abandoned.
+    #[error("adapter {name:?}: the store is shutting down")]
+    Shutdown {
+        /// The adapter.
+        name: String,
+    },
+}
+
+impl Error {
+    /// A stable snake_case label for metrics and API error bodies.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::UnknownAdapter { .. } => "unknown_adapter",
+            Error::InvalidName { .. } => "invalid_name",
+            Error::AlreadyRegistered { .. } => "already_registered",
+            Error::RuntimeUpdatesDisabled { .. } => "runtime_updates_disabled",
+            Error::PathOutsideRoots { .. } => "path_outside_roots",
+            Error::HubDisabled { .. } => "hub_disabled",
+            Error::AllSlotsPinned { .. } => "all_slots_pinned",
+            Error::CpuTierFull { .. } => "cpu_tier_full",
+            Error::NotReady { .. } => "not_ready",
+            Error::Config { .. } => "config",
+            Error::Adapter(e) => e.kind(),
+            Error::LoaderPanicked { .. } => "loader_panicked",
+            Error::Shutdown { .. } => "shutdown",
+        }
+    }
+}

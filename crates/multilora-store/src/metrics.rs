@@ -1,0 +1,126 @@
+//! Metrics as data: a snapshot of the tiers (occupancy in entries and bytes, hits, misses,
+//! evictions), the load time histogram and failures by kind. The engine turns it into Prometheus.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Upper bounds of the load time buckets, in seconds; a last bucket catches everything above.
+/// Fixed, so that histograms from different replicas add up.
+pub const LOAD_TIME_BUCKETS_S: [f64; 12] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+
+/// A histogram over [`LOAD_TIME_BUCKETS_S`].
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Histogram {
+    /// Upper bounds in seconds (the last bucket, not listed, is unbounded).
+    pub bounds: &'static [f64],
+    /// Observations per bucket (not cumulative), `bounds.len() + 1` of them.
+    pub counts: Vec<u64>,
+    /// The sum of all observations, in seconds.
+    pub sum_seconds: f64,
+    /// The number of observations.
+    pub count: u64,
+}
+
+impl Default for Histogram {
+    fn default() -> Histogram {
+        Histogram {
+            bounds: &LOAD_TIME_BUCKETS_S,
+            counts: vec![0; LOAD_TIME_BUCKETS_S.len() + 1],
+            sum_seconds: 0.0,
+            count: 0,
+        }
+    }
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&mut self, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        let bucket = self.bounds.iter().position(|&b| secs <= b).unwrap_or(self.bounds.len());
+        self.counts[bucket] += 1;
+        self.sum_seconds += secs;
+        self.count += 1;
+    }
+}
+
+/// One tier's occupancy and traffic.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TierMetrics {
+    /// Entries held (CPU: live plus retired; device: occupied slots).
+    pub entries: usize,
+    /// Configured capacity (`max_cpu_loras`, `max_loras`).
+    pub capacity: usize,
+    /// Bytes held: CPU `Σ nbytes`; device `Σ` each resident adapter's modules at `max_lora_rank`.
+    pub bytes: u64,
+    /// Lookups that found the adapter (CPU: `request`; device: `activate` of a resident generation).
+    pub hits: u64,
+    /// Lookups that did not (CPU: a load was started; device: a slot was written).
+    pub misses: u64,
+    /// Entries pushed out to make room.
+    pub evictions: u64,
+}
+
+/// A snapshot of the store.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct StoreMetrics {
+    /// Registered adapters.
+    pub registered: usize,
+    /// The CPU tier.
+    pub cpu: TierMetrics,
+    /// CPU entries that are generations superseded or unloaded while running requests hold them;
+    /// included in `cpu.entries`, and the only way `cpu.entries` exceeds `cpu.capacity`.
+    pub cpu_retired: usize,
+    /// The device slots.
+    pub device: TierMetrics,
+    /// Slots whose generation a running request or the operator pins.
+    pub pinned_slots: usize,
+    /// Loads queued or running on the loader threads.
+    pub loading: usize,
+    /// Loads that succeeded (startup, background and runtime).
+    pub loads: u64,
+    /// Time per successful load, from the start of reading to a validated adapter.
+    pub load_time: Histogram,
+    /// Failed loads and refusals, by [`crate::Error::kind`].
+    pub failures: BTreeMap<&'static str, u64>,
+}
+
+/// The counters the store keeps under its lock; occupancy is read off the tiers at snapshot time.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) cpu_hits: u64,
+    pub(crate) cpu_misses: u64,
+    pub(crate) cpu_evictions: u64,
+    pub(crate) device_hits: u64,
+    pub(crate) device_misses: u64,
+    pub(crate) device_evictions: u64,
+    pub(crate) loads: u64,
+    pub(crate) load_time: Histogram,
+    pub(crate) failures: BTreeMap<&'static str, u64>,
+}
+
+impl Counters {
+    pub(crate) fn failure(&mut self, kind: &'static str) {
+        *self.failures.entry(kind).or_insert(0) += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn observations_land_in_their_bucket() {
+        let mut h = Histogram::default();
+        h.observe(Duration::from_micros(500));
+        h.observe(Duration::from_millis(30));
+        h.observe(Duration::from_secs(100));
+        assert_eq!(h.count, 3);
+        assert_eq!(h.counts[0], 1);
+        assert_eq!(h.counts[4], 1);
+        assert_eq!(h.counts[LOAD_TIME_BUCKETS_S.len()], 1);
+        assert!((h.sum_seconds - 100.0305).abs() < 1e-9);
+    }
+}

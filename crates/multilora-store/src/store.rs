@@ -1,0 +1,483 @@
+//! `Store`: the registry and the two tiers behind one lock, the loader pool, and the per-step
+//! calls the engine makes (request, pin, activate, release). Lifecycle calls are in `lifecycle.rs`.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use lru::LruCache;
+use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, SlotSink};
+use parking_lot::{Condvar, Mutex};
+
+use crate::config::StoreConfig;
+use crate::cpu_tier::CpuTier;
+use crate::error::{Error, Result};
+use crate::loader::{AdapterLoader, FsLoader, LoaderPool};
+use crate::metrics::{Counters, StoreMetrics, TierMetrics};
+use crate::registry::{AdapterGen, AdapterId, AdapterInfo, LoadState, Registry, validate_name};
+use crate::resolver::Resolver;
+use crate::slots::{AllPinned, Placement, SlotTable};
+use crate::status::{AdapterStatus, LoadEvent};
+
+/// How many failed resolutions of unknown names are remembered (so waiters see the failure)
+/// before the oldest is forgotten; bounded because the names come from clients.
+const RESOLVE_FAILURES_KEPT: usize = 1024;
+
+/// The tiered adapter store. `Send + Sync`: the engine loop, HTTP handlers and the loader threads
+/// share it. Every call takes one short lock; none holds it during file I/O, so a load never
+/// blocks `activate`, `request` or `pin` of other adapters.
+pub struct Store {
+    pub(crate) shared: Arc<Shared>,
+    pool: LoaderPool,
+}
+
+/// What the loader threads share with the store.
+pub(crate) struct Shared {
+    pub(crate) config: StoreConfig,
+    pub(crate) opts: LoadOptions,
+    pub(crate) loader: Arc<dyn AdapterLoader>,
+    pub(crate) resolvers: Vec<Arc<dyn Resolver>>,
+    notify: Option<Box<dyn Fn() + Send + Sync>>,
+    pub(crate) state: Mutex<Inner>,
+    events_ready: Condvar,
+    pub(crate) shutdown: AtomicBool,
+}
+
+/// Everything under the lock.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) registry: Registry,
+    pub(crate) cpu: CpuTier,
+    pub(crate) slots: SlotTable,
+    pub(crate) counters: Counters,
+    /// Unknown names being resolved, with their job's ticket.
+    pub(crate) resolving: HashMap<String, u64>,
+    pub(crate) resolve_failures: LruCache<String, Arc<Error>>,
+    pub(crate) events: Vec<LoadEvent>,
+    pub(crate) next_ticket: u64,
+    pub(crate) loading: usize,
+}
+
+/// A load for a loader thread.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub(crate) name: String,
+    pub(crate) ticket: u64,
+    pub(crate) kind: JobKind,
+}
+
+#[derive(Debug)]
+pub(crate) enum JobKind {
+    /// A registered adapter not in the CPU tier.
+    Registered { id: AdapterId, source: AdapterSource },
+    /// An unknown name: ask the resolvers, then load and register.
+    Resolve,
+}
+
+/// Builds a [`Store`]: `Store::builder(config).startup("sql", source).build()?`.
+pub struct StoreBuilder {
+    config: StoreConfig,
+    loader: Arc<dyn AdapterLoader>,
+    resolvers: Vec<Arc<dyn Resolver>>,
+    startup: Vec<(String, AdapterSource)>,
+    notify: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for StoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreBuilder")
+            .field("config", &self.config)
+            .field("resolvers", &self.resolvers.len())
+            .field("startup", &self.startup)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreBuilder {
+    /// Replaces the loader ([`FsLoader`] by default).
+    pub fn loader(mut self, loader: impl AdapterLoader + 'static) -> StoreBuilder {
+        self.loader = Arc::new(loader);
+        self
+    }
+
+    /// Adds a resolver, asked after those added before it. Used only with runtime updates on.
+    pub fn resolver(mut self, resolver: impl Resolver + 'static) -> StoreBuilder {
+        self.resolvers.push(Arc::new(resolver));
+        self
+    }
+
+    /// An adapter the operator names at start: trusted (not confined to the allowed roots), and
+    /// loaded into the CPU tier by [`StoreBuilder::build`], so its first request does not wait.
+    pub fn startup(mut self, name: impl Into<String>, source: AdapterSource) -> StoreBuilder {
+        self.startup.push((name.into(), source));
+        self
+    }
+
+    /// Called on a loader thread after each background load completes (the engine wakes its
+    /// loop); it must not block.
+    pub fn notify(mut self, f: impl Fn() + Send + Sync + 'static) -> StoreBuilder {
+        self.notify = Some(Box::new(f));
+        self
+    }
+
+    /// Checks the config, loads the startup adapters (failing on the first that does not
+    /// validate), and starts the loader threads.
+    pub fn build(self) -> Result<Store> {
+        self.config.validate()?;
+        let inner = Inner {
+            registry: Registry::new(self.config.base_model_name.clone()),
+            cpu: CpuTier::new(self.config.max_cpu_loras),
+            slots: SlotTable::new(self.config.max_loras),
+            counters: Counters::default(),
+            resolving: HashMap::new(),
+            resolve_failures: LruCache::new(NonZeroUsize::new(RESOLVE_FAILURES_KEPT).unwrap_or(NonZeroUsize::MIN)),
+            events: Vec::new(),
+            next_ticket: 0,
+            loading: 0,
+        };
+        let shared = Arc::new(Shared {
+            opts: self.config.load_options(),
+            config: self.config,
+            loader: self.loader,
+            resolvers: self.resolvers,
+            notify: self.notify,
+            state: Mutex::new(inner),
+            events_ready: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        });
+        for (name, source) in self.startup {
+            shared.add_loaded(&name, source)?;
+        }
+        let pool = LoaderPool::new(shared.config.loader_threads)?;
+        Ok(Store { shared, pool })
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("config", &self.shared.config)
+            .field("metrics", &self.metrics())
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // Queued loads are skipped; the one in hand finishes, then the pool joins its threads.
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Store {
+    /// A builder with the default loader, no resolvers and no startup adapters.
+    pub fn builder(config: StoreConfig) -> StoreBuilder {
+        StoreBuilder { config, loader: Arc::new(FsLoader), resolvers: Vec::new(), startup: Vec::new(), notify: None }
+    }
+
+    /// A store with the default loader, loading `startup` adapters (trusted) before returning.
+    pub fn new(config: StoreConfig, startup: Vec<(String, AdapterSource)>) -> Result<Store> {
+        startup.into_iter().fold(Store::builder(config), |b, (name, source)| b.startup(name, source)).build()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StoreConfig {
+        &self.shared.config
+    }
+
+    /// Registers an adapter the operator names, without reading it: it loads on first request.
+    /// Trusted like a startup adapter (not confined); not for names or paths from clients.
+    pub fn register(&self, name: &str, source: AdapterSource) -> Result<AdapterId> {
+        self.shared.state.lock().registry.register(name, source)
+    }
+
+    /// Where `name` stands, returning at once: `Ready` (in the CPU tier), `Loading` (a load is
+    /// queued; one per adapter however many ask), or `Failed`. An unknown name is asked of the
+    /// resolvers when runtime updates are on, and is otherwise [`Error::UnknownAdapter`].
+    pub fn request(&self, name: &str) -> Result<AdapterStatus> {
+        self.request_inner(name, true)
+    }
+
+    /// Starts loading the adapters of waiting requests, in order, so they are in the CPU tier by
+    /// their turn. Errors are left for `request` to report.
+    pub fn prefetch<I, S>(&self, names: I)
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        for name in names {
+            let _ = self.request_inner(name.as_ref(), false);
+        }
+    }
+
+    fn request_inner(&self, name: &str, count: bool) -> Result<AdapterStatus> {
+        let job = {
+            let mut guard = self.shared.state.lock();
+            let inner = &mut *guard;
+            match inner.registry.id(name) {
+                Some(id) => {
+                    if let Some(generation) = inner.registry.current(id) {
+                        if inner.cpu.get(&generation).is_some() {
+                            inner.counters.cpu_hits += u64::from(count);
+                            return Ok(AdapterStatus::Ready(generation));
+                        }
+                    }
+                    let ticket = inner.next_ticket;
+                    let Some(entry) = inner.registry.get_mut(id) else {
+                        return Err(Error::UnknownAdapter { name: name.to_string() });
+                    };
+                    match &entry.state {
+                        LoadState::Failed(e) => return Ok(AdapterStatus::Failed(Arc::clone(e))),
+                        LoadState::Loading(_) => return Ok(AdapterStatus::Loading),
+                        LoadState::Idle => {}
+                    }
+                    entry.state = LoadState::Loading(ticket);
+                    let source = entry.info.source.clone();
+                    inner.start_job(count);
+                    Job { name: name.to_string(), ticket, kind: JobKind::Registered { id, source } }
+                }
+                None => {
+                    validate_name(name, &self.shared.config.base_model_name)?;
+                    if !self.shared.config.allow_runtime_updates || self.shared.resolvers.is_empty() {
+                        return Err(Error::UnknownAdapter { name: name.to_string() });
+                    }
+                    if let Some(e) = inner.resolve_failures.get(name) {
+                        return Ok(AdapterStatus::Failed(Arc::clone(e)));
+                    }
+                    if inner.resolving.contains_key(name) {
+                        return Ok(AdapterStatus::Loading);
+                    }
+                    let ticket = inner.next_ticket;
+                    inner.resolving.insert(name.to_string(), ticket);
+                    inner.start_job(count);
+                    Job { name: name.to_string(), ticket, kind: JobKind::Resolve }
+                }
+            }
+        };
+        let shared = Arc::clone(&self.shared);
+        if self.pool.submit(Box::new(move || shared.run(job))) {
+            Ok(AdapterStatus::Loading)
+        } else {
+            Err(Error::Shutdown { name: name.to_string() })
+        }
+    }
+
+    /// Forgets a sticky failure of `name`, so that the next `request` loads it again.
+    pub fn retry(&self, name: &str) {
+        let mut inner = self.shared.state.lock();
+        inner.resolve_failures.pop(name);
+        if let Some(id) = inner.registry.id(name) {
+            if let Some(entry) = inner.registry.get_mut(id) {
+                if matches!(entry.state, LoadState::Failed(_)) {
+                    entry.state = LoadState::Idle;
+                }
+            }
+        }
+    }
+
+    /// The background loads completed since the last call (or `wait_completed`), oldest first.
+    pub fn poll_completed(&self) -> Vec<LoadEvent> {
+        std::mem::take(&mut self.shared.state.lock().events)
+    }
+
+    /// Like [`Store::poll_completed`], but waits up to `timeout` for at least one event.
+    pub fn wait_completed(&self, timeout: Duration) -> Vec<LoadEvent> {
+        let mut inner = self.shared.state.lock();
+        self.shared.events_ready.wait_while_for(&mut inner, |inner| inner.events.is_empty(), timeout);
+        std::mem::take(&mut inner.events)
+    }
+
+    /// The current generation of `name`, once loaded.
+    pub fn generation(&self, name: &str) -> Option<AdapterGen> {
+        let inner = self.shared.state.lock();
+        inner.registry.id(name).and_then(|id| inner.registry.current(id))
+    }
+
+    /// The loaded adapter of `generation` (current or retired), without touching the LRU order.
+    pub fn adapter(&self, generation: AdapterGen) -> Option<Arc<LoraAdapter>> {
+        self.shared.state.lock().cpu.peek(&generation).cloned()
+    }
+
+    /// What the registry knows about `name`.
+    pub fn info(&self, name: &str) -> Option<AdapterInfo> {
+        self.shared.state.lock().registry.by_name(name).map(|e| e.info.clone())
+    }
+
+    /// Every registered adapter, in registration order.
+    pub fn adapters(&self) -> Vec<AdapterInfo> {
+        self.shared.state.lock().registry.infos()
+    }
+
+    /// Adds a running request's pin on `generation` (at admission): its slot, once it has one, is not
+    /// evicted and its CPU entry stays until the matching [`Store::release`].
+    pub fn pin(&self, generation: AdapterGen) -> Result<()> {
+        let mut inner = self.shared.state.lock();
+        if !inner.cpu.contains(&generation) && inner.slots.slot_of(&generation).is_none() {
+            return Err(Error::NotReady { name: inner.name_of(generation.id) });
+        }
+        inner.slots.pin(generation);
+        Ok(())
+    }
+
+    /// Drops one pin on `generation` (the request finished or was cancelled). The last pin on a
+    /// generation that was superseded or unloaded removes it from both tiers. Releasing a
+    /// generation without pins does nothing.
+    pub fn release(&self, generation: AdapterGen) {
+        let mut inner = self.shared.state.lock();
+        if inner.slots.release(&generation) == Some(0) && inner.registry.current(generation.id) != Some(generation) {
+            inner.cpu.remove(&generation);
+            inner.slots.remove(&generation);
+        }
+    }
+
+    /// The operator's pin (vLLM's `pin_adapter`): `name`'s current generation is never evicted
+    /// from the CPU tier, nor from its slot once activated; it moves to the new generation on a
+    /// reload. The adapter must be loaded.
+    pub fn pin_adapter(&self, name: &str) -> Result<AdapterGen> {
+        let mut guard = self.shared.state.lock();
+        let inner = &mut *guard;
+        let id = inner.registry.id(name).ok_or_else(|| Error::UnknownAdapter { name: name.to_string() })?;
+        let generation = inner
+            .registry
+            .current(id)
+            .filter(|g| inner.cpu.contains(g) || inner.slots.slot_of(g).is_some())
+            .ok_or_else(|| Error::NotReady { name: name.to_string() })?;
+        if let Some(entry) = inner.registry.get_mut(id) {
+            entry.info.operator_pinned = true;
+        }
+        inner.slots.set_operator_pin(generation, true);
+        Ok(generation)
+    }
+
+    /// Clears the operator's pin on `name`.
+    pub fn unpin_adapter(&self, name: &str) -> Result<()> {
+        let mut guard = self.shared.state.lock();
+        let inner = &mut *guard;
+        let id = inner.registry.id(name).ok_or_else(|| Error::UnknownAdapter { name: name.to_string() })?;
+        if let Some(generation) = inner.registry.current(id) {
+            inner.slots.set_operator_pin(generation, false);
+        }
+        if let Some(entry) = inner.registry.get_mut(id) {
+            entry.info.operator_pinned = false;
+        }
+        Ok(())
+    }
+
+    /// Puts `generation` in a device slot and returns the slot: its own if resident (marked most
+    /// recently used), else a free slot, else the least recently used slot without pins,
+    /// written through `sink`. [`Error::AllSlotsPinned`] when every slot is pinned;
+    /// [`Error::NotReady`] when `generation` is not in the CPU tier.
+    ///
+    /// The lock is held while `sink` copies (a device copy, never file I/O), so a slot's contents
+    /// and its entry in the table change together.
+    pub fn activate(&self, generation: AdapterGen, sink: &mut dyn SlotSink) -> Result<usize> {
+        let mut guard = self.shared.state.lock();
+        let inner = &mut *guard;
+        if let Some(slot) = inner.slots.slot_of(&generation) {
+            inner.slots.place(generation, 0).ok();
+            inner.cpu.get(&generation);
+            inner.counters.device_hits += 1;
+            return Ok(slot);
+        }
+        let Some(adapter) = inner.cpu.get(&generation) else {
+            return Err(Error::NotReady { name: inner.name_of(generation.id) });
+        };
+        let bytes = adapter.nbytes_at_rank(self.shared.config.max_lora_rank, self.shared.config.lora_dtype.size_in_bytes());
+        let placement = inner.slots.place(generation, bytes).map_err(|AllPinned| Error::AllSlotsPinned {
+            name: adapter.name().to_string(),
+            max_loras: self.shared.config.max_loras,
+        })?;
+        let slot = match placement {
+            Placement::Resident(slot) | Placement::Free(slot) => slot,
+            Placement::Evict { slot, .. } => {
+                inner.counters.device_evictions += 1;
+                slot
+            }
+        };
+        inner.counters.device_misses += 1;
+        if let Err(e) = sink.write_slot(slot, &adapter) {
+            // The slot's old contents are gone and the new ones incomplete: it is free now.
+            inner.slots.vacate(slot);
+            inner.counters.failure(e.kind());
+            return Err(Error::Adapter(e));
+        }
+        Ok(slot)
+    }
+
+    /// The slot `generation` occupies, if any.
+    pub fn slot_of(&self, generation: AdapterGen) -> Option<usize> {
+        self.shared.state.lock().slots.slot_of(&generation)
+    }
+
+    /// A snapshot of occupancy, traffic, load times and failures.
+    pub fn metrics(&self) -> StoreMetrics {
+        let inner = self.shared.state.lock();
+        let c = &inner.counters;
+        StoreMetrics {
+            registered: inner.registry.len(),
+            cpu: TierMetrics {
+                entries: inner.cpu.live_len() + inner.cpu.retired_len(),
+                capacity: inner.cpu.capacity(),
+                bytes: inner.cpu.bytes(),
+                hits: c.cpu_hits,
+                misses: c.cpu_misses,
+                evictions: c.cpu_evictions,
+            },
+            cpu_retired: inner.cpu.retired_len(),
+            device: TierMetrics {
+                entries: inner.slots.occupied(),
+                capacity: inner.slots.len(),
+                bytes: inner.slots.bytes(),
+                hits: c.device_hits,
+                misses: c.device_misses,
+                evictions: c.device_evictions,
+            },
+            pinned_slots: inner.slots.pinned_slots(),
+            loading: inner.loading,
+            loads: c.loads,
+            load_time: c.load_time.clone(),
+            failures: c.failures.clone(),
+        }
+    }
+
+    /// Live CPU-tier generations, least recently used first.
+    pub fn cpu_lru_order(&self) -> Vec<AdapterGen> {
+        self.shared.state.lock().cpu.lru_order()
+    }
+
+    /// Resident generations, least recently used first.
+    pub fn slot_lru_order(&self) -> Vec<AdapterGen> {
+        self.shared.state.lock().slots.lru_order()
+    }
+}
+
+impl Inner {
+    fn start_job(&mut self, count_miss: bool) {
+        self.next_ticket += 1;
+        self.loading += 1;
+        self.counters.cpu_misses += u64::from(count_miss);
+    }
+
+    /// A name for messages about `id`, which may have been unloaded.
+    pub(crate) fn name_of(&self, id: AdapterId) -> String {
+        self.registry.name_of(id).map_or_else(|| format!("#{}", id.0), str::to_string)
+    }
+}
+
+impl Shared {
+    /// Records `events` and wakes whoever waits for them.
+    pub(crate) fn publish(&self, mut inner: parking_lot::MutexGuard<'_, Inner>, events: Vec<LoadEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        inner.events.extend(events);
+        drop(inner);
+        self.events_ready.notify_all();
+        if let Some(notify) = &self.notify {
+            notify();
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! `cargo xtask tidy`: every `.rs` file opens with `//!`, no file is over 800 lines, no
+//! `todo!`/`unimplemented!` in shipped code, and the crate dependency direction of the design holds
+//! (read from `cargo metadata`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const MAX_LINES: usize = 800;
+
+/// Each workspace crate and the workspace crates it may depend on (normal and build dependencies).
+/// Pure crates also may not pull in candle or threads of their own.
+const ALLOWED: &[(&str, &[&str])] = &[
+    ("multilora-adapter", &[]),
+    ("multilora-prefix-cache", &[]),
+    ("multilora-scheduler", &["multilora-prefix-cache"]),
+    ("multilora-store", &["multilora-adapter"]),
+    ("multilora-kernels", &[]),
+    ("multilora-layers", &["multilora-adapter", "multilora-kernels"]),
+    ("multilora-models", &["multilora-layers", "multilora-kernels"]),
+    (
+        "multilora",
+        &[
+            "multilora-adapter",
+            "multilora-prefix-cache",
+            "multilora-scheduler",
+            "multilora-store",
+            "multilora-kernels",
+            "multilora-layers",
+            "multilora-models",
+        ],
+    ),
+    ("multilora-server", &["multilora"]),
+    ("multilora-cli", &["multilora", "multilora-server"]),
+];
+
+/// Crates that must stay free of tensors and devices.
+const PURE: &[&str] = &["multilora-prefix-cache", "multilora-scheduler"];
+
+pub(crate) fn run() -> Result<()> {
+    let root = workspace_root()?;
+    let mut problems = Vec::new();
+    check_files(&root, &mut problems)?;
+    check_dependencies(&root, &mut problems)?;
+    if problems.is_empty() {
+        println!("tidy: ok");
+        Ok(())
+    } else {
+        for p in &problems {
+            eprintln!("tidy: {p}");
+        }
+        bail!("tidy found {} problem(s)", problems.len())
+    }
+}
+
+fn workspace_root() -> Result<PathBuf> {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map(Path::to_path_buf).context("xtask has no parent directory")
+}
+
+fn check_files(root: &Path, problems: &mut Vec<String>) -> Result<()> {
+    let mut files = Vec::new();
+    for dir in ["crates", "xtask", "benches", "tests"] {
+        collect_rs(&root.join(dir), &mut files)?;
+    }
+    for file in files {
+        let text = std::fs::read_to_string(&file).with_context(|| format!("read {}", file.display()))?;
+        let rel = file.strip_prefix(root).unwrap_or(&file).display().to_string();
+        if !text.starts_with("//!") {
+            problems.push(format!("{rel}: does not open with a //! line saying what it holds"));
+        }
+        let lines = text.lines().count();
+        if lines > MAX_LINES {
+            problems.push(format!("{rel}: {lines} lines, over {MAX_LINES}: split it"));
+        }
+        let shipped = rel.contains("/src/") && !rel.contains("/tests/");
+        if shipped {
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                // Spelled in pieces so that this file does not flag itself.
+                let stubs = [concat!("todo", "!("), concat!("unimplemented", "!(")];
+                if stubs.iter().any(|s| code.contains(s)) {
+                    problems.push(format!("{rel}:{}: stub in shipped code", n + 1));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(dir).with_context(|| format!("list {}", dir.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if path.is_dir() {
+            if !matches!(name, "target" | "fixtures") && !name.starts_with('.') {
+                collect_rs(&path, out)?;
+            }
+        } else if name.ends_with(".rs") {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+fn check_dependencies(root: &Path, problems: &mut Vec<String>) -> Result<()> {
+    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
+        .current_dir(root)
+        .output()
+        .context("run cargo metadata")?;
+    if !output.status.success() {
+        bail!("cargo metadata failed: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    let meta: serde_json::Value = serde_json::from_slice(&output.stdout).context("parse cargo metadata")?;
+    let packages = meta["packages"].as_array().context("metadata has no packages")?;
+    let members: Vec<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
+    for package in packages {
+        let name = package["name"].as_str().unwrap_or("?");
+        if name == "xtask" || name.starts_with("multilora-bench") {
+            continue;
+        }
+        let Some((_, allowed)) = ALLOWED.iter().find(|(n, _)| *n == name) else {
+            problems
+                .push(format!("{name}: not in the dependency table of xtask/src/tidy.rs (and ../shared/DESIGN.md)"));
+            continue;
+        };
+        for dep in package["dependencies"].as_array().into_iter().flatten() {
+            let dep_name = dep["name"].as_str().unwrap_or("?");
+            let kind = dep["kind"].as_str();
+            if kind == Some("dev") {
+                continue;
+            }
+            if members.contains(&dep_name) && !allowed.contains(&dep_name) {
+                problems.push(format!("{name} depends on {dep_name}, which the design does not allow"));
+            }
+            if PURE.contains(&name) && dep_name.starts_with("candle") {
+                problems.push(format!("{name} is pure and may not depend on {dep_name}"));
+            }
+        }
+    }
+    Ok(())
+}
