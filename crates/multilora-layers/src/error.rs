@@ -124,13 +124,11 @@ impl From<Error> for multilora_adapter::Error {
             Error::SlotWrite { slot, adapter, source } => {
                 multilora_adapter::Error::SlotWrite { slot, adapter, reason: source.to_string() }
             }
-            Error::Candle(source) => {
-                multilora_adapter::Error::Candle {
-                    adapter: String::new(),
-                    op: "lora layer".to_string(),
-                    source: Box::new(source),
-                }
-            }
+            Error::Candle(source) => multilora_adapter::Error::Candle {
+                adapter: String::new(),
+                op: "lora layer".to_string(),
+                source: Box::new(source),
+            },
             other => multilora_adapter::Error::Candle {
                 adapter: String::new(),
                 op: "lora layer".to_string(),

@@ -43,10 +43,13 @@ pub use error::{Error, Result};
 pub use linear::LoraLinear;
 pub use mapping::{LoraMapping, Segment};
 pub use multilora_adapter::{
-    Fingerprint, LoraAdapter, LoraModule, ModelShapes, ModuleId, ModuleKind, SlotSink, embedding_digest,
-    with_embedding_digest,
+    Error as AdapterError, Fingerprint, LoraAdapter, LoraModule, ModelShapes, ModuleId, ModuleKind,
+    Result as AdapterResult, SlotSink, embedding_digest, with_embedding_digest,
 };
 pub use ops::expand::lora_expand;
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
 pub use slots::{LoraSlots, SlotConfig};
+
+#[cfg(test)]
+mod tests;

@@ -11,6 +11,7 @@ use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
 
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
+use crate::ops::expand::cpu::shrink_expand_in_place;
 use crate::ops::expand::lora_expand;
 use crate::ops::shrink::lora_shrink;
 use crate::slots::{LoraSlots, SlotConfig};
@@ -39,11 +40,19 @@ impl LoraLinear {
     /// weight holds, in output order, with their output widths (they must sum to `out`): one for a
     /// plain projection, e.g. `[(q, 4096), (k, 1024), (v, 1024)]` for a fused qkv. `lora: None`
     /// means no slot buffers (the module is not a LoRA target, or `max_loras` is 0).
-    pub fn new(weight: Tensor, bias: Option<Tensor>, slices: Vec<(ModuleId, usize)>, lora: Option<&SlotConfig>) -> Result<LoraLinear> {
+    pub fn new(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        slices: Vec<(ModuleId, usize)>,
+        lora: Option<&SlotConfig>,
+    ) -> Result<LoraLinear> {
         let name = slices.first().map(|s| s.0.to_string()).unwrap_or_else(|| "linear".to_string());
         let (out, inp) = weight.dims2().map_err(|_| Error::shape(&name, "weight", weight.dims(), &[0, 0]))?;
         if slices.is_empty() {
-            return Err(Error::InvalidLayer { module: name, reason: "a linear layer needs at least one slice".to_string() });
+            return Err(Error::InvalidLayer {
+                module: name,
+                reason: "a linear layer needs at least one slice".to_string(),
+            });
         }
         let total: usize = slices.iter().map(|s| s.1).sum();
         if total != out {
@@ -86,8 +95,7 @@ impl LoraLinear {
             y = match &self.merged {
                 None => {
                     let refs: Vec<&LoraSlots> = slots.iter().collect();
-                    let s = lora_shrink(&x2, &refs, mapping)?;
-                    lora_expand(y, &s, &refs, mapping)?
+                    apply_lora(&x2, y, &refs, mapping)?
                 }
                 Some(m) => self.forward_merged(&x2, y, slots, m, mapping)?,
             };
@@ -104,12 +112,19 @@ impl LoraLinear {
 
     /// With slot `m` folded into the weight: rows of slot `m` need nothing more; every other row
     /// gets its own delta (slot `m` treated as empty) minus slot `m`'s.
-    fn forward_merged(&self, x: &Tensor, y: Tensor, slots: &[LoraSlots], m: &Merged, mapping: &LoraMapping) -> Result<Tensor> {
+    fn forward_merged(
+        &self,
+        x: &Tensor,
+        y: Tensor,
+        slots: &[LoraSlots],
+        m: &Merged,
+        mapping: &LoraMapping,
+    ) -> Result<Tensor> {
         let others: Vec<LoraSlots> = slots.iter().map(|s| s.without(m.slot)).collect();
         let refs: Vec<&LoraSlots> = others.iter().collect();
-        let s = lora_shrink(x, &refs, mapping)?;
-        let y = lora_expand(y, &s, &refs, mapping)?;
-        let rows: Vec<u32> = (0..mapping.num_rows() as u32).filter(|&r| mapping.slots()[r as usize] != m.slot as i32).collect();
+        let y = apply_lora(x, y, &refs, mapping)?;
+        let rows: Vec<u32> =
+            (0..mapping.num_rows() as u32).filter(|&r| mapping.slots()[r as usize] != m.slot as i32).collect();
         if rows.is_empty() {
             return Ok(y);
         }
@@ -263,6 +278,19 @@ impl LoraLinear {
         let delta = (Tensor::cat(&parts, 0)? * sign)?;
         Ok((self.weight.to_dtype(DType::F32)? + delta)?.to_dtype(self.weight.dtype())?)
     }
+}
+
+/// `y + Σ deltas`: shrink and expand, fused per segment on the CPU (the output updated in place).
+fn apply_lora(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
+    if x.device().is_cpu() && y.is_contiguous() {
+        crate::ops::check_input("lora_linear", x, slices, mapping)?;
+        if let Some(xs) = mapping.gather_lora_rows(x)? {
+            shrink_expand_in_place(&xs.to_dtype(DType::F32)?, &y, slices, mapping)?;
+        }
+        return Ok(y);
+    }
+    let s = lora_shrink(x, slices, mapping)?;
+    lora_expand(y, &s, slices, mapping)
 }
 
 impl SlotSink for LoraLinear {

@@ -76,7 +76,16 @@ impl LoraMapping {
         } else {
             None
         };
-        Ok(LoraMapping { slots: slots.to_vec(), sorted, segments, num_base, identity, max_loras, device: device.clone(), lora_index })
+        Ok(LoraMapping {
+            slots: slots.to_vec(),
+            sorted,
+            segments,
+            num_base,
+            identity,
+            max_loras,
+            device: device.clone(),
+            lora_index,
+        })
     }
 
     /// Number of rows (tokens, or logit rows for `lm_head`).

@@ -44,6 +44,8 @@ pub struct LoraSlots {
     a: Tensor,
     b: Tensor,
     ranks: Vec<usize>,
+    /// Per slot: every rank from here on is zero, so a write need not zero that padding again.
+    clean_from: Vec<usize>,
     in_features: usize,
     out_features: usize,
     max_rank: usize,
@@ -57,7 +59,12 @@ impl LoraSlots {
     }
 
     /// Zeroed slots for the input embedding (`vocab → hidden`), A stored transposed.
-    pub(crate) fn zeros_embedding(module: ModuleId, vocab: usize, hidden: usize, cfg: &SlotConfig) -> Result<LoraSlots> {
+    pub(crate) fn zeros_embedding(
+        module: ModuleId,
+        vocab: usize,
+        hidden: usize,
+        cfg: &SlotConfig,
+    ) -> Result<LoraSlots> {
         Self::zeros_impl(module, vocab, hidden, cfg, true)
     }
 
@@ -69,6 +76,7 @@ impl LoraSlots {
             a: Tensor::zeros(a_shape, cfg.dtype, &cfg.device)?,
             b: Tensor::zeros((l, o, r), cfg.dtype, &cfg.device)?,
             ranks: vec![0; l],
+            clean_from: vec![0; l],
             in_features: i,
             out_features: o,
             max_rank: r,
@@ -101,7 +109,18 @@ impl LoraSlots {
             });
         }
         let (a, b) = (a.contiguous()?, b.contiguous()?);
-        Ok(LoraSlots { module, a, b, ranks, in_features: i, out_features: o, max_rank: r, a_transposed: false })
+        let clean_from = ranks.clone();
+        Ok(LoraSlots {
+            module,
+            a,
+            b,
+            ranks,
+            clean_from,
+            in_features: i,
+            out_features: o,
+            max_rank: r,
+            a_transposed: false,
+        })
     }
 
     /// The module these slots adapt.
@@ -183,11 +202,8 @@ impl LoraSlots {
     pub fn check(&self, slot: usize, m: &LoraModule) -> Result<()> {
         self.check_slot(slot)?;
         let name = self.module.to_string();
-        let (tensor_a, tensor_b) = if self.a_transposed {
-            ("lora_embedding_A", "lora_embedding_B")
-        } else {
-            ("lora_A", "lora_B")
-        };
+        let (tensor_a, tensor_b) =
+            if self.a_transposed { ("lora_embedding_A", "lora_embedding_B") } else { ("lora_A", "lora_B") };
         if m.rank > self.max_rank {
             return Err(Error::RankTooLarge { module: name, rank: m.rank, max_rank: self.max_rank });
         }
@@ -219,28 +235,29 @@ impl LoraSlots {
             a_slot.slice_set(&a.contiguous()?.unsqueeze(0)?, 1, 0)?;
         }
         b_slot.slice_set(&b.unsqueeze(0)?, 2, 0)?;
-        if r < self.max_rank {
-            // Padding must be zero: the slow reference reads the whole padded slot.
-            self.zero_from(slot, r)?;
-        }
+        // Padding must be zero (the slow reference and `merge` read whole slots), but only what a
+        // larger earlier adapter left behind needs zeroing: a fresh slot's padding already is.
+        self.zero_ranks(slot, r, self.clean_from[slot])?;
         self.ranks[slot] = r;
+        self.clean_from[slot] = r;
         Ok(())
     }
 
     /// Zeroes `slot` and marks it empty.
     pub fn clear(&mut self, slot: usize) -> Result<()> {
         self.check_slot(slot)?;
-        self.zero_from(slot, 0)?;
+        self.zero_ranks(slot, 0, self.clean_from[slot])?;
         self.ranks[slot] = 0;
+        self.clean_from[slot] = 0;
         Ok(())
     }
 
-    /// Zeroes ranks `from..max_rank` of `slot`.
-    fn zero_from(&self, slot: usize, from: usize) -> Result<()> {
-        let pad = self.max_rank - from;
-        if pad == 0 {
+    /// Zeroes ranks `from..to` of `slot`.
+    fn zero_ranks(&self, slot: usize, from: usize, to: usize) -> Result<()> {
+        if to <= from {
             return Ok(());
         }
+        let pad = to - from;
         let (dtype, device) = (self.a.dtype(), self.a.device());
         let (i, o) = (self.in_features, self.out_features);
         let a_slot = self.a.narrow(0, slot, 1)?;

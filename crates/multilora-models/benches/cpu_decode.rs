@@ -86,8 +86,13 @@ fn setup() -> Setup {
     for slot in 0..8 {
         let d = dir.path().join(format!("a{slot}"));
         SyntheticAdapter::new(16, &ModuleKind::PROJECTIONS, slot as u64 + 1).write(&d, model.shapes()).expect("write");
-        let a = multilora_adapter::load_dir(&format!("a{slot}"), &d, model.shapes(), &LoadOptions::default().max_lora_rank(16))
-            .expect("load");
+        let a = multilora_adapter::load_dir(
+            &format!("a{slot}"),
+            &d,
+            model.shapes(),
+            &LoadOptions::default().max_lora_rank(16),
+        )
+        .expect("load");
         model.write_slot(slot, &a).expect("slot");
     }
     let per_seq = (CONTEXT + 1).div_ceil(BLOCK);
@@ -135,6 +140,8 @@ fn main() {
     let mut s = setup();
     let mut c = Criterion::default().configure_from_args();
     let mut g = c.benchmark_group("cpu_decode");
+    // A step at batch 64 takes a good fraction of a second on two cores; ten samples keep a run short.
+    g.sample_size(10);
     for &n in &BATCHES {
         g.throughput(Throughput::Elements(n as u64));
         for (name, lora) in [("base", false), ("lora8_r16", true)] {
@@ -145,11 +152,16 @@ fn main() {
         }
         let x = Tensor::randn(0f32, 1.0, (n, 1024), &Device::Cpu).expect("x");
         let xi = Tensor::randn(0f32, 1.0, (n, 2816), &Device::Cpu).expect("xi");
-        g.bench_with_input(BenchmarkId::new("bare_matmuls", n), &n, |bench, _| bench.iter(|| black_box(matmuls(&s, &x, &xi))));
+        g.bench_with_input(BenchmarkId::new("bare_matmuls", n), &n, |bench, _| {
+            bench.iter(|| black_box(matmuls(&s, &x, &xi)))
+        });
     }
     g.finish();
     println!("\nsummary (median of 7 steps, same run):");
-    println!("{:>6} {:>12} {:>12} {:>12} {:>10} {:>14}", "batch", "base tok/s", "lora tok/s", "floor tok/s", "lora/base", "base/matmuls");
+    println!(
+        "{:>6} {:>12} {:>12} {:>12} {:>10} {:>14}",
+        "batch", "base tok/s", "lora tok/s", "floor tok/s", "lora/base", "base/matmuls"
+    );
     for &n in &BATCHES {
         let (bb, bl) = (batch(n, false), batch(n, true));
         let tb = time(|| {

@@ -37,7 +37,28 @@ pub(crate) fn paged_attention(
     let scale = 1.0 / (d.head_dim as f64).sqrt();
     let group = d.heads / d.kv_heads;
     let q = (q * scale)?;
-    let mut outs = Vec::with_capacity(plan.seqs.len());
+    let mut outs = Vec::with_capacity(plan.seqs.len() + 1);
+    if let Some(g) = &plan.decode {
+        let qd = match &g.rows {
+            Some(rows) => q.index_select(rows, 0)?,
+            None => q.narrow(0, 0, g.n)?,
+        };
+        // [n, heads, d] → [n, kv_heads, group, d]; keys [n, kv_heads, max_ctx, d].
+        let qd = qd.reshape((g.n, d.kv_heads, group, d.head_dim))?;
+        let gather = |c: &Tensor| -> Result<Tensor> {
+            Ok(c.index_select(&g.ctx_rows, 0)?
+                .reshape((g.n, g.max_ctx, d.kv_heads, d.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let (k, v) = (gather(cache_k)?, gather(cache_v)?);
+        let mut scores = qd.matmul(&k.transpose(2, 3)?)?.to_dtype(DType::F32)?;
+        if let Some(mask) = &g.mask {
+            scores = scores.broadcast_add(mask)?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?;
+        outs.push(probs.matmul(&v)?.reshape((g.n, d.heads * d.head_dim))?);
+    }
     for s in &plan.seqs {
         let ctx = s.ctx_rows.dim(0)?;
         // [len, heads, d] → [heads, len, d] → [kv_heads, group · len, d].
@@ -49,23 +70,22 @@ pub(crate) fn paged_attention(
         let gather = |c: &Tensor| -> Result<Tensor> {
             Ok(c.index_select(&s.ctx_rows, 0)?.reshape((ctx, d.kv_heads, d.head_dim))?.transpose(0, 1)?.contiguous()?)
         };
-        let k = gather(cache_k)?;
-        let v = gather(cache_v)?;
-        let mut scores = qs.matmul(&k.t()?)?;
+        let (k, v) = (gather(cache_k)?, gather(cache_v)?);
         // Softmax in f32 even for half-precision models: the row sums are what loses precision.
-        let in_dtype = scores.dtype();
-        scores = scores.to_dtype(DType::F32)?;
-        if let Some(mask) = &s.mask {
-            scores = scores.reshape((d.kv_heads, group, s.len, ctx))?.broadcast_add(mask)?.reshape((
-                d.kv_heads,
-                group * s.len,
-                ctx,
-            ))?;
-        }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(in_dtype)?;
+        let scores = qs.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+        let scores = scores.reshape((d.kv_heads, group, s.len, ctx))?.broadcast_add(&s.mask)?.reshape((
+            d.kv_heads,
+            group * s.len,
+            ctx,
+        ))?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?;
         let o = probs.matmul(&v)?; // [kv_heads, group · len, d]
         let o = o.reshape((d.heads, s.len, d.head_dim))?.transpose(0, 1)?.reshape((s.len, d.heads * d.head_dim))?;
         outs.push(o);
     }
-    Ok(Tensor::cat(&outs, 0)?)
+    let out = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(&outs, 0)? };
+    Ok(match &plan.unpermute {
+        Some(index) => out.index_select(index, 0)?,
+        None => out,
+    })
 }

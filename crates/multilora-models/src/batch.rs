@@ -18,7 +18,7 @@ pub enum LogitsRows {
     /// Every new token (prompt logprobs).
     All,
     /// None (a prefill chunk that is not the last one).
-    None,
+    Skip,
 }
 
 /// One sequence's part of a step.
@@ -53,7 +53,7 @@ impl SeqInput {
         match self.logits {
             LogitsRows::Last => 1,
             LogitsRows::All => self.tokens.len(),
-            LogitsRows::None => 0,
+            LogitsRows::Skip => 0,
         }
     }
 }
@@ -102,7 +102,24 @@ pub(crate) struct SeqPlan {
     pub(crate) len: usize,
     /// Flat cache rows of positions `0..start_pos + len`.
     pub(crate) ctx_rows: Tensor,
-    /// `[len, ctx]` additive causal mask in f32; `None` when one token attends to everything.
+    /// `[len, ctx]` additive causal mask in f32.
+    pub(crate) mask: Tensor,
+}
+
+/// The one-token sequences of a step (decode rows), attended together: contexts are padded to
+/// the longest one and the padding masked, so a decode batch costs a handful of ops per layer
+/// instead of a handful per sequence.
+#[derive(Debug)]
+pub(crate) struct DecodeGroup {
+    /// Number of sequences.
+    pub(crate) n: usize,
+    /// Longest context.
+    pub(crate) max_ctx: usize,
+    /// Flat batch rows of the decode tokens; `None` when they are rows `0..n` in order.
+    pub(crate) rows: Option<Tensor>,
+    /// `[n · max_ctx]` flat cache rows (padding points at a valid row and is masked).
+    pub(crate) ctx_rows: Tensor,
+    /// `[n, 1, 1, max_ctx]` additive f32 mask of the padding; `None` when all contexts are equal.
     pub(crate) mask: Option<Tensor>,
 }
 
@@ -114,7 +131,13 @@ pub(crate) struct StepPlan {
     /// `[tokens, kv_width]` u32: the flat cache row of each new token, repeated along the row,
     /// the shape `scatter_set` wants.
     pub(crate) write_index: Tensor,
+    /// Sequences with more than one new token, attended one by one.
     pub(crate) seqs: Vec<SeqPlan>,
+    /// Sequences with one new token, attended together.
+    pub(crate) decode: Option<DecodeGroup>,
+    /// Attention outputs come out as [decode rows, then each of `seqs`]; this gathers them back
+    /// into flat batch order. `None` when that order is already the flat one.
+    pub(crate) unpermute: Option<Tensor>,
     /// Rows of the flat batch that want logits; `None` when that is every row.
     pub(crate) logit_rows: Option<Tensor>,
     pub(crate) token_mapping: LoraMapping,
@@ -134,6 +157,7 @@ impl StepPlan {
         let mut logit_rows = Vec::new();
         let mut logit_slots = Vec::new();
         let mut seqs = Vec::with_capacity(batch.seqs.len());
+        let mut decode: Vec<(usize, Vec<u32>)> = Vec::new();
         let bs = lim.block_size;
         for (i, s) in batch.seqs.iter().enumerate() {
             let len = s.tokens.len();
@@ -168,35 +192,78 @@ impl StepPlan {
             let wanted = match s.logits {
                 LogitsRows::Last => offset + len - 1..offset + len,
                 LogitsRows::All => offset..offset + len,
-                LogitsRows::None => offset..offset,
+                LogitsRows::Skip => offset..offset,
             };
             logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
             logit_rows.extend(wanted.map(|r| r as u32));
             let ctx_rows: Vec<u32> = (0..ctx).map(row).collect();
-            let mask = if len == 1 {
-                None
-            } else {
-                // New token j sits at position start_pos + j and sees positions up to it.
-                let m: Vec<f32> = (0..len)
-                    .flat_map(|j| (0..ctx).map(move |p| if p <= s.start_pos + j { 0.0 } else { f32::NEG_INFINITY }))
-                    .collect();
-                Some(Tensor::from_vec(m, (len, ctx), device)?)
-            };
+            if len == 1 {
+                decode.push((offset, ctx_rows));
+                continue;
+            }
+            // New token j sits at position start_pos + j and sees positions up to it.
+            let m: Vec<f32> = (0..len)
+                .flat_map(|j| (0..ctx).map(move |p| if p <= s.start_pos + j { 0.0 } else { f32::NEG_INFINITY }))
+                .collect();
+            let mask = Tensor::from_vec(m, (len, ctx), device)?;
             seqs.push(SeqPlan { offset, len, ctx_rows: Tensor::from_vec(ctx_rows, ctx, device)?, mask });
         }
-        let write_index = Tensor::from_vec(write_rows, (total, 1), device)?
-            .broadcast_as((total, lim.kv_width))?
-            .contiguous()?;
+        let mut order: Vec<u32> = decode.iter().map(|d| d.0 as u32).collect();
+        for sp in &seqs {
+            order.extend((sp.offset..sp.offset + sp.len).map(|r| r as u32));
+        }
+        let unpermute = if order.iter().enumerate().all(|(i, &r)| i as u32 == r) {
+            None
+        } else {
+            let mut inv = vec![0u32; order.len()];
+            for (i, &r) in order.iter().enumerate() {
+                inv[r as usize] = i as u32;
+            }
+            Some(Tensor::from_vec(inv, order.len(), device)?)
+        };
+        let decode = decode_group(decode, device)?;
+        let write_index =
+            Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?;
         let all_rows = logit_rows.len() == total;
-        let logit_rows_t = if all_rows { None } else { Some(Tensor::from_vec(logit_rows.clone(), logit_rows.len(), device)?) };
+        let logit_rows_t =
+            if all_rows { None } else { Some(Tensor::from_vec(logit_rows.clone(), logit_rows.len(), device)?) };
         Ok(StepPlan {
             ids: Tensor::from_vec(ids, total, device)?,
             positions: Tensor::from_vec(positions, total, device)?,
             write_index,
             seqs,
+            decode,
+            unpermute,
             logit_rows: logit_rows_t,
             token_mapping: LoraMapping::new(&token_slots, lim.max_loras, device)?,
             logit_mapping: LoraMapping::new(&logit_slots, lim.max_loras, device)?,
         })
     }
+}
+
+fn decode_group(rows: Vec<(usize, Vec<u32>)>, device: &Device) -> Result<Option<DecodeGroup>> {
+    let n = rows.len();
+    if n == 0 {
+        return Ok(None);
+    }
+    let max_ctx = rows.iter().map(|r| r.1.len()).max().unwrap_or(0);
+    let uniform = rows.iter().all(|r| r.1.len() == max_ctx);
+    let in_order = rows.iter().enumerate().all(|(i, r)| r.0 == i);
+    let mut ctx_rows = Vec::with_capacity(n * max_ctx);
+    let mut mask = Vec::with_capacity(if uniform { 0 } else { n * max_ctx });
+    for (_, ctx) in &rows {
+        let pad = ctx[0];
+        ctx_rows.extend(ctx.iter().copied().chain(std::iter::repeat_n(pad, max_ctx - ctx.len())));
+        if !uniform {
+            mask.extend((0..max_ctx).map(|p| if p < ctx.len() { 0.0f32 } else { f32::NEG_INFINITY }));
+        }
+    }
+    let flat: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
+    Ok(Some(DecodeGroup {
+        n,
+        max_ctx,
+        rows: if in_order { None } else { Some(Tensor::from_vec(flat, n, device)?) },
+        ctx_rows: Tensor::from_vec(ctx_rows, n * max_ctx, device)?,
+        mask: if uniform { None } else { Some(Tensor::from_vec(mask, (n, 1, 1, max_ctx), device)?) },
+    }))
 }

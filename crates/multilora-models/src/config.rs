@@ -141,7 +141,9 @@ impl ModelConfig {
         }
         let num_kv_heads = int("num_key_value_heads")?.unwrap_or(num_heads);
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(bad(format!("num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")));
+            return Err(bad(format!(
+                "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )));
         }
         let head_dim = int("head_dim")?.unwrap_or(hidden_size / num_heads);
         if head_dim == 0 || head_dim % 2 != 0 {
@@ -232,12 +234,13 @@ fn architecture(v: &Value) -> Result<Architecture> {
         "Qwen2ForCausalLM" => Some(Architecture::Qwen2),
         _ => None,
     };
-    match (model_type, class) {
-        (Some(t), _) if from_type(t).is_some() => Ok(from_type(t).unwrap_or(Architecture::Llama)),
-        (None, Some(c)) if from_class(c).is_some() => Ok(from_class(c).unwrap_or(Architecture::Llama)),
-        (Some(t), _) => Err(Error::UnsupportedArchitecture { name: t.to_string() }),
-        (None, Some(c)) => Err(Error::UnsupportedArchitecture { name: c.to_string() }),
-        (None, None) => Err(Error::Config {
+    // `model_type` decides when present; `architectures` is the fallback for configs without it.
+    if let Some(t) = model_type {
+        return from_type(t).ok_or_else(|| Error::UnsupportedArchitecture { name: t.to_string() });
+    }
+    match class {
+        Some(c) => from_class(c).ok_or_else(|| Error::UnsupportedArchitecture { name: c.to_string() }),
+        None => Err(Error::Config {
             path: "config.json".into(),
             reason: "neither model_type nor architectures is given".into(),
         }),

@@ -40,7 +40,7 @@ pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: DType) -> u64 {
 /// How many blocks of `block_size` tokens fit in `budget_bytes`.
 pub fn num_blocks_for_budget(cfg: &ModelConfig, dtype: DType, block_size: usize, budget_bytes: u64) -> usize {
     let per_block = kv_bytes_per_token(cfg, dtype) * block_size.max(1) as u64;
-    if per_block == 0 { 0 } else { (budget_bytes / per_block) as usize }
+    budget_bytes.checked_div(per_block).unwrap_or(0) as usize
 }
 
 /// The K/V blocks of every layer. Not `Clone`: a clone would share storage with the original,

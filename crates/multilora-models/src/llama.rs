@@ -156,15 +156,16 @@ impl Model {
     fn build(cfg: ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<Model> {
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qs, kvs) = (cfg.q_size(), cfg.kv_size());
-        let slot_cfg = SlotConfig::new(
-            opts.max_loras,
-            opts.max_lora_rank,
-            opts.lora_dtype.unwrap_or(opts.dtype),
-            &opts.device,
-        );
+        let slot_cfg =
+            SlotConfig::new(opts.max_loras, opts.max_lora_rank, opts.lora_dtype.unwrap_or(opts.dtype), &opts.device);
         let targets = opts.lora_target_modules.clone();
         let lora_for = |kinds: &[ModuleKind]| kinds.iter().any(|k| targets.contains(k)).then_some(&slot_cfg);
-        let embed_w = w.get("model.embed_tokens.weight", &[v, h])?;
+        // The digest is taken over the checkpoint's values, not the converted ones: adapters carry
+        // the embedding as saved, and must match it whatever dtype the model runs in.
+        let embed_stored = w.get_as_stored("model.embed_tokens.weight", &[v, h])?;
+        let shapes = model_shapes(&cfg, &embed_stored)?;
+        let embed_w = embed_stored.to_dtype(opts.dtype)?.to_device(&opts.device)?;
+        drop(embed_stored);
         let embed = LoraEmbedding::new(embed_w.clone(), lora_for(&[ModuleKind::EmbedTokens]))?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
@@ -209,7 +210,10 @@ impl Model {
                 lora_for(&[ModuleKind::OProj]),
             )?;
             let gate_up_w = Tensor::cat(
-                &[w.get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?, w.get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?],
+                &[
+                    w.get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                    w.get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                ],
                 0,
             )?;
             let gate_up = LoraLinear::new(
@@ -239,7 +243,6 @@ impl Model {
         let head_w = if cfg.tie_word_embeddings { embed_w.clone() } else { w.get("lm_head.weight", &[v, h])? };
         let lm_head = LoraLinear::new(head_w, None, vec![(ModuleId::lm_head(), v)], lora_for(&[ModuleKind::LmHead]))?;
         let rope = Rope::new(&cfg, opts.dtype, &opts.device)?;
-        let shapes = model_shapes(&cfg, &embed_w)?;
         Ok(Model {
             cfg,
             dtype: opts.dtype,
@@ -417,19 +420,21 @@ impl Site<'_> {
 }
 
 impl multilora_layers::SlotSink for Model {
-    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
+    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_layers::AdapterResult<()> {
         Model::write_slot(self, slot, adapter).map_err(|e| into_adapter_error(e, slot, adapter.name()))
     }
 
-    fn clear_slot(&mut self, slot: usize) -> multilora_adapter::Result<()> {
+    fn clear_slot(&mut self, slot: usize) -> multilora_layers::AdapterResult<()> {
         Model::clear_slot(self, slot).map_err(|e| into_adapter_error(e, slot, ""))
     }
 }
 
-fn into_adapter_error(e: Error, slot: usize, adapter: &str) -> multilora_adapter::Error {
+fn into_adapter_error(e: Error, slot: usize, adapter: &str) -> multilora_layers::AdapterError {
     match e {
         Error::Layer(e) => e.into(),
-        other => multilora_adapter::Error::SlotWrite { slot, adapter: adapter.to_string(), reason: other.to_string() },
+        other => {
+            multilora_layers::AdapterError::SlotWrite { slot, adapter: adapter.to_string(), reason: other.to_string() }
+        }
     }
 }
 

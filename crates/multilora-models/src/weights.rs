@@ -33,29 +33,30 @@ impl HubCache {
         HubCache { cache_dir: cache_dir.into(), offline }
     }
 
-    fn file(&self, repo: &str, revision: &str, file: &str) -> Result<Option<PathBuf>> {
+    /// A file of a hub repo: from the cache, else (unless offline) downloaded into it. The error
+    /// is the reason it could not be had, for the caller to wrap (an absent `model.safetensors` is
+    /// expected for a sharded repo).
+    fn file(&self, repo: &str, revision: &str, file: &str) -> std::result::Result<PathBuf, String> {
         let hub_repo = Repo::with_revision(repo.to_string(), RepoType::Model, revision.to_string());
         if let Some(path) = Cache::new(self.cache_dir.clone()).repo(hub_repo.clone()).get(file) {
-            return Ok(Some(path));
+            return Ok(path);
         }
         // A commit id needs no `refs/` entry: the snapshot folder is named by it.
         let direct = self.cache_dir.join(hub_repo.folder_name()).join("snapshots").join(revision).join(file);
         if direct.is_file() {
-            return Ok(Some(direct));
+            return Ok(direct);
         }
         if self.offline {
-            return Ok(None);
+            return Err(format!(
+                "{file} is not in the hub cache at {} and offline mode is on",
+                self.cache_dir.display()
+            ));
         }
-        let err = |reason: String| Error::Hub { repo: repo.into(), revision: revision.into(), reason };
         let api = hf_hub::api::sync::ApiBuilder::from_env()
             .with_cache_dir(self.cache_dir.clone())
             .build()
-            .map_err(|e| err(format!("cannot start the hub client: {e}")))?;
-        match api.repo(hub_repo).get(file) {
-            Ok(p) => Ok(Some(p)),
-            // The caller decides whether an absent file is an error (index vs single file).
-            Err(_) => Ok(None),
-        }
+            .map_err(|e| format!("cannot start the hub client: {e}"))?;
+        api.repo(hub_repo).get(file).map_err(|e| format!("cannot fetch {file}: {e}"))
     }
 }
 
@@ -105,20 +106,15 @@ impl ModelSource {
             ModelSource::Local(dir) => CheckpointFiles::from_dir(dir),
             ModelSource::Hub { repo, revision } => {
                 let err = |reason: String| Error::Hub { repo: repo.clone(), revision: revision.clone(), reason };
-                let get = |f: &str| hub.file(repo, revision, f);
-                let missing = |f: &str| {
-                    let mode = if hub.offline { " and offline mode is on" } else { "" };
-                    err(format!("{f} is not in the hub cache at {}{mode}", hub.cache_dir.display()))
-                };
-                let config = get("config.json")?.ok_or_else(|| missing("config.json"))?;
-                let weights = if let Some(single) = get("model.safetensors")? {
-                    vec![single]
-                } else {
-                    let index = get(INDEX_FILE)?.ok_or_else(|| missing("model.safetensors"))?;
-                    shard_names(&index)?
-                        .iter()
-                        .map(|s| get(s)?.ok_or_else(|| missing(s)))
-                        .collect::<Result<Vec<_>>>()?
+                let get = |f: &str| hub.file(repo, revision, f).map_err(err);
+                let config = get("config.json")?;
+                let weights = match hub.file(repo, revision, "model.safetensors") {
+                    Ok(single) => vec![single],
+                    Err(single_err) => {
+                        let index =
+                            hub.file(repo, revision, INDEX_FILE).map_err(|e| err(format!("{single_err}; {e}")))?;
+                        shard_names(&index)?.iter().map(|s| get(s)).collect::<Result<Vec<_>>>()?
+                    }
                 };
                 let dir = config.parent().map(Path::to_path_buf).unwrap_or_default();
                 Ok(CheckpointFiles { dir, config, weights })
@@ -230,6 +226,11 @@ impl Weights {
 
     /// The tensor `name`, checked against `shape`, in the model dtype on the model device.
     pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.get_as_stored(name, shape)?.to_dtype(self.dtype)?.to_device(&self.device)?)
+    }
+
+    /// The tensor `name`, checked against `shape`, in the checkpoint's own dtype, on the CPU.
+    pub(crate) fn get_as_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let missing = || Error::TensorMissing { tensor: name.to_string(), dir: self.dir.clone() };
         let got = match &self.source {
             Source::Mmap(st) => st.get(name).map_err(|_| missing())?.shape().to_vec(),
@@ -240,8 +241,8 @@ impl Weights {
         }
         let t = match &self.source {
             Source::Mmap(st) => st.load(name, &Device::Cpu)?,
-            Source::Memory(m) => m.get(name).ok_or_else(missing)?.clone(),
+            Source::Memory(m) => m.get(name).ok_or_else(missing)?.to_device(&Device::Cpu)?,
         };
-        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+        Ok(t)
     }
 }

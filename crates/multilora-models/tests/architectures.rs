@@ -83,7 +83,11 @@ fn write_checkpoint(dir: &Path, cfg: &Value, w: &HashMap<String, Tensor>, sharde
     let (mut a, mut b) = (HashMap::new(), HashMap::new());
     let mut map = serde_json::Map::new();
     for (k, t) in w {
-        let (shard, file) = if k.contains("layers.1") || k.starts_with("lm_head") { (&mut b, "model-00002-of-00002.safetensors") } else { (&mut a, "model-00001-of-00002.safetensors") };
+        let (shard, file) = if k.contains("layers.1") || k.starts_with("lm_head") {
+            (&mut b, "model-00002-of-00002.safetensors")
+        } else {
+            (&mut a, "model-00001-of-00002.safetensors")
+        };
         shard.insert(k.clone(), t.clone());
         map.insert(k.clone(), json!(file));
     }
@@ -98,7 +102,11 @@ fn ref_inv_freq(cfg: &Value) -> Vec<f64> {
     let theta = cfg["rope_theta"].as_f64().unwrap_or(10000.0);
     let plain: Vec<f64> = (0..HD / 2).map(|i| 1.0 / theta.powf((2 * i) as f64 / HD as f64)).collect();
     let Some(s) = cfg.get("rope_scaling").filter(|s| s["rope_type"] == "llama3") else { return plain };
-    let (factor, lo, hi) = (s["factor"].as_f64().unwrap(), s["low_freq_factor"].as_f64().unwrap(), s["high_freq_factor"].as_f64().unwrap());
+    let (factor, lo, hi) = (
+        s["factor"].as_f64().unwrap(),
+        s["low_freq_factor"].as_f64().unwrap(),
+        s["high_freq_factor"].as_f64().unwrap(),
+    );
     let old = s["original_max_position_embeddings"].as_f64().unwrap();
     plain
         .into_iter()
@@ -146,7 +154,8 @@ fn reference(cfg: &Value, w: &HashMap<String, Tensor>, ids: &[u32]) -> Result<Te
     let ang = Tensor::from_vec(ang, (n, HD / 2), &dev)?;
     let ang = Tensor::cat(&[&ang, &ang], 1)?;
     let (cos, sin) = (ang.cos()?, ang.sin()?);
-    let mask: Vec<f32> = (0..n).flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    let mask: Vec<f32> =
+        (0..n).flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
     let mask = Tensor::from_vec(mask, (n, n), &dev)?;
     let eps = cfg["rms_norm_eps"].as_f64().unwrap_or(1e-6);
     let embed = &w["model.embed_tokens.weight"];
@@ -154,7 +163,8 @@ fn reference(cfg: &Value, w: &HashMap<String, Tensor>, ids: &[u32]) -> Result<Te
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
         let h = rms(&x, &w[&format!("{p}.input_layernorm.weight")], eps)?;
-        let heads = |t: Tensor, nh: usize| -> Result<Tensor> { Ok(t.reshape((n, nh, HD))?.transpose(0, 1)?.contiguous()?) };
+        let heads =
+            |t: Tensor, nh: usize| -> Result<Tensor> { Ok(t.reshape((n, nh, HD))?.transpose(0, 1)?.contiguous()?) };
         let q = rotate(&heads(lin(&h, &format!("{p}.self_attn.q_proj"))?, HEADS)?, &cos, &sin)?;
         let k = rotate(&heads(lin(&h, &format!("{p}.self_attn.k_proj"))?, KV)?, &cos, &sin)?;
         let v = heads(lin(&h, &format!("{p}.self_attn.v_proj"))?, KV)?;
@@ -168,7 +178,8 @@ fn reference(cfg: &Value, w: &HashMap<String, Tensor>, ids: &[u32]) -> Result<Te
         let attn = Tensor::stack(&outs, 0)?.transpose(0, 1)?.reshape((n, HEADS * HD))?;
         x = (x + lin(&attn, &format!("{p}.self_attn.o_proj"))?)?;
         let h = rms(&x, &w[&format!("{p}.post_attention_layernorm.weight")], eps)?;
-        let act = (candle_nn::ops::silu(&lin(&h, &format!("{p}.mlp.gate_proj"))?)? * lin(&h, &format!("{p}.mlp.up_proj"))?)?;
+        let act =
+            (candle_nn::ops::silu(&lin(&h, &format!("{p}.mlp.gate_proj"))?)? * lin(&h, &format!("{p}.mlp.up_proj"))?)?;
         x = (x + lin(&act, &format!("{p}.mlp.down_proj"))?)?;
     }
     let x = rms(&x, &w["model.norm.weight"], eps)?;
@@ -186,8 +197,14 @@ fn check(cfg: Value, sharded: bool) -> Result<Model> {
     // Paged: a 20-token prefill chunk, then the rest as a second chunk, in blocks of 8.
     let mut kv = model.new_kv_cache(KvCacheConfig::new(8, 8))?;
     let table: Vec<u32> = vec![5, 1, 7, 0, 2];
-    let a = model.forward(&Batch::new(vec![SeqInput::new(ids[..20].to_vec(), 0, table.clone(), -1).with_logits(LogitsRows::All)]), &mut kv)?;
-    let b = model.forward(&Batch::new(vec![SeqInput::new(ids[20..].to_vec(), 20, table, -1).with_logits(LogitsRows::All)]), &mut kv)?;
+    let a = model.forward(
+        &Batch::new(vec![SeqInput::new(ids[..20].to_vec(), 0, table.clone(), -1).with_logits(LogitsRows::All)]),
+        &mut kv,
+    )?;
+    let b = model.forward(
+        &Batch::new(vec![SeqInput::new(ids[20..].to_vec(), 20, table, -1).with_logits(LogitsRows::All)]),
+        &mut kv,
+    )?;
     let got = Tensor::cat(&[a, b], 0)?;
     let d = (got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     println!("{}: max abs diff vs tensor-op reference {d}", cfg["model_type"]);
@@ -216,7 +233,9 @@ fn mistral_loads_and_refuses_beyond_its_window() -> Result<()> {
     let model = check(cfg, false)?;
     assert_eq!(model.config().max_model_len(), 40);
     let mut kv = model.new_kv_cache(KvCacheConfig::new(8, 8))?;
-    let err = model.forward(&Batch::new(vec![SeqInput::new(vec![3; 41], 0, vec![0, 1, 2, 3, 4, 5], -1)]), &mut kv).unwrap_err();
+    let err = model
+        .forward(&Batch::new(vec![SeqInput::new(vec![3; 41], 0, vec![0, 1, 2, 3, 4, 5], -1)]), &mut kv)
+        .unwrap_err();
     assert_eq!(err.kind(), "invalid_batch", "{err}");
     Ok(())
 }

@@ -6,7 +6,9 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use common::*;
-use multilora_models::{Batch, HubCache, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, ModelSource, SeqInput};
+use multilora_models::{
+    Batch, HubCache, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, ModelSource, SeqInput,
+};
 
 /// bf16 / f16 logits against f32 on every fixture row, one flat batch each.
 ///
@@ -50,7 +52,10 @@ fn loads_by_hub_id_offline_from_the_cache() -> Result<()> {
     let ids = vec![1u32, 294, 488, 497, 479];
     let run = |m: &Model| -> Result<Tensor> {
         let mut kv = m.new_kv_cache(KvCacheConfig::new(2, 8))?;
-        Ok(m.forward(&Batch::new(vec![SeqInput::new(ids.clone(), 0, vec![1], -1).with_logits(LogitsRows::All)]), &mut kv)?)
+        Ok(m.forward(
+            &Batch::new(vec![SeqInput::new(ids.clone(), 0, vec![1], -1).with_logits(LogitsRows::All)]),
+            &mut kv,
+        )?)
     };
     assert_eq!(max_abs_diff(&run(&model)?, &run(&local)?)?, 0.0);
     assert_eq!(model.shapes(), local.shapes());

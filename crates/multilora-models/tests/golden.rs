@@ -72,7 +72,8 @@ fn chunked(chunk: usize) -> Result<()> {
             let step = if done[i] < len.div_ceil(2) { chunk.min(len.div_ceil(2) - done[i]) } else { 1 };
             let toks = r.ids[done[i]..done[i] + step].to_vec();
             seqs.push(
-                SeqInput::new(toks, done[i], tables[i].clone(), slot_of(&slots, &r.adapter)).with_logits(LogitsRows::All),
+                SeqInput::new(toks, done[i], tables[i].clone(), slot_of(&slots, &r.adapter))
+                    .with_logits(LogitsRows::All),
             );
             which.push((i, step));
         }
@@ -119,7 +120,8 @@ fn greedy_generation_reproduces_exactly() -> Result<()> {
     let mut blocks = Blocks::default();
     let mut seqs: Vec<(Vec<u32>, Vec<u32>, i32, usize)> = Vec::new();
     for g in &gens {
-        let prompt: Vec<u32> = g["input_ids"].as_array().into_iter().flatten().map(|x| x.as_u64().unwrap_or(0) as u32).collect();
+        let prompt: Vec<u32> =
+            g["input_ids"].as_array().into_iter().flatten().map(|x| x.as_u64().unwrap_or(0) as u32).collect();
         let n = g["max_new_tokens"].as_u64().unwrap_or(16) as usize;
         let slot = slot_of(&slots, &g["adapter"].as_str().map(str::to_string));
         seqs.push((prompt.clone(), blocks.table(prompt.len() + n, bs), slot, n));
@@ -129,7 +131,10 @@ fn greedy_generation_reproduces_exactly() -> Result<()> {
     let mut pending: Vec<(Vec<u32>, usize)> = seqs.iter().map(|s| (s.0.clone(), 0)).collect();
     for _ in 0..seqs.iter().map(|s| s.3).max().unwrap_or(0) {
         let batch = Batch::new(
-            seqs.iter().zip(&pending).map(|(s, (toks, start))| SeqInput::new(toks.clone(), *start, s.1.clone(), s.2)).collect(),
+            seqs.iter()
+                .zip(&pending)
+                .map(|(s, (toks, start))| SeqInput::new(toks.clone(), *start, s.1.clone(), s.2))
+                .collect(),
         );
         let logits = model.forward(&batch, &mut kv)?;
         for (i, p) in pending.iter_mut().enumerate() {

@@ -33,9 +33,7 @@ fn reused_full_blocks_give_the_cold_logits() -> Result<()> {
     let mut t2 = t1[..full].to_vec();
     t2.extend(blocks.table(second.ids.len() - start, bs));
     let warm = model.forward(
-        &Batch::new(vec![
-            SeqInput::new(second.ids[start..].to_vec(), start, t2, slot).with_logits(LogitsRows::All),
-        ]),
+        &Batch::new(vec![SeqInput::new(second.ids[start..].to_vec(), start, t2, slot).with_logits(LogitsRows::All)]),
         &mut kv,
     )?;
     // Cold run of the second sequence in its own blocks.
@@ -50,10 +48,27 @@ fn reused_full_blocks_give_the_cold_logits() -> Result<()> {
     println!("prefix reuse: warm vs cold {d_cold}, warm vs PEFT {d_ref}");
     assert!(d_cold <= TOL && d_ref <= TOL, "warm vs cold {d_cold}, vs reference {d_ref}");
     // The blocks of the first sequence are untouched: it still decodes as before.
-    let again = model.forward(
-        &Batch::new(vec![SeqInput::new(vec![first.ids[15]], 15, t1, slot)]),
+    let again = model.forward(&Batch::new(vec![SeqInput::new(vec![first.ids[15]], 15, t1, slot)]), &mut kv)?;
+    assert!(max_abs_diff(&again, &first.expected.narrow(0, 15, 1)?)? <= TOL);
+    Ok(())
+}
+
+#[test]
+fn skipped_chunks_fill_the_cache_without_logits() -> Result<()> {
+    let (model, slots) = model_with_adapters(DType::F32)?;
+    let row = rows(false)?.into_iter().find(|r| r.batch == "mixed_all" && r.tensor == "row_2").expect("row");
+    let slot = slot_of(&slots, &row.adapter);
+    let mut kv = cache(&model, 8, 4)?;
+    let table: Vec<u32> = (0..5).collect();
+    let n = row.ids.len();
+    // A non-final chunk wants no logits; the final one only its last row.
+    let none = model.forward(
+        &Batch::new(vec![SeqInput::new(row.ids[..10].to_vec(), 0, table.clone(), slot).with_logits(LogitsRows::Skip)]),
         &mut kv,
     )?;
-    assert!(max_abs_diff(&again, &first.expected.narrow(0, 15, 1)?)? <= TOL);
+    assert_eq!(none.dims(), &[0, 512]);
+    let last = model.forward(&Batch::new(vec![SeqInput::new(row.ids[10..].to_vec(), 10, table, slot)]), &mut kv)?;
+    assert_eq!(last.dims(), &[1, 512]);
+    assert!(max_abs_diff(&last, &row.expected.narrow(0, n - 1, 1)?)? <= TOL);
     Ok(())
 }

@@ -105,6 +105,7 @@ impl CpuTier {
         Some(a)
     }
 
+    #[cfg(test)]
     pub(crate) fn is_retired(&self, generation: &AdapterGen) -> bool {
         self.retired.contains_key(generation)
     }

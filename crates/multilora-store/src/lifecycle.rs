@@ -82,7 +82,8 @@ impl Shared {
                 if !current {
                     return;
                 }
-                let published = loaded.and_then(|(_, adapter)| inner.insert_loaded(id, adapter, elapsed, max_cpu_loras));
+                let published =
+                    loaded.and_then(|(_, adapter)| inner.insert_loaded(id, adapter, elapsed, max_cpu_loras));
                 inner.outcome(id, job.name, published)
             }
             JobKind::Resolve => {
@@ -212,9 +213,10 @@ impl Store {
         let adapter = loaded?;
         let mut inner = self.shared.state.lock();
         let id = inner.registry.register(name, source)?;
-        let generation = inner.insert_loaded(id, adapter, elapsed, self.shared.config.max_cpu_loras).inspect_err(|_| {
-            inner.registry.remove(name);
-        })?;
+        let generation =
+            inner.insert_loaded(id, adapter, elapsed, self.shared.config.max_cpu_loras).inspect_err(|_| {
+                inner.registry.remove(name);
+            })?;
         // Requests waiting on a resolution of this name can go: the name is served now.
         inner.resolving.remove(name);
         inner.resolve_failures.pop(name);

@@ -81,7 +81,12 @@ pub(crate) struct Registry {
 
 impl Registry {
     pub(crate) fn new(base_model_name: impl Into<String>) -> Registry {
-        Registry { base_model_name: base_model_name.into(), by_name: HashMap::new(), entries: HashMap::new(), next_id: 0 }
+        Registry {
+            base_model_name: base_model_name.into(),
+            by_name: HashMap::new(),
+            entries: HashMap::new(),
+            next_id: 0,
+        }
     }
 
     /// Checks `name` and records it with `source`; reads no file.

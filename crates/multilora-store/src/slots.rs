@@ -255,7 +255,7 @@ mod tests {
                             }
                         }
                         if table.slot_of(&g(id)).is_some() {
-                            prop_assert_eq!(table.lru_order().last(), Some(&g(id)));
+                            prop_assert_eq!(table.lru_order().last().copied(), Some(g(id)));
                         }
                     }
                     Op::Pin(id) => { table.pin(g(id)); }

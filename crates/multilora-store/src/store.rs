@@ -219,11 +219,11 @@ impl Store {
             let inner = &mut *guard;
             match inner.registry.id(name) {
                 Some(id) => {
-                    if let Some(generation) = inner.registry.current(id) {
-                        if inner.cpu.get(&generation).is_some() {
-                            inner.counters.cpu_hits += u64::from(count);
-                            return Ok(AdapterStatus::Ready(generation));
-                        }
+                    if let Some(generation) = inner.registry.current(id)
+                        && inner.cpu.get(&generation).is_some()
+                    {
+                        inner.counters.cpu_hits += u64::from(count);
+                        return Ok(AdapterStatus::Ready(generation));
                     }
                     let ticket = inner.next_ticket;
                     let Some(entry) = inner.registry.get_mut(id) else {
@@ -269,12 +269,11 @@ impl Store {
     pub fn retry(&self, name: &str) {
         let mut inner = self.shared.state.lock();
         inner.resolve_failures.pop(name);
-        if let Some(id) = inner.registry.id(name) {
-            if let Some(entry) = inner.registry.get_mut(id) {
-                if matches!(entry.state, LoadState::Failed(_)) {
-                    entry.state = LoadState::Idle;
-                }
-            }
+        if let Some(id) = inner.registry.id(name)
+            && let Some(entry) = inner.registry.get_mut(id)
+            && matches!(entry.state, LoadState::Failed(_))
+        {
+            entry.state = LoadState::Idle;
         }
     }
 
@@ -385,7 +384,8 @@ impl Store {
         let Some(adapter) = inner.cpu.get(&generation) else {
             return Err(Error::NotReady { name: inner.name_of(generation.id) });
         };
-        let bytes = adapter.nbytes_at_rank(self.shared.config.max_lora_rank, self.shared.config.lora_dtype.size_in_bytes());
+        let bytes =
+            adapter.nbytes_at_rank(self.shared.config.max_lora_rank, self.shared.config.lora_dtype.size_in_bytes());
         let placement = inner.slots.place(generation, bytes).map_err(|AllPinned| Error::AllSlotsPinned {
             name: adapter.name().to_string(),
             max_loras: self.shared.config.max_loras,
@@ -410,6 +410,11 @@ impl Store {
     /// The slot `generation` occupies, if any.
     pub fn slot_of(&self, generation: AdapterGen) -> Option<usize> {
         self.shared.state.lock().slots.slot_of(&generation)
+    }
+
+    /// `(slot, generation)` of every occupied slot.
+    pub fn resident_slots(&self) -> Vec<(usize, AdapterGen)> {
+        self.shared.state.lock().slots.resident()
     }
 
     /// A snapshot of occupancy, traffic, load times and failures.

@@ -7,6 +7,7 @@ pub(crate) mod shrink;
 pub(crate) mod slow;
 
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
@@ -77,4 +78,19 @@ pub(crate) fn check_output(
         }
     }
     Ok(())
+}
+
+/// Below this many multiply-adds in one op call, threads cost more than they save.
+const PARALLEL_WORK: usize = 1 << 18;
+
+/// Runs `f` over `tasks`, on the rayon pool when `work` (multiply-adds in all) pays for it.
+pub(crate) fn run_tasks<T: Sync, R: Send>(
+    tasks: &[T],
+    work: usize,
+    f: impl Fn(&T) -> Result<R> + Sync + Send,
+) -> Result<Vec<R>> {
+    if work < PARALLEL_WORK || tasks.len() < 2 {
+        return tasks.iter().map(f).collect();
+    }
+    tasks.par_iter().map(f).collect()
 }

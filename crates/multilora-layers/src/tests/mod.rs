@@ -65,7 +65,11 @@ impl Rng {
 }
 
 /// An in-memory adapter with random `(A, B)` for each `(module, rank, in, out)`, on the CPU in f32.
-pub(crate) fn adapter(name: &str, modules: &[(ModuleId, usize, usize, usize)], seed: u64) -> anyhow::Result<LoraAdapter> {
+pub(crate) fn adapter(
+    name: &str,
+    modules: &[(ModuleId, usize, usize, usize)],
+    seed: u64,
+) -> anyhow::Result<LoraAdapter> {
     let mut rng = Rng::new(seed);
     let mut map = BTreeMap::new();
     for &(id, rank, i, o) in modules {

@@ -96,7 +96,10 @@ fn check_case(rng: &mut Rng, c: &Case, dev: &Device) -> anyhow::Result<()> {
     let (yb, bb) = (bits(&y)?, bits(&base)?);
     for (row, &slot) in slot_list.iter().enumerate() {
         if slot < 0 {
-            anyhow::ensure!(yb[row * total..(row + 1) * total] == bb[row * total..(row + 1) * total], "{what}: base row {row} changed");
+            anyhow::ensure!(
+                yb[row * total..(row + 1) * total] == bb[row * total..(row + 1) * total],
+                "{what}: base row {row} changed"
+            );
         }
     }
     Ok(())
@@ -124,7 +127,15 @@ fn segmented_matches_slow(dev: &Device) -> anyhow::Result<()> {
     }
     // Sizes that are not a multiple of anything, as a real hidden size might not be.
     cases.push(Case { rows: 33, inp: 2049, outs: vec![2049], max_loras: 5, max_rank: 64, dtype: DType::F32, map: 0 });
-    cases.push(Case { rows: 9, inp: 2049, outs: vec![640, 129], max_loras: 3, max_rank: 16, dtype: DType::BF16, map: 0 });
+    cases.push(Case {
+        rows: 9,
+        inp: 2049,
+        outs: vec![640, 129],
+        max_loras: 3,
+        max_rank: 16,
+        dtype: DType::BF16,
+        map: 0,
+    });
     for c in &cases {
         check_case(&mut rng, c, dev)?;
     }
@@ -157,7 +168,10 @@ fn ops_reject_bad_shapes(dev: &Device) -> anyhow::Result<()> {
     let mapping = LoraMapping::new(&[0, 1, -1], 2, dev)?;
     let e = lora_shrink(&Tensor::zeros((3, 7), DType::F32, dev)?, &[&slots], &mapping).unwrap_err();
     assert_eq!(e.kind(), "shape_mismatch");
-    assert!(e.to_string().contains("o_proj") && e.to_string().contains("[3, 7]") && e.to_string().contains("[3, 8]"), "{e}");
+    assert!(
+        e.to_string().contains("o_proj") && e.to_string().contains("[3, 7]") && e.to_string().contains("[3, 8]"),
+        "{e}"
+    );
     let e = lora_shrink(&Tensor::zeros((4, 8), DType::F32, dev)?, &[&slots], &mapping).unwrap_err();
     assert_eq!(e.kind(), "row_mismatch");
     let s = lora_shrink(&Tensor::zeros((3, 8), DType::F32, dev)?, &[&slots], &mapping)?;

@@ -37,11 +37,8 @@ pub const ADAPTERS: [(&str, &str); 9] = [
 pub fn model_with_adapters(dtype: DType) -> Result<(Model, HashMap<String, i32>)> {
     let mut targets = ModuleKind::PROJECTIONS.to_vec();
     targets.push(ModuleKind::EmbedTokens);
-    let opts = ModelOptions::default()
-        .dtype(dtype)
-        .max_loras(ADAPTERS.len())
-        .max_lora_rank(32)
-        .lora_target_modules(&targets);
+    let opts =
+        ModelOptions::default().dtype(dtype).max_loras(ADAPTERS.len()).max_lora_rank(32).lora_target_modules(&targets);
     let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
     let mut slots = HashMap::new();
     for (slot, (name, dir)) in ADAPTERS.iter().enumerate() {
@@ -77,7 +74,8 @@ pub fn rows(extra: bool) -> Result<Vec<Row>> {
     let mut out = Vec::new();
     for b in lists.into_iter().flatten() {
         let name = b["name"].as_str().unwrap_or_default().to_string();
-        let expected = candle_core::safetensors::load(fixture().join(format!("expected/{name}.safetensors")), &Device::Cpu)?;
+        let expected =
+            candle_core::safetensors::load(fixture().join(format!("expected/{name}.safetensors")), &Device::Cpu)?;
         for r in b["rows"].as_array().into_iter().flatten() {
             let tensor = r["tensor"].as_str().unwrap_or_default().to_string();
             out.push(Row {

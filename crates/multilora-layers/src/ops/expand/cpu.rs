@@ -1,26 +1,75 @@
 //! CPU expand: each segment's `[n, out_i]` product (candle's CPU GEMM on strided views of the slot
 //! buffer, at the true rank) is added straight into its rows of `y` by a small in-place op, so the
-//! output is never copied and no packed delta is built.
+//! output is never copied and no packed delta is built. The segments' GEMMs are each too small for
+//! `gemm` to split over cores, so they run side by side on the rayon pool.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor, WithDType};
 
 use crate::error::Result;
 use crate::mapping::LoraMapping;
+use crate::ops::run_tasks;
 use crate::slots::LoraSlots;
 
 pub(super) fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
     let lora_rows = mapping.lora_rows();
+    // (shrink output, slots, slot, packed start, len, column offset) for every (slice, segment).
+    let mut tasks = Vec::new();
+    let mut work = 0;
     let mut offset = 0;
     for (t, sl) in s.iter().zip(slices) {
         for seg in mapping.lora_segments() {
-            let p = mapping.packed_start(seg);
-            if let Some(d) = super::segment_delta(t, sl, seg.slot as usize, p, seg.len, false)? {
-                y.inplace_op2(&d, &AddRows { rows: &lora_rows[p..p + seg.len], col_offset: offset })?;
+            let r = sl.rank(seg.slot as usize);
+            if r > 0 {
+                work += seg.len * r * sl.out_features();
+                tasks.push((t, *sl, seg.slot as usize, mapping.packed_start(seg), seg.len, offset));
             }
         }
         offset += sl.out_features();
     }
+    // Each task adds into its own rows and columns; the in-place op takes the output's write
+    // lock only for the add itself, so the GEMMs of different segments overlap.
+    run_tasks(&tasks, work, |&(t, sl, slot, p, len, col_offset)| {
+        if let Some(d) = super::segment_delta(t, sl, slot, p, len, false)? {
+            y.inplace_op2(&d, &AddRows { rows: &lora_rows[p..p + len], col_offset })?;
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Shrink and expand fused per segment, for a layer's forward on the CPU: each (slice, segment)
+/// task computes `x_seg · Aᵀ` and at once `· Bᵀ`, adding into `y`, so the whole LoRA part is one
+/// parallel phase and the rank-width intermediate never leaves the task. `xs` are the gathered
+/// LoRA rows (`[lora_rows, in]`, f32).
+pub(crate) fn shrink_expand_in_place(
+    xs: &Tensor,
+    y: &Tensor,
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+) -> Result<()> {
+    let lora_rows = mapping.lora_rows();
+    let in_features = xs.dim(1)?;
+    let mut tasks = Vec::new();
+    let mut work = 0;
+    let mut offset = 0;
+    for sl in slices {
+        for seg in mapping.lora_segments() {
+            let r = sl.rank(seg.slot as usize);
+            if r > 0 {
+                work += seg.len * r * (in_features + sl.out_features());
+                tasks.push((*sl, seg.slot as usize, mapping.packed_start(seg), seg.len, offset));
+            }
+        }
+        offset += sl.out_features();
+    }
+    run_tasks(&tasks, work, |&(sl, slot, p, len, col_offset)| {
+        let Some((a, b)) = sl.slot_ab(slot)? else { return Ok(()) };
+        let s = xs.narrow(0, p, len)?.matmul(&a.to_dtype(candle_core::DType::F32)?.t()?)?;
+        let d = s.matmul(&b.to_dtype(candle_core::DType::F32)?.t()?)?;
+        y.inplace_op2(&d, &AddRows { rows: &lora_rows[p..p + len], col_offset })?;
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -48,7 +97,11 @@ impl AddRows<'_> {
             candle_core::bail!("add_rows: both operands must be contiguous");
         }
         if m != self.rows.len() || self.col_offset + w > width {
-            candle_core::bail!("add_rows: source [{m}, {w}] does not fit {} rows at column {}", self.rows.len(), self.col_offset);
+            candle_core::bail!(
+                "add_rows: source [{m}, {w}] does not fit {} rows at column {}",
+                self.rows.len(),
+                self.col_offset
+            );
         }
         let dst = &mut dst[dst_l.start_offset()..];
         let src = &src[src_l.start_offset()..];

@@ -17,7 +17,7 @@
 //! product is added straight into its rows); elsewhere the deltas are packed and added with one
 //! `index_add`.
 
-mod cpu;
+pub(crate) mod cpu;
 
 use candle_core::{DType, Tensor};
 
@@ -62,7 +62,12 @@ pub(crate) fn segment_delta(
 }
 
 /// The device-generic expand: deltas packed into `[lora_rows, Σ out]`, then one `index_add`.
-pub(crate) fn expand_tensor_ops(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
+pub(crate) fn expand_tensor_ops(
+    y: &Tensor,
+    s: &[Tensor],
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+) -> Result<Tensor> {
     let Some(index) = mapping.lora_index() else { return Ok(y.clone()) };
     let total: usize = slices.iter().map(|s| s.out_features()).sum();
     let delta = Tensor::zeros((mapping.num_lora_rows(), total), DType::F32, y.device())?;

@@ -1,0 +1,62 @@
+//! The model as a `SlotSink`: writing, rewriting and clearing slots changes exactly the rows of
+//! that slot, and an adapter aimed at a module without slot buffers is refused before any write.
+
+mod common;
+
+use anyhow::Result;
+use common::*;
+use multilora_adapter::{LoadOptions, ModuleKind, SlotSink};
+use multilora_models::{Batch, LogitsRows, Model, ModelOptions, SeqInput};
+
+#[test]
+fn slots_are_written_rewritten_and_cleared_through_the_trait() -> Result<()> {
+    let opts = ModelOptions::default().max_loras(2).max_lora_rank(16);
+    let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
+    let load = |name: &str, m: &Model| {
+        multilora_adapter::load_dir(name, &fixture().join("adapters").join(name), m.shapes(), &LoadOptions::default())
+    };
+    let qv = load("qv_r8", &model)?;
+    let all = load("all_r16", &model)?;
+    let rows = rows(false)?;
+    let row = |adapter: Option<&str>| {
+        rows.iter().find(|r| r.batch == "shared_prefix" && r.adapter.as_deref() == adapter).cloned().expect("row")
+    };
+    let run = |m: &Model, ids: &[u32], slot: i32| -> Result<candle_core::Tensor> {
+        let mut kv = cache(m, 4, 16)?;
+        let seq = SeqInput::new(ids.to_vec(), 0, vec![0], slot).with_logits(LogitsRows::All);
+        Ok(m.forward(&Batch::new(vec![seq]), &mut kv)?)
+    };
+    let (base, r_qv, r_all) = (row(None), row(Some("qv_r8")), row(Some("all_r16")));
+    SlotSink::write_slot(&mut model, 1, &qv)?;
+    assert!(max_abs_diff(&run(&model, &r_qv.ids, 1)?, &r_qv.expected)? <= TOL);
+    // Rewriting the slot with an adapter of other targets zeroes what the first one left.
+    SlotSink::write_slot(&mut model, 1, &all)?;
+    assert!(max_abs_diff(&run(&model, &r_all.ids, 1)?, &r_all.expected)? <= TOL);
+    SlotSink::clear_slot(&mut model, 1)?;
+    assert!(max_abs_diff(&run(&model, &base.ids, 1)?, &base.expected)? <= TOL);
+    // Slot -1 is the base model, bit for bit, whatever the slots hold.
+    SlotSink::write_slot(&mut model, 0, &all)?;
+    assert_eq!(max_abs_diff(&run(&model, &base.ids, -1)?, &run(&model, &base.ids, 1)?)?, 0.0);
+    let err = SlotSink::write_slot(&mut model, 2, &qv).unwrap_err();
+    assert!(err.to_string().contains("slot"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn adapters_beyond_the_target_modules_are_refused() -> Result<()> {
+    let opts = ModelOptions::default().max_loras(2).max_lora_rank(16).lora_target_modules(&[ModuleKind::QProj]);
+    let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
+    let qv = multilora_adapter::load_dir(
+        "qv_r8",
+        &fixture().join("adapters/qv_r8"),
+        model.shapes(),
+        &LoadOptions::default(),
+    )?;
+    let err = model.write_slot(0, &qv).unwrap_err();
+    assert_eq!(err.kind(), "not_a_target");
+    assert!(err.to_string().contains("v_proj"), "{err}");
+    let err = SlotSink::write_slot(&mut model, 0, &qv).unwrap_err();
+    assert!(err.to_string().contains("qv_r8"), "{err}");
+    assert!(model.lora_slot_bytes() > 0);
+    Ok(())
+}
