@@ -142,3 +142,19 @@ fn missing_files_and_strict_base_check() {
     assert_eq!(err.kind(), "base_model_mismatch", "{err}");
     assert!(err.to_string().contains("LlamaForCausalLM"), "{err}");
 }
+
+#[test]
+fn fan_in_fan_out_changes_nothing_for_linear_targets() {
+    // PEFT resets fan_in_fan_out to false for nn.Linear targets (with a warning) and saves
+    // lora_A: [r, in], lora_B: [out, r] either way, so the same tensors mean the same function.
+    let plain = load("qv", &fixtures().join("adapters/qv_r8")).unwrap();
+    let tmp = edited("adapters/qv_r8", |c| c["fan_in_fan_out"] = true.into());
+    let flagged = load("qv", tmp.path()).unwrap();
+    assert!(flagged.config().fan_in_fan_out);
+    assert_eq!(plain.fingerprint(), flagged.fingerprint());
+    for (id, m) in plain.modules() {
+        let f = flagged.module(id).unwrap();
+        assert_eq!(m.a.to_vec2::<f32>().unwrap(), f.a.to_vec2::<f32>().unwrap(), "{id}");
+        assert_eq!(m.b.to_vec2::<f32>().unwrap(), f.b.to_vec2::<f32>().unwrap(), "{id}");
+    }
+}

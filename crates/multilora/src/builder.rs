@@ -1,0 +1,317 @@
+//! `EngineBuilder`: vLLM's knobs, this engine's defaults (and why they differ), and the start-up
+//! sequence: model config → startup adapters' configs (rank, targets) → model with slot buffers
+//! → tokenizer → store → KV cache from what the slots left of the budget → the loop thread.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device};
+use multilora_adapter::{AdapterSource, LoadOptions, ModelShapes, ModuleKind};
+use multilora_models::{HubCache, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
+use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig};
+use multilora_store::{Store, StoreConfig};
+
+use crate::error::{EngineError, Result};
+use crate::handle::Engine;
+
+/// Default KV budget: 256 MiB. vLLM sizes KV from `gpu_memory_utilization` (0.9 of the device);
+/// a CPU host has no device memory to measure, so the default is a fixed budget.
+pub const DEFAULT_KV_CACHE_BYTES: u64 = 256 << 20;
+
+/// The resolved configuration an engine runs with.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// The model source as given.
+    pub model: String,
+    /// The name requests use for the base model.
+    pub served_model_name: String,
+    /// Adapter slots (distinct adapters per step); 0 = LoRA off.
+    pub max_loras: usize,
+    /// Adapters held in host memory.
+    pub max_cpu_loras: usize,
+    /// Rank of every slot.
+    pub max_lora_rank: usize,
+    /// Modules with slot buffers.
+    pub lora_target_modules: Vec<ModuleKind>,
+    /// Dtype of adapters and slots.
+    pub lora_dtype: DType,
+    /// Model dtype.
+    pub dtype: DType,
+    /// Context length.
+    pub max_model_len: usize,
+    /// Most running requests.
+    pub max_num_seqs: usize,
+    /// Most tokens per step.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks allocated.
+    pub num_kv_blocks: usize,
+    /// Bytes of all slot buffers.
+    pub lora_slot_bytes: u64,
+    /// Prefix caching on.
+    pub enable_prefix_caching: bool,
+    /// Runtime load / unload / reload allowed.
+    pub allow_runtime_lora_updating: bool,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// EOS ids from the model config.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Builds an [`Engine`]: `Engine::builder("path/to/model").max_loras(8).lora("sql", "path").build()?`.
+///
+/// | knob | default here | vLLM's | why |
+/// | --- | --- | --- | --- |
+/// | `max_loras` | 4 | 1 | serving several tenants at once is the point of this engine |
+/// | `max_lora_rank` | largest startup rank, else 16 | 16 | slots sized to what is served, not wasted |
+/// | `max_cpu_loras` | max(`max_loras`, 32) | `max_loras` | host memory is cheap, reloads from disk are not |
+/// | `lora_target_modules` | 7 projections ∪ startup targets | all supported | slots for what adapters use |
+/// | `kv_cache_bytes` | 256 MiB, slots counted against it | 0.9 of device memory | no device memory to measure on CPU |
+/// | `max_num_seqs` | 256 | 256 | |
+/// | `max_num_batched_tokens` | 8192 | 2048–8192 | |
+/// | `block_size` | 16 | 16 | |
+/// | `enable_prefix_caching` | on | on | |
+/// | `allow_runtime_lora_updating` | off | off | loading files named by clients is a privilege |
+#[derive(Debug)]
+pub struct EngineBuilder {
+    model: String,
+    served_model_name: Option<String>,
+    loras: Vec<(String, String)>,
+    max_loras: usize,
+    max_cpu_loras: Option<usize>,
+    max_lora_rank: Option<usize>,
+    lora_target_modules: Option<Vec<ModuleKind>>,
+    lora_dtype: Option<DType>,
+    dtype: DType,
+    device: Device,
+    max_model_len: Option<usize>,
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    block_size: usize,
+    kv_cache_bytes: u64,
+    enable_prefix_caching: bool,
+    allow_runtime_lora_updating: bool,
+    allowed_lora_roots: Vec<PathBuf>,
+}
+
+macro_rules! setter {
+    ($(#[$doc:meta])* $name:ident: $ty:ty => $field:ident = $val:expr) => {
+        $(#[$doc])*
+        pub fn $name(mut self, $name: $ty) -> EngineBuilder {
+            self.$field = $val($name);
+            self
+        }
+    };
+}
+
+impl EngineBuilder {
+    pub(crate) fn new(model: String) -> EngineBuilder {
+        EngineBuilder {
+            model,
+            served_model_name: None,
+            loras: Vec::new(),
+            max_loras: 4,
+            max_cpu_loras: None,
+            max_lora_rank: None,
+            lora_target_modules: None,
+            lora_dtype: None,
+            dtype: DType::F32,
+            device: Device::Cpu,
+            max_model_len: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            block_size: 16,
+            kv_cache_bytes: DEFAULT_KV_CACHE_BYTES,
+            enable_prefix_caching: true,
+            allow_runtime_lora_updating: false,
+            allowed_lora_roots: Vec::new(),
+        }
+    }
+
+    /// An adapter served from the start (vLLM's `--lora-modules name=source`): a directory or
+    /// a hub id `org/name[@revision]`; loaded into the CPU tier by [`EngineBuilder::build`].
+    pub fn lora(mut self, name: impl Into<String>, source: impl Into<String>) -> EngineBuilder {
+        self.loras.push((name.into(), source.into()));
+        self
+    }
+
+    setter!(/// Adapter slots: distinct adapters per step (default 4); 0 turns LoRA off.
+        max_loras: usize => max_loras = |v| v);
+    setter!(/// Adapters kept in host memory (default max(`max_loras`, 32)).
+        max_cpu_loras: usize => max_cpu_loras = Some);
+    setter!(/// Rank of every slot (default: the largest startup adapter rank, else 16).
+        max_lora_rank: usize => max_lora_rank = Some);
+    setter!(/// Dtype of adapters and slots (default: the model dtype).
+        lora_dtype: DType => lora_dtype = Some);
+    setter!(/// Model dtype (default f32).
+        dtype: DType => dtype = |v| v);
+    setter!(/// Where the model runs (default CPU).
+        device: Device => device = |v| v);
+    setter!(/// Context length (default: the model's).
+        max_model_len: usize => max_model_len = Some);
+    setter!(/// Most running requests (default 256).
+        max_num_seqs: usize => max_num_seqs = |v| v);
+    setter!(/// Most tokens per step (default 8192).
+        max_num_batched_tokens: usize => max_num_batched_tokens = |v| v);
+    setter!(/// Tokens per KV block (default 16).
+        block_size: usize => block_size = |v| v);
+    setter!(/// Bytes for KV and LoRA slots together (default 256 MiB).
+        kv_cache_bytes: u64 => kv_cache_bytes = |v| v);
+    setter!(/// Prefix caching (default on).
+        enable_prefix_caching: bool => enable_prefix_caching = |v| v);
+    setter!(/// Runtime load / unload / reload (default off).
+        allow_runtime_lora_updating: bool => allow_runtime_lora_updating = |v| v);
+    setter!(/// The name requests use for the base model (default: the model source as given).
+        served_model_name: String => served_model_name = Some);
+
+    /// Modules that get slot buffers (default: the seven projections plus whatever the startup
+    /// adapters target). A runtime adapter targeting anything else is refused.
+    pub fn lora_target_modules(mut self, modules: &[ModuleKind]) -> EngineBuilder {
+        self.lora_target_modules = Some(modules.to_vec());
+        self
+    }
+
+    /// A directory runtime adapter sources must lie in.
+    pub fn allowed_lora_root(mut self, root: impl Into<PathBuf>) -> EngineBuilder {
+        self.allowed_lora_roots.push(root.into());
+        self
+    }
+
+    /// Loads the model, tokenizer and startup adapters, sizes the KV cache, and starts the loop.
+    pub fn build(self) -> Result<Engine> {
+        let source = ModelSource::parse(&self.model)?;
+        let hub = HubCache::from_env();
+        let files = source.resolve(&hub)?;
+        let cfg = ModelConfig::from_file(&files.config)?;
+        let (startup_rank, startup_targets) = self.scan_startup(&cfg)?;
+        let max_lora_rank = self.max_lora_rank.unwrap_or(if startup_rank > 0 { startup_rank } else { 16 });
+        let targets = self.lora_target_modules.clone().unwrap_or_else(|| {
+            let mut t = ModuleKind::PROJECTIONS.to_vec();
+            t.extend(startup_targets.iter().copied().filter(|k| !ModuleKind::PROJECTIONS.contains(k)));
+            t
+        });
+        let lora_dtype = self.lora_dtype.unwrap_or(self.dtype);
+        let opts = ModelOptions::default()
+            .dtype(self.dtype)
+            .device(self.device.clone())
+            .max_loras(self.max_loras)
+            .max_lora_rank(max_lora_rank)
+            .lora_target_modules(&targets)
+            .lora_dtype(lora_dtype)
+            .hub(hub);
+        let model = Model::load(&source, &opts)?;
+        let tokenizer_path = files.dir.join("tokenizer.json");
+        let tokenizer = if tokenizer_path.is_file() {
+            let t = tokenizers::Tokenizer::from_file(&tokenizer_path)
+                .map_err(|e| EngineError::Model(format!("{}: {e}", tokenizer_path.display())))?;
+            Some(t)
+        } else {
+            tracing::warn!(path = %tokenizer_path.display(), "no tokenizer.json: only token-id prompts are accepted");
+            None
+        };
+
+        let served = self.served_model_name.clone().unwrap_or_else(|| self.model.clone());
+        let max_cpu_loras = self.max_cpu_loras.unwrap_or(self.max_loras.max(32));
+        let mut store_cfg = StoreConfig::new(served.clone(), model.shapes().clone())
+            .max_loras(self.max_loras)
+            .max_cpu_loras(max_cpu_loras)
+            .max_lora_rank(max_lora_rank)
+            .lora_dtype(lora_dtype)
+            .allow_runtime_updates(self.allow_runtime_lora_updating);
+        for root in &self.allowed_lora_roots {
+            store_cfg = store_cfg.allowed_root(root.clone());
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let wake = tx.clone();
+        let mut store = Store::builder(store_cfg).notify(move || {
+            let _ = wake.send(crate::engine_loop::Command::Wake);
+        });
+        for (name, src) in &self.loras {
+            let parsed = AdapterSource::parse(src).map_err(|e| adapter_err(name, &e))?;
+            store = store.startup(name.clone(), parsed);
+        }
+        let store = store.build().map_err(|e| EngineError::from_store("startup", &e))?;
+
+        let max_model_len = self.max_model_len.unwrap_or(cfg.max_model_len());
+        let slot_bytes = model.lora_slot_bytes();
+        let kv_budget = self.kv_cache_bytes.saturating_sub(slot_bytes);
+        let kv_cfg = KvCacheConfig::for_budget(model.config(), self.dtype, self.block_size, kv_budget);
+        let sched_cfg = SchedulerConfig::default()
+            .max_num_seqs(self.max_num_seqs)
+            .max_num_batched_tokens(self.max_num_batched_tokens)
+            .max_model_len(max_model_len)
+            .max_loras(self.max_loras)
+            .kv(KvConfig {
+                num_blocks: kv_cfg.num_blocks,
+                block_size: self.block_size,
+                enable_prefix_caching: self.enable_prefix_caching,
+                ..KvConfig::default()
+            });
+        let scheduler = Scheduler::new(sched_cfg).map_err(|e| {
+            EngineError::Config(format!("{e} (kv_cache_bytes {} minus {slot_bytes} of lora slots)", self.kv_cache_bytes))
+        })?;
+        let kv = model.new_kv_cache(kv_cfg)?;
+        tracing::info!(
+            model = %self.model,
+            dtype = ?self.dtype,
+            max_loras = self.max_loras,
+            max_lora_rank,
+            lora_slot_bytes = slot_bytes,
+            kv_blocks = kv_cfg.num_blocks,
+            kv_tokens = kv_cfg.num_blocks * self.block_size,
+            "multilora engine ready"
+        );
+        let config = EngineConfig {
+            model: self.model,
+            served_model_name: served,
+            max_loras: self.max_loras,
+            max_cpu_loras,
+            max_lora_rank,
+            lora_target_modules: targets,
+            lora_dtype,
+            dtype: self.dtype,
+            max_model_len,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            block_size: self.block_size,
+            num_kv_blocks: kv_cfg.num_blocks,
+            lora_slot_bytes: slot_bytes,
+            enable_prefix_caching: self.enable_prefix_caching,
+            allow_runtime_lora_updating: self.allow_runtime_lora_updating,
+            vocab_size: cfg.vocab_size,
+            eos_token_ids: cfg.eos_token_ids.clone(),
+        };
+        Engine::start(config, model, kv, scheduler, store, tokenizer, tx, rx)
+    }
+
+    /// Reads each startup adapter's config (no tensors): the largest rank and the modules
+    /// targeted, so slots are sized before the model allocates them.
+    fn scan_startup(&self, cfg: &ModelConfig) -> Result<(usize, Vec<ModuleKind>)> {
+        let shapes = ModelShapes::llama(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+        );
+        let opts = LoadOptions::new(DType::F32);
+        let (mut rank, mut kinds) = (0, Vec::new());
+        for (name, src) in &self.loras {
+            let dir = AdapterSource::parse(src).and_then(|s| s.resolve()).map_err(|e| adapter_err(name, &e))?;
+            let summary = multilora_adapter::read_config(name, &dir, &shapes, &opts).map_err(|e| adapter_err(name, &e))?;
+            rank = rank.max(summary.max_rank());
+            for id in summary.modules.keys() {
+                if !kinds.contains(&id.kind) {
+                    kinds.push(id.kind);
+                }
+            }
+        }
+        Ok((rank, kinds))
+    }
+}
+
+fn adapter_err(name: &str, e: &multilora_adapter::Error) -> EngineError {
+    EngineError::Adapter { name: name.to_string(), message: e.to_string(), cause_kind: e.kind() }
+}

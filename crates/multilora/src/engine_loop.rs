@@ -1,0 +1,581 @@
+//! The engine loop, on its own thread: drain commands between steps, admit requests whose
+//! adapter is ready (the rest wait here in arrival order), then one step: schedule → activate
+//! adapter generations into slots → one forward over the flat batch → sample → update → stream.
+//! When there is nothing to run it blocks on the command channel (the store's load notifications
+//! arrive there too), so an idle engine costs nothing.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
+use std::time::{Duration, Instant};
+
+use multilora_models::{Batch, KvCache, LogitsRows, Model, SeqInput};
+use multilora_scheduler::{LogitsWanted, Request, RequestResult, Scheduler, SchedulerOutput};
+use multilora_store::{AdapterGen, AdapterStatus, Store};
+use parking_lot::Mutex;
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::builder::EngineConfig;
+use crate::detokenize::Detokenizer;
+use crate::error::{EngineError, Result};
+use crate::metrics::{Counters, Histogram, MetricsSnapshot, TierOccupancy};
+use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams, Usage};
+use crate::sampling::{SamplerState, log_softmax, top_n};
+
+/// What handles send to the loop.
+#[derive(Debug)]
+pub(crate) enum Command {
+    /// A validated, tokenized request.
+    Submit(Box<Submission>),
+    /// Cancel a request (its stream was dropped).
+    Abort(u64),
+    /// Unload an adapter and fail the requests waiting for it.
+    Unload(String, SyncSender<Result<()>>),
+    /// Send a metrics snapshot.
+    Metrics(SyncSender<MetricsSnapshot>),
+    /// A background load finished: look at the deferred requests again.
+    Wake,
+    /// Stop: fail what is left and exit.
+    Shutdown,
+}
+
+/// A request as the handle prepared it.
+#[derive(Debug)]
+pub(crate) struct Submission {
+    pub(crate) id: u64,
+    pub(crate) model: String,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) params: SamplingParams,
+    pub(crate) events: UnboundedSender<Event>,
+    pub(crate) arrived: Instant,
+}
+
+/// A live request: deferred (waiting for its adapter) or in the scheduler.
+#[derive(Debug)]
+struct Live {
+    sub: Submission,
+    generation: Option<AdapterGen>,
+    sampler: SamplerState,
+    detok: Option<Detokenizer>,
+    /// Generated text so far; kept only when stop strings need it.
+    text: String,
+    prompt_lp: Option<Vec<Option<PromptLogprob>>>,
+    last_token: Option<Instant>,
+}
+
+/// Everything the loop thread owns.
+pub(crate) struct EngineLoop {
+    pub(crate) config: EngineConfig,
+    pub(crate) model: Model,
+    pub(crate) kv: KvCache,
+    pub(crate) scheduler: Scheduler,
+    pub(crate) store: Arc<Store>,
+    pub(crate) tokenizer: Option<Arc<Tokenizer>>,
+    pub(crate) rx: Receiver<Command>,
+    pub(crate) last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+    live: HashMap<u64, Live>,
+    deferred: VecDeque<u64>,
+    counters: Counters,
+    seed_counter: u64,
+}
+
+impl EngineLoop {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: EngineConfig,
+        model: Model,
+        kv: KvCache,
+        scheduler: Scheduler,
+        store: Arc<Store>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        rx: Receiver<Command>,
+        last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+    ) -> EngineLoop {
+        EngineLoop {
+            config,
+            model,
+            kv,
+            scheduler,
+            store,
+            tokenizer,
+            rx,
+            last_metrics,
+            live: HashMap::new(),
+            deferred: VecDeque::new(),
+            counters: Counters::default(),
+            seed_counter: 0x5eed,
+        }
+    }
+
+    /// Runs until `Shutdown` (or every sender is gone).
+    pub(crate) fn run(mut self) {
+        'outer: loop {
+            if !self.scheduler.has_unfinished() {
+                match self.rx.recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break 'outer;
+                        }
+                    }
+                    Err(_) => break 'outer,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                if !self.handle(cmd) {
+                    break 'outer;
+                }
+            }
+            self.admit_deferred();
+            self.reap_closed();
+            if self.scheduler.has_unfinished() && !self.step() {
+                // Nothing could be scheduled (should not happen): wait a little rather than spin.
+                match self.rx.recv_timeout(Duration::from_millis(5)) {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break 'outer;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => break 'outer,
+                }
+            }
+        }
+        self.shutdown();
+    }
+
+    /// Handles one command; `false` to stop.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit(sub) => self.submit(*sub),
+            Command::Abort(id) => self.abort(id),
+            Command::Unload(name, reply) => {
+                let _ = reply.send(self.unload(&name));
+            }
+            Command::Metrics(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+            Command::Wake => {}
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn submit(&mut self, sub: Submission) {
+        let mut stop_ids = sub.params.stop_token_ids.clone();
+        if !sub.params.ignore_eos {
+            stop_ids.extend(self.config.eos_token_ids.iter().copied());
+        }
+        let seed = sub.params.seed.unwrap_or_else(|| {
+            self.seed_counter = self.seed_counter.wrapping_add(1);
+            self.seed_counter ^ sub.arrived.elapsed().as_nanos() as u64 ^ sub.id.rotate_left(32)
+        });
+        let detok = self.tokenizer.as_ref().map(|_| Detokenizer::new(&sub.prompt, sub.params.skip_special_tokens));
+        let live = Live {
+            sampler: SamplerState::new(seed, &sub.prompt, stop_ids, &sub.params),
+            prompt_lp: sub.params.prompt_logprobs.map(|_| vec![None; sub.prompt.len()]),
+            sub,
+            generation: None,
+            detok,
+            text: String::new(),
+            last_token: None,
+        };
+        let id = live.sub.id;
+        let name = live.sub.model.clone();
+        self.live.insert(id, live);
+        if name == self.config.served_model_name {
+            self.admit(id, None);
+            return;
+        }
+        if self.config.max_loras == 0 {
+            return self.fail(id, EngineError::ModelNotFound { name });
+        }
+        let earlier = self.deferred.iter().any(|d| self.live.get(d).is_some_and(|l| l.sub.model == name));
+        match self.store.request(&name) {
+            Ok(AdapterStatus::Ready(g)) if !earlier => self.admit(id, Some(g)),
+            Ok(AdapterStatus::Failed(e)) => self.fail(id, EngineError::from_store_arc(&name, &e)),
+            Ok(_) => self.deferred.push_back(id),
+            Err(e) => self.fail(id, EngineError::from_store(&name, &e)),
+        }
+    }
+
+    /// Hands request `id` to the scheduler on `generation`, pinning it until the request ends.
+    fn admit(&mut self, id: u64, generation: Option<AdapterGen>) {
+        let Some(live) = self.live.get_mut(&id) else { return };
+        if let Some(g) = generation
+            && self.store.pin(g).is_err()
+        {
+            // Evicted from the CPU tier since `request` said ready: wait for the reload.
+            self.store.prefetch([live.sub.model.as_str()]);
+            self.deferred.push_back(id);
+            return;
+        }
+        live.generation = generation;
+        let p = &live.sub.params;
+        let room = self.config.max_model_len.saturating_sub(live.sub.prompt.len()).max(1);
+        let mut req = Request::new(id, live.sub.prompt.clone(), p.max_tokens.unwrap_or(room).min(room))
+            .stop_token_ids(self.stop_ids(p))
+            .prompt_logprobs(p.prompt_logprobs.is_some());
+        if let Some(g) = generation {
+            req = req.adapter(multilora_scheduler::AdapterGen::new(g.id.0, g.fingerprint.0));
+        }
+        if let Err(e) = self.scheduler.add_request(req) {
+            if let Some(g) = generation {
+                self.store.release(g);
+            }
+            let err = match e {
+                multilora_scheduler::Error::PromptTooLong { prompt_len, max_model_len, .. } => {
+                    EngineError::PromptTooLong { prompt_len, max_model_len }
+                }
+                other => EngineError::invalid(other.to_string()),
+            };
+            if let Some(live) = self.live.get_mut(&id) {
+                live.generation = None;
+            }
+            return self.fail(id, err);
+        }
+        let prompt_len = live.sub.prompt.len() as u64;
+        let usage = self.counters.adapter(&live.sub.model);
+        usage.requests += 1;
+        usage.prompt_tokens += prompt_len;
+        self.counters.prompt_tokens += prompt_len;
+    }
+
+    fn stop_ids(&self, p: &SamplingParams) -> Vec<u32> {
+        let mut ids = p.stop_token_ids.clone();
+        if !p.ignore_eos {
+            ids.extend(self.config.eos_token_ids.iter().copied());
+        }
+        ids
+    }
+
+    /// Admits deferred requests whose adapter became ready, and fails those whose load failed.
+    fn admit_deferred(&mut self) {
+        if self.deferred.is_empty() {
+            return;
+        }
+        let mut status: HashMap<String, std::result::Result<AdapterStatus, EngineError>> = HashMap::new();
+        let queue = std::mem::take(&mut self.deferred);
+        for id in queue {
+            let Some(name) = self.live.get(&id).map(|l| l.sub.model.clone()) else { continue };
+            let st = status
+                .entry(name.clone())
+                .or_insert_with(|| self.store.request(&name).map_err(|e| EngineError::from_store(&name, &e)))
+                .clone();
+            match st {
+                Ok(AdapterStatus::Ready(g)) => self.admit(id, Some(g)),
+                Ok(AdapterStatus::Failed(e)) => self.fail(id, EngineError::from_store_arc(&name, &e)),
+                Ok(_) => self.deferred.push_back(id),
+                Err(e) => self.fail(id, e),
+            }
+        }
+    }
+
+    /// Aborts requests whose stream was dropped.
+    fn reap_closed(&mut self) {
+        let closed: Vec<u64> = self.live.iter().filter(|(_, l)| l.sub.events.is_closed()).map(|(&id, _)| id).collect();
+        for id in closed {
+            self.abort(id);
+        }
+    }
+
+    fn abort(&mut self, id: u64) {
+        if !self.live.contains_key(&id) {
+            return;
+        }
+        self.deferred.retain(|&d| d != id);
+        let done = self.scheduler.abort(id);
+        let tokens = done.map_or(0, |f| f.output_token_ids.len());
+        self.finish(id, FinishReason::Aborted, tokens);
+    }
+
+    /// Ends request `id` with `err`, freeing whatever it holds.
+    fn fail(&mut self, id: u64, err: EngineError) {
+        self.deferred.retain(|&d| d != id);
+        self.scheduler.abort(id);
+        *self.counters.errors.entry(err.kind()).or_default() += 1;
+        if let Some(live) = self.live.get(&id) {
+            let _ = live.sub.events.send(Event::Error(err));
+        }
+        self.finish(id, FinishReason::Error, 0);
+    }
+
+    /// Removes request `id`: releases its pin, counts it, sends `Finished`.
+    fn finish(&mut self, id: u64, reason: FinishReason, completion_tokens: usize) {
+        let Some(live) = self.live.remove(&id) else { return };
+        if let Some(g) = live.generation {
+            self.store.release(g);
+        }
+        *self.counters.finished.entry(reason.as_str()).or_default() += 1;
+        if reason != FinishReason::Error && reason != FinishReason::Aborted {
+            self.counters.e2e.observe(live.sub.arrived.elapsed());
+        }
+        let usage = Usage { prompt_tokens: live.sub.prompt.len(), completion_tokens };
+        let _ = live.sub.events.send(Event::Finished { reason, usage });
+    }
+
+    fn unload(&mut self, name: &str) -> Result<()> {
+        self.store.unload(name).map_err(|e| EngineError::from_store(name, &e))?;
+        let waiting: Vec<u64> =
+            self.deferred.iter().copied().filter(|d| self.live.get(d).is_some_and(|l| l.sub.model == name)).collect();
+        for id in waiting {
+            self.fail(id, EngineError::ModelNotFound { name: name.to_string() });
+        }
+        Ok(())
+    }
+
+    /// One step; `false` when nothing was scheduled.
+    fn step(&mut self) -> bool {
+        let out = self.scheduler.schedule();
+        self.note_deferred();
+        if out.is_empty() {
+            return false;
+        }
+        let slots = self.activate(&out);
+        let mut seqs = Vec::with_capacity(out.scheduled.len());
+        let mut kept = Vec::with_capacity(out.scheduled.len());
+        for s in &out.scheduled {
+            let slot = match s.adapter {
+                None => -1,
+                Some(g) => match slots.get(&g) {
+                    Some(&slot) => slot,
+                    None => continue,
+                },
+            };
+            if !self.live.contains_key(&s.id) {
+                continue;
+            }
+            let rows = match s.logits {
+                LogitsWanted::None => LogitsRows::Skip,
+                LogitsWanted::Last => LogitsRows::Last,
+                LogitsWanted::AllPrompt => LogitsRows::All,
+            };
+            seqs.push(SeqInput::new(s.token_ids.clone(), s.num_computed_tokens, s.block_table.clone(), slot).with_logits(rows));
+            kept.push(s);
+        }
+        if seqs.is_empty() {
+            return true;
+        }
+        let batch = Batch::new(seqs);
+        let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| Ok(t.to_vec2::<f32>()?));
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "forward failed; failing the step's requests");
+                for s in kept {
+                    self.fail(s.id, EngineError::Internal(format!("forward: {e}")));
+                }
+                return true;
+            }
+        };
+        let mut results = Vec::new();
+        let mut token_events = Vec::new();
+        let mut row = 0;
+        for (s, seq) in kept.iter().zip(&batch.seqs) {
+            let n = seq.num_logit_rows();
+            let rows = &logits[row..row + n];
+            row += n;
+            if let Some(r) = self.process(s, rows, &mut token_events) {
+                results.push(r);
+            }
+        }
+        let finished = match self.scheduler.update(&results) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(error = %e, "scheduler update failed");
+                for s in kept {
+                    self.fail(s.id, EngineError::Internal(format!("update: {e}")));
+                }
+                return true;
+            }
+        };
+        for (id, ev) in token_events {
+            if let Some(live) = self.live.get(&id) {
+                let _ = live.sub.events.send(ev);
+            }
+        }
+        for f in finished {
+            self.finish(f.id, FinishReason::from_scheduler(f.reason), f.output_token_ids.len());
+        }
+        true
+    }
+
+    /// Puts every adapter generation of the step in a slot; requests whose generation cannot be
+    /// activated fail alone.
+    fn activate(&mut self, out: &SchedulerOutput) -> HashMap<multilora_scheduler::AdapterGen, i32> {
+        let mut slots = HashMap::new();
+        for &g in &out.active_adapters {
+            let Some(generation) = out
+                .scheduled
+                .iter()
+                .find(|s| s.adapter == Some(g))
+                .and_then(|s| self.live.get(&s.id))
+                .and_then(|l| l.generation)
+            else {
+                continue;
+            };
+            match self.store.activate(generation, &mut self.model) {
+                Ok(slot) => {
+                    slots.insert(g, slot as i32);
+                }
+                Err(e) => {
+                    let ids: Vec<u64> = out.scheduled.iter().filter(|s| s.adapter == Some(g)).map(|s| s.id).collect();
+                    for id in ids {
+                        let name = self.live.get(&id).map(|l| l.sub.model.clone()).unwrap_or_default();
+                        self.fail(id, EngineError::from_store(&name, &e));
+                    }
+                }
+            }
+        }
+        slots
+    }
+
+    /// Prompt logprobs and sampling for one scheduled request.
+    fn process(
+        &mut self,
+        s: &multilora_scheduler::ScheduledRequest,
+        rows: &[Vec<f32>],
+        events: &mut Vec<(u64, Event)>,
+    ) -> Option<RequestResult> {
+        let live = self.live.get_mut(&s.id)?;
+        if s.logits == LogitsWanted::AllPrompt
+            && let Some(entries) = live.prompt_lp.as_mut()
+        {
+            let k = live.sub.params.prompt_logprobs.unwrap_or(0);
+            for (j, r) in rows.iter().enumerate() {
+                let target = s.num_computed_tokens + j + 1;
+                if target < s.num_prompt_tokens && entries[target].is_none() {
+                    let lp = log_softmax(r);
+                    let token = live.sub.prompt[target];
+                    entries[target] =
+                        Some(PromptLogprob { token, logprob: lp[token as usize], top_logprobs: top_n(&lp, k) });
+                }
+            }
+            if s.num_computed_tokens + s.token_ids.len() >= s.num_prompt_tokens
+                && let Some(entries) = live.prompt_lp.take()
+            {
+                events.push((s.id, Event::PromptLogprobs(entries)));
+            }
+        }
+        if !s.sample {
+            return None;
+        }
+        let raw = rows.last()?;
+        let params = &live.sub.params;
+        let (logprob, top) = match params.logprobs {
+            Some(k) => {
+                let lp = log_softmax(raw);
+                (Some(lp), k)
+            }
+            None => (None, 0),
+        };
+        let mut work = raw.clone();
+        let token = live.sampler.sample(&mut work, params);
+        live.sampler.push(token);
+        let now = Instant::now();
+        match live.last_token {
+            None => self.counters.ttft.observe(now - live.sub.arrived),
+            Some(t) => self.counters.itl.observe(now - t),
+        }
+        live.last_token = Some(now);
+        self.counters.generation_tokens += 1;
+        self.counters.adapter(&live.sub.model).generation_tokens += 1;
+        let mut delta = match (&mut live.detok, &self.tokenizer) {
+            (Some(d), Some(t)) => d.push(t, token),
+            _ => String::new(),
+        };
+        let mut finish = None;
+        if !params.stop.is_empty() {
+            let prev = live.text.len();
+            live.text.push_str(&delta);
+            let longest = params.stop.iter().map(String::len).max().unwrap_or(0);
+            let mut from = prev.saturating_sub(longest);
+            while !live.text.is_char_boundary(from) {
+                from -= 1;
+            }
+            let hit = params.stop.iter().filter_map(|st| live.text[from..].find(st.as_str()).map(|p| p + from)).min();
+            if let Some(pos) = hit {
+                delta = live.text.get(prev..pos).unwrap_or_default().to_string();
+                live.text.truncate(pos);
+                finish = Some(multilora_scheduler::FinishReason::Stop);
+            }
+        }
+        let (lp, top_logprobs) = match &logprob {
+            Some(lp) => (Some(lp[token as usize]), top_n(lp, top)),
+            None => (None, Vec::new()),
+        };
+        events.push((s.id, Event::Token { id: token, text_delta: delta, logprob: lp, top_logprobs }));
+        Some(RequestResult { id: s.id, token: Some(token), finish })
+    }
+
+    fn note_deferred(&mut self) {
+        let now = self.deferred.len() + self.scheduler.counts().deferred;
+        self.counters.deferred_max = self.counters.deferred_max.max(now);
+    }
+
+    fn snapshot(&self) -> MetricsSnapshot {
+        let c = self.scheduler.counts();
+        let sm = self.store.metrics();
+        let names: HashMap<u64, String> = self.store.adapters().into_iter().map(|i| (i.id.0, i.name)).collect();
+        let name = |g: &multilora_scheduler::AdapterGen| names.get(&g.id).cloned().unwrap_or_else(|| format!("#{}", g.id));
+        let deferred = self.deferred.len() + c.deferred;
+        let mut load_time = Histogram::new(sm.load_time.bounds);
+        load_time.counts.clone_from(&sm.load_time.counts);
+        load_time.sum_seconds = sm.load_time.sum_seconds;
+        load_time.count = sm.load_time.count;
+        MetricsSnapshot {
+            running: c.running,
+            waiting: c.waiting,
+            deferred,
+            deferred_max: self.counters.deferred_max.max(deferred),
+            running_adapters: c.running_adapters.iter().map(name).collect(),
+            waiting_adapters: c.waiting_adapters.iter().map(name).collect(),
+            max_lora: self.config.max_loras,
+            device_tier: TierOccupancy { entries: sm.device.entries, capacity: sm.device.capacity },
+            cpu_tier: TierOccupancy { entries: sm.cpu.entries, capacity: sm.cpu.capacity },
+            pinned_slots: sm.pinned_slots,
+            kv_usage: c.kv.usage,
+            kv_blocks: c.kv.num_blocks,
+            prompt_tokens: self.counters.prompt_tokens,
+            generation_tokens: self.counters.generation_tokens,
+            requests_finished: self.counters.finished.clone(),
+            request_errors: self.counters.errors.clone(),
+            prefix_cache_queries: c.kv.queries,
+            prefix_cache_query_tokens: c.kv.query_tokens,
+            prefix_cache_hit_tokens: c.kv.hit_tokens,
+            adapter_loads: sm.loads,
+            adapter_evictions: sm.cpu.evictions + sm.device.evictions,
+            per_adapter: self.counters.per_adapter.clone(),
+            ttft: self.counters.ttft.clone(),
+            inter_token_latency: self.counters.itl.clone(),
+            e2e_latency: self.counters.e2e.clone(),
+            adapter_load_time: load_time,
+        }
+    }
+
+    /// Fails everything still live and queued, and leaves a last snapshot for `metrics()`.
+    fn shutdown(&mut self) {
+        while let Ok(cmd) = self.rx.try_recv() {
+            match cmd {
+                Command::Submit(sub) => {
+                    let _ = sub.events.send(Event::Error(EngineError::Shutdown));
+                }
+                Command::Unload(_, reply) => {
+                    let _ = reply.send(Err(EngineError::Shutdown));
+                }
+                _ => {}
+            }
+        }
+        let ids: Vec<u64> = self.live.keys().copied().collect();
+        for id in ids {
+            self.fail(id, EngineError::Shutdown);
+        }
+        *self.last_metrics.lock() = Some(self.snapshot());
+    }
+}
+
+impl std::fmt::Debug for EngineLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineLoop").field("live", &self.live.len()).field("deferred", &self.deferred.len()).finish()
+    }
+}

@@ -1,0 +1,376 @@
+//! `Engine` (owns the loop thread), `EngineHandle` (cloneable, `Send + Sync`: submit, manage
+//! adapters, read metrics from any thread or task) and `RequestStream` (one request's events;
+//! dropping it cancels the request).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use multilora_adapter::{AdapterSource, ModuleKind};
+use multilora_models::{KvCache, Model};
+use multilora_scheduler::Scheduler;
+use multilora_store::Store;
+use parking_lot::Mutex;
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::builder::{EngineBuilder, EngineConfig};
+use crate::engine_loop::{Command, EngineLoop, Submission};
+use crate::error::{EngineError, Result};
+use crate::metrics::MetricsSnapshot;
+use crate::request::{Completion, Event, FinishReason, GenerateRequest, Prompt, TokenLogprob, Usage};
+
+/// Where an adapter's weights are now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Tier {
+    /// In a device slot (the base model is always here).
+    Device,
+    /// In host memory.
+    Cpu,
+    /// Registered, not loaded.
+    Disk,
+}
+
+/// One served model: the base or an adapter (vLLM's `/v1/models` entry).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ModelInfo {
+    /// The name requests use.
+    pub id: String,
+    /// The base model's name, for adapters.
+    pub parent: Option<String>,
+    /// Where it was loaded from.
+    pub source: String,
+    /// Largest rank, once loaded.
+    pub rank: Option<usize>,
+    /// Content fingerprint (hex), once loaded.
+    pub fingerprint: Option<String>,
+    /// Where it is now.
+    pub tier: Tier,
+}
+
+/// What every handle shares.
+#[derive(Debug)]
+struct Shared {
+    tx: Sender<Command>,
+    store: Arc<Store>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    config: EngineConfig,
+    next_id: AtomicU64,
+    last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+}
+
+/// A cloneable handle on a running engine.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    shared: Arc<Shared>,
+}
+
+/// The engine: its loop thread runs until [`Engine::shutdown`] or drop.
+#[derive(Debug)]
+pub struct Engine {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// A builder for an engine serving `model` (a directory or a hub id `org/name[@rev]`).
+    pub fn builder(model: impl Into<String>) -> EngineBuilder {
+        EngineBuilder::new(model.into())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn start(
+        config: EngineConfig,
+        model: Model,
+        kv: KvCache,
+        scheduler: Scheduler,
+        store: Store,
+        tokenizer: Option<Tokenizer>,
+        tx: Sender<Command>,
+        rx: Receiver<Command>,
+    ) -> Result<Engine> {
+        let store = Arc::new(store);
+        let tokenizer = tokenizer.map(Arc::new);
+        let last_metrics = Arc::new(Mutex::new(None));
+        let lp = EngineLoop::new(
+            config.clone(),
+            model,
+            kv,
+            scheduler,
+            Arc::clone(&store),
+            tokenizer.clone(),
+            rx,
+            Arc::clone(&last_metrics),
+        );
+        let thread = std::thread::Builder::new()
+            .name("multilora-engine".into())
+            .spawn(move || lp.run())
+            .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
+        let shared = Shared { tx, store, tokenizer, config, next_id: AtomicU64::new(1), last_metrics };
+        Ok(Engine { handle: EngineHandle { shared: Arc::new(shared) }, thread: Some(thread) })
+    }
+
+    /// A handle for other threads and tasks.
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Submits a request; see [`EngineHandle::submit`].
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
+        self.handle.submit(request)
+    }
+
+    /// A metrics snapshot; see [`EngineHandle::metrics`].
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.handle.metrics()
+    }
+
+    /// The served models; see [`EngineHandle::models`].
+    pub fn models(&self) -> Vec<ModelInfo> {
+        self.handle.models()
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        self.handle.config()
+    }
+
+    /// Stops the loop (live requests fail with `shutdown`) and waits for it.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.handle.shared.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl EngineHandle {
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+
+    /// Validates and tokenizes `request` on the caller's thread, then queues it. Invalid
+    /// parameters, an untokenizable or too long prompt fail here; an unknown model or a failed
+    /// adapter load arrive on the stream as [`Event::Error`].
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
+        let config = &self.shared.config;
+        request.params.validate(config.vocab_size)?;
+        let prompt = match request.prompt {
+            Prompt::Tokens(ids) => ids,
+            Prompt::Text(text) => {
+                let tok = self
+                    .shared
+                    .tokenizer
+                    .as_ref()
+                    .ok_or_else(|| EngineError::invalid("text prompts need the model's tokenizer.json"))?;
+                let enc = tok.encode(text, true).map_err(|e| EngineError::invalid(format!("tokenizing: {e}")))?;
+                enc.get_ids().to_vec()
+            }
+        };
+        if prompt.is_empty() {
+            return Err(EngineError::invalid("the prompt is empty"));
+        }
+        if let Some(t) = prompt.iter().find(|&&t| t as usize >= config.vocab_size) {
+            return Err(EngineError::invalid(format!("prompt token {t} is outside the vocabulary of {}", config.vocab_size)));
+        }
+        if prompt.len() >= config.max_model_len {
+            return Err(EngineError::PromptTooLong { prompt_len: prompt.len(), max_model_len: config.max_model_len });
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = unbounded_channel();
+        let sub = Submission { id, model: request.model, prompt, params: request.params, events, arrived: Instant::now() };
+        self.shared.tx.send(Command::Submit(Box::new(sub))).map_err(|_| EngineError::Shutdown)?;
+        Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false })
+    }
+
+    /// A metrics snapshot, taken by the loop between steps (the last one after shutdown).
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let (reply, rx) = std::sync::mpsc::sync_channel(1);
+        if self.shared.tx.send(Command::Metrics(reply)).is_ok()
+            && let Ok(m) = rx.recv()
+        {
+            return m;
+        }
+        self.shared.last_metrics.lock().clone().unwrap_or_default()
+    }
+
+    /// The base model first, then every registered adapter with its tier.
+    pub fn models(&self) -> Vec<ModelInfo> {
+        let config = &self.shared.config;
+        let store = &self.shared.store;
+        let mut out = vec![ModelInfo {
+            id: config.served_model_name.clone(),
+            parent: None,
+            source: config.model.clone(),
+            rank: None,
+            fingerprint: None,
+            tier: Tier::Device,
+        }];
+        for info in store.adapters() {
+            let generation = info.generation();
+            let tier = match generation {
+                Some(g) if store.slot_of(g).is_some() => Tier::Device,
+                Some(g) if store.adapter(g).is_some() => Tier::Cpu,
+                _ => Tier::Disk,
+            };
+            out.push(ModelInfo {
+                id: info.name,
+                parent: Some(config.served_model_name.clone()),
+                source: info.source.to_string(),
+                rank: info.rank,
+                fingerprint: info.fingerprint.map(|f| f.to_hex()),
+                tier,
+            });
+        }
+        out
+    }
+
+    /// Registers and loads adapter `name` from `source` (vLLM's `/v1/load_lora_adapter`),
+    /// returning once it is validated and in host memory. The files are read on the caller's
+    /// thread, never inside a step. Refused unless `allow_runtime_lora_updating`.
+    pub fn load_adapter(&self, name: &str, source: &str) -> Result<()> {
+        let src = self.runtime_source(source)?;
+        let store = &self.shared.store;
+        store.load(name, src).map_err(|e| EngineError::from_store(name, &e))?;
+        if let Err(e) = self.check_targets(name) {
+            let _ = store.unload(name);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Replaces `name`'s weights in place: new requests get the new generation, running ones
+    /// finish on the old; prefix-cache blocks of the old generation are never reused.
+    pub fn reload_adapter(&self, name: &str, source: &str) -> Result<()> {
+        let src = self.runtime_source(source)?;
+        self.shared.store.reload_in_place(name, src).map_err(|e| EngineError::from_store(name, &e))?;
+        self.check_targets(name)
+    }
+
+    /// Removes `name`: new and still-deferred requests for it get `model_not_found`; running
+    /// ones finish.
+    pub fn unload_adapter(&self, name: &str) -> Result<()> {
+        if !self.shared.config.allow_runtime_lora_updating {
+            return Err(EngineError::RuntimeUpdatesDisabled);
+        }
+        let (reply, rx) = std::sync::mpsc::sync_channel(1);
+        self.shared.tx.send(Command::Unload(name.to_string(), reply)).map_err(|_| EngineError::Shutdown)?;
+        rx.recv().map_err(|_| EngineError::Shutdown)?
+    }
+
+    fn runtime_source(&self, source: &str) -> Result<AdapterSource> {
+        if !self.shared.config.allow_runtime_lora_updating {
+            return Err(EngineError::RuntimeUpdatesDisabled);
+        }
+        AdapterSource::parse(source).map_err(|e| EngineError::invalid(e.to_string()))
+    }
+
+    /// A runtime adapter may only target modules that have slot buffers.
+    fn check_targets(&self, name: &str) -> Result<()> {
+        let targets = &self.shared.config.lora_target_modules;
+        let info = self.shared.store.info(name);
+        let missing: Vec<ModuleKind> =
+            info.map(|i| i.target_modules.into_iter().filter(|k| !targets.contains(k)).collect()).unwrap_or_default();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = missing.iter().map(|k| k.short_name()).collect();
+        Err(EngineError::Adapter {
+            name: name.to_string(),
+            message: format!("targets {names:?}, which have no lora slots (add them to lora_target_modules)"),
+            cause_kind: "not_a_target",
+        })
+    }
+}
+
+/// One request's events. Works blocking ([`RequestStream::recv_blocking`]) and async
+/// ([`RequestStream::recv`]); dropping it before `Finished` cancels the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: u64,
+    rx: UnboundedReceiver<Event>,
+    tx: Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The engine's id of this request.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The next event, waiting for it; `None` once the request is over. Must not be called
+    /// from inside an async runtime (use [`RequestStream::recv`] there).
+    pub fn recv_blocking(&mut self) -> Option<Event> {
+        let ev = self.rx.blocking_recv();
+        self.note(&ev);
+        ev
+    }
+
+    /// The next event; `None` once the request is over.
+    pub async fn recv(&mut self) -> Option<Event> {
+        let ev = self.rx.recv().await;
+        self.note(&ev);
+        ev
+    }
+
+    fn note(&mut self, ev: &Option<Event>) {
+        if matches!(ev, None | Some(Event::Finished { .. }) | Some(Event::Error(_))) {
+            self.done = true;
+        }
+    }
+
+    /// Waits for the whole output; an [`Event::Error`] becomes `Err`.
+    pub fn collect_blocking(mut self) -> Result<Completion> {
+        let mut c = Completion {
+            token_ids: Vec::new(),
+            text: String::new(),
+            logprobs: None,
+            prompt_logprobs: None,
+            finish_reason: FinishReason::Error,
+            usage: Usage::default(),
+        };
+        while let Some(ev) = self.recv_blocking() {
+            match ev {
+                Event::PromptLogprobs(p) => c.prompt_logprobs = Some(p),
+                Event::Token { id, text_delta, logprob, top_logprobs } => {
+                    c.token_ids.push(id);
+                    c.text.push_str(&text_delta);
+                    if let Some(logprob) = logprob {
+                        c.logprobs.get_or_insert_with(Vec::new).push(TokenLogprob { token: id, logprob, top_logprobs });
+                    }
+                }
+                Event::Finished { reason, usage } => {
+                    c.finish_reason = reason;
+                    c.usage = usage;
+                    return Ok(c);
+                }
+                Event::Error(e) => return Err(e),
+            }
+        }
+        Err(EngineError::Shutdown)
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::Abort(self.id));
+        }
+    }
+}

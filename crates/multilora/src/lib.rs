@@ -1,0 +1,60 @@
+//! The multilora engine: serve one base LLM with many LoRA adapters at once, embedded in your
+//! own Rust service.
+//!
+//! Build an [`Engine`] from a base model and some adapters, submit requests that name an adapter
+//! (or the base) as their model from any thread through a cloneable [`EngineHandle`], stream
+//! [`Event`]s back, load and unload adapters while serving, and read [`MetricsSnapshot`]s.
+//!
+//! ```
+//! use multilora::{Engine, Event, GenerateRequest, SamplingParams};
+//! # fn main() -> Result<(), multilora::EngineError> {
+//! let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/peft-tiny");
+//! let engine = Engine::builder(format!("{fixtures}/base"))
+//!     .lora("sql", format!("{fixtures}/adapters/qv_r8"))
+//!     .lora("chat", format!("{fixtures}/adapters/all_r16"))
+//!     .kv_cache_bytes(8 << 20)
+//!     .build()?;
+//! let params = SamplingParams::greedy(8);
+//! let sql = engine.submit(GenerateRequest::new("sql", "SELECT the").params(params.clone()))?;
+//! let mut chat = engine.submit(GenerateRequest::new("chat", "Hello").params(params))?;
+//! while let Some(Event::Token { text_delta, .. }) = chat.recv_blocking() {
+//!     print!("{text_delta}"); // streamed as it is generated
+//! }
+//! println!("\nsql: {:?}", sql.collect_blocking()?.text);
+//! # Ok(()) }
+//! ```
+//!
+//! Decisions worth knowing:
+//! - The engine loop is the only thread this crate starts (the store adds loader threads):
+//!   commands are drained between steps, and an idle engine blocks on its channel.
+//! - A request reaches the scheduler only once its adapter is in host memory; until then it waits
+//!   in the engine in arrival order (counted as deferred).
+//! - Parameters are checked and prompts tokenized on the caller's thread, so `submit` returns
+//!   `invalid_request` / `prompt_too_long` at once; an unknown model or failed adapter arrives on
+//!   the stream as [`Event::Error`].
+//! - `n > 1` is refused with `invalid_request` for now.
+//! - Logprobs are the log-softmax of the raw logits (before temperature and penalties), as vLLM
+//!   reports them.
+//! - `bias = "all"` adapters without bias tensors are accepted (the field changes nothing).
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod builder;
+mod detokenize;
+mod engine_loop;
+mod error;
+mod handle;
+mod metrics;
+mod request;
+mod sampling;
+
+pub use builder::{DEFAULT_KV_CACHE_BYTES, EngineBuilder, EngineConfig};
+pub use candle_core::{DType, Device};
+pub use error::{EngineError, Result};
+pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};
+pub use metrics::{AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, TierOccupancy};
+pub use multilora_adapter::ModuleKind;
+pub use request::{
+    Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, Prompt, PromptLogprob, SamplingParams,
+    TokenLogprob, Usage,
+};

@@ -1,0 +1,172 @@
+//! `MetricsSnapshot`: gauges, cumulative counters and fixed-bucket histograms, as plain data for
+//! any exporter (names follow vLLM's `vllm:*` metrics where one exists).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Bucket bounds (seconds) of time to first token and end-to-end latency.
+pub const LATENCY_BUCKETS_S: [f64; 14] =
+    [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+/// Bucket bounds (seconds) of the inter-token latency.
+pub const ITL_BUCKETS_S: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+/// A histogram with fixed upper bounds; one more count for `+Inf`.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Histogram {
+    /// Upper bounds in seconds, ascending.
+    pub bounds: Vec<f64>,
+    /// Counts per bucket (not cumulative), `bounds.len() + 1` of them.
+    pub counts: Vec<u64>,
+    /// Sum of the observations in seconds.
+    pub sum_seconds: f64,
+    /// Number of observations.
+    pub count: u64,
+}
+
+impl Histogram {
+    /// An empty histogram over `bounds`.
+    pub fn new(bounds: &[f64]) -> Histogram {
+        Histogram { bounds: bounds.to_vec(), counts: vec![0; bounds.len() + 1], sum_seconds: 0.0, count: 0 }
+    }
+
+    /// Adds one observation.
+    pub fn observe(&mut self, d: Duration) {
+        let s = d.as_secs_f64();
+        let i = self.bounds.iter().position(|&b| s <= b).unwrap_or(self.bounds.len());
+        self.counts[i] += 1;
+        self.sum_seconds += s;
+        self.count += 1;
+    }
+}
+
+/// Occupancy of one adapter tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TierOccupancy {
+    /// Entries held.
+    pub entries: usize,
+    /// Capacity.
+    pub capacity: usize,
+}
+
+/// What one adapter (tenant) used; the base model is listed under its served name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AdapterUsage {
+    /// Requests admitted.
+    pub requests: u64,
+    /// Prompt tokens of those requests.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generation_tokens: u64,
+}
+
+/// A snapshot of the engine's metrics.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct MetricsSnapshot {
+    /// Requests running in the scheduler.
+    pub running: usize,
+    /// Requests waiting in the scheduler.
+    pub waiting: usize,
+    /// Requests deferred now: waiting for their adapter to load, or blocked by the adapter limit.
+    pub deferred: usize,
+    /// The most requests ever deferred at once (gauges are easy to miss between polls).
+    pub deferred_max: usize,
+    /// Names of the adapters of running requests.
+    pub running_adapters: Vec<String>,
+    /// Names of the adapters of waiting requests.
+    pub waiting_adapters: Vec<String>,
+    /// `max_loras`.
+    pub max_lora: usize,
+    /// Adapters in device slots.
+    pub device_tier: TierOccupancy,
+    /// Adapters in the CPU tier.
+    pub cpu_tier: TierOccupancy,
+    /// Device slots pinned by running requests.
+    pub pinned_slots: usize,
+    /// Fraction of KV blocks held by requests.
+    pub kv_usage: f64,
+    /// KV blocks in the pool.
+    pub kv_blocks: usize,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub generation_tokens: u64,
+    /// Finished requests by finish reason (`stop`, `length`, `abort`, `error`).
+    pub requests_finished: BTreeMap<&'static str, u64>,
+    /// Failed requests by error kind.
+    pub request_errors: BTreeMap<&'static str, u64>,
+    /// Prefix-cache lookups.
+    pub prefix_cache_queries: u64,
+    /// Tokens looked up.
+    pub prefix_cache_query_tokens: u64,
+    /// Tokens found cached.
+    pub prefix_cache_hit_tokens: u64,
+    /// Adapter loads into the CPU tier.
+    pub adapter_loads: u64,
+    /// Adapter evictions from the CPU tier and from device slots.
+    pub adapter_evictions: u64,
+    /// Per adapter usage, by name.
+    pub per_adapter: BTreeMap<String, AdapterUsage>,
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Time between consecutive tokens of a request.
+    pub inter_token_latency: Histogram,
+    /// Submission to finish.
+    pub e2e_latency: Histogram,
+    /// Adapter load time.
+    pub adapter_load_time: Histogram,
+}
+
+/// The counters the engine loop accumulates.
+#[derive(Debug)]
+pub(crate) struct Counters {
+    pub(crate) prompt_tokens: u64,
+    pub(crate) generation_tokens: u64,
+    pub(crate) finished: BTreeMap<&'static str, u64>,
+    pub(crate) errors: BTreeMap<&'static str, u64>,
+    pub(crate) per_adapter: BTreeMap<String, AdapterUsage>,
+    pub(crate) ttft: Histogram,
+    pub(crate) itl: Histogram,
+    pub(crate) e2e: Histogram,
+    pub(crate) deferred_max: usize,
+}
+
+impl Default for Counters {
+    fn default() -> Counters {
+        Counters {
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            finished: BTreeMap::new(),
+            errors: BTreeMap::new(),
+            per_adapter: BTreeMap::new(),
+            ttft: Histogram::new(&LATENCY_BUCKETS_S),
+            itl: Histogram::new(&ITL_BUCKETS_S),
+            e2e: Histogram::new(&LATENCY_BUCKETS_S),
+            deferred_max: 0,
+        }
+    }
+}
+
+impl Counters {
+    pub(crate) fn adapter(&mut self, name: &str) -> &mut AdapterUsage {
+        self.per_adapter.entry(name.to_string()).or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        h.observe(Duration::from_millis(50));
+        h.observe(Duration::from_millis(500));
+        h.observe(Duration::from_secs(5));
+        assert_eq!(h.counts, vec![1, 1, 1]);
+        assert_eq!(h.count, 3);
+    }
+}

@@ -1,0 +1,305 @@
+//! What a caller submits (`GenerateRequest`, `Prompt`, `SamplingParams`) and what streams back
+//! (`Event`, `Completion`), with vLLM's meanings.
+
+use std::collections::BTreeMap;
+
+use crate::error::{EngineError, Result};
+
+/// One generation request.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct GenerateRequest {
+    /// An adapter name, or the served base model's name.
+    pub model: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// How to sample.
+    pub params: SamplingParams,
+}
+
+impl GenerateRequest {
+    /// A request for `model` with default sampling parameters.
+    pub fn new(model: impl Into<String>, prompt: impl Into<Prompt>) -> GenerateRequest {
+        GenerateRequest { model: model.into(), prompt: prompt.into(), params: SamplingParams::default() }
+    }
+
+    /// Sets the sampling parameters.
+    pub fn params(mut self, params: SamplingParams) -> GenerateRequest {
+        self.params = params;
+        self
+    }
+}
+
+/// A prompt: text (tokenized with the model's `tokenizer.json`) or token ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Prompt {
+    /// Text; needs a tokenizer.
+    Text(String),
+    /// Token ids, used as given (no BOS added).
+    Tokens(Vec<u32>),
+}
+
+impl From<&str> for Prompt {
+    fn from(s: &str) -> Prompt {
+        Prompt::Text(s.to_string())
+    }
+}
+
+impl From<String> for Prompt {
+    fn from(s: String) -> Prompt {
+        Prompt::Text(s)
+    }
+}
+
+impl From<Vec<u32>> for Prompt {
+    fn from(ids: Vec<u32>) -> Prompt {
+        Prompt::Tokens(ids)
+    }
+}
+
+/// Sampling parameters with vLLM's names and meanings.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct SamplingParams {
+    /// Completions per prompt. Only 1 is supported for now; more is `invalid_request`.
+    pub n: usize,
+    /// 0 is greedy (argmax, lowest id on ties).
+    pub temperature: f32,
+    /// Nucleus sampling mass, in (0, 1].
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 or -1 turns it off.
+    pub top_k: i32,
+    /// Drop tokens whose probability is below `min_p` times the top one's, in [0, 1].
+    pub min_p: f32,
+    /// Seed of this request's own generator: the same seed gives the same tokens.
+    pub seed: Option<u64>,
+    /// Most tokens to generate; `None` fills the context (`max_model_len`).
+    pub max_tokens: Option<usize>,
+    /// Stop tokens (EOS and `stop_token_ids`) cannot be sampled before this many tokens.
+    pub min_tokens: usize,
+    /// Subtracted from the logit of every token generated at least once, in [-2, 2].
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated, in [-2, 2].
+    pub frequency_penalty: f32,
+    /// Divides positive (multiplies negative) logits of tokens in the prompt or output; 1 is off.
+    pub repetition_penalty: f32,
+    /// Added to the logits of the given tokens before everything else.
+    pub logit_bias: BTreeMap<u32, f32>,
+    /// Stop when the generated text contains one of these (not included in the output).
+    pub stop: Vec<String>,
+    /// Stop when one of these tokens is generated (included in the token ids).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating after EOS.
+    pub ignore_eos: bool,
+    /// Log probabilities of each generated token plus this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Log probabilities of each prompt token plus this many alternatives.
+    pub prompt_logprobs: Option<usize>,
+    /// Whether special tokens are left out of the text (vLLM's default, true).
+    pub skip_special_tokens: bool,
+}
+
+impl Default for SamplingParams {
+    /// vLLM's defaults, except `max_tokens` (vLLM's completions default is 16; here the context).
+    fn default() -> SamplingParams {
+        SamplingParams {
+            n: 1,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            max_tokens: None,
+            min_tokens: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: BTreeMap::new(),
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: None,
+            skip_special_tokens: true,
+        }
+    }
+}
+
+/// Most alternatives `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap).
+pub const MAX_LOGPROBS: usize = 20;
+
+impl SamplingParams {
+    /// Greedy decoding of at most `max_tokens` tokens.
+    pub fn greedy(max_tokens: usize) -> SamplingParams {
+        SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ..SamplingParams::default() }
+    }
+
+    /// Checks ranges as vLLM does; the error names the field.
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+        let bad = |m: String| Err(EngineError::invalid(m));
+        if self.n != 1 {
+            return bad(format!("n must be 1 (n > 1 is not supported yet), got {}", self.n));
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.top_k < -1 {
+            return bad(format!("top_k must be -1 (off), 0 (off) or positive, got {}", self.top_k));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if self.max_tokens == Some(0) {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if let Some(max) = self.max_tokens
+            && self.min_tokens > max
+        {
+            return bad(format!("min_tokens ({}) must not exceed max_tokens ({max})", self.min_tokens));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+        }
+        for (name, n) in [("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)] {
+            if let Some(n) = n
+                && n > MAX_LOGPROBS
+            {
+                return bad(format!("{name} must be at most {MAX_LOGPROBS}, got {n}"));
+            }
+        }
+        let out_of_vocab = self.logit_bias.keys().chain(&self.stop_token_ids).find(|&&t| t as usize >= vocab_size);
+        if let Some(t) = out_of_vocab {
+            return bad(format!("token id {t} is outside the vocabulary of {vocab_size}"));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return bad("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a request finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum FinishReason {
+    /// `max_tokens` generated, or the context is full.
+    Length,
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// Cancelled by the caller.
+    Aborted,
+    /// Failed (the stream carried an [`Event::Error`] first).
+    Error,
+}
+
+impl FinishReason {
+    /// OpenAI's spelling: `length`, `stop`, `abort`, `error`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Aborted => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+
+    pub(crate) fn from_scheduler(r: multilora_scheduler::FinishReason) -> FinishReason {
+        use multilora_scheduler::FinishReason as S;
+        match r {
+            S::Length => FinishReason::Length,
+            S::Stop => FinishReason::Stop,
+            S::Aborted => FinishReason::Aborted,
+            _ => FinishReason::Error,
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+}
+
+/// A prompt token's log probability (given the tokens before it) and the top alternatives.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct PromptLogprob {
+    /// The prompt token.
+    pub token: u32,
+    /// Its log probability under the raw logits.
+    pub logprob: f32,
+    /// The most likely tokens at that position, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// What a request's stream carries.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Event {
+    /// Prompt log probabilities (first entry `None`: the first token has no context), sent once
+    /// before the first token when `prompt_logprobs` was asked for.
+    PromptLogprobs(Vec<Option<PromptLogprob>>),
+    /// A generated token.
+    Token {
+        /// The token id.
+        id: u32,
+        /// Text newly complete with this token (empty while a multi-byte character is split).
+        text_delta: String,
+        /// Its log probability (raw logits), when `logprobs` was asked for.
+        logprob: Option<f32>,
+        /// The top alternatives, best first.
+        top_logprobs: Vec<(u32, f32)>,
+    },
+    /// The request is done; nothing follows.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The request failed; a `Finished` with [`FinishReason::Error`] may follow.
+    Error(EngineError),
+}
+
+/// A generated token with its log probabilities.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log probability.
+    pub logprob: f32,
+    /// The top alternatives.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// A whole request's output, from [`crate::RequestStream::collect_blocking`].
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Completion {
+    /// Generated token ids (a stop token included).
+    pub token_ids: Vec<u32>,
+    /// The generated text (a stop string excluded).
+    pub text: String,
+    /// Per-token log probabilities, when asked for.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    /// Prompt log probabilities, when asked for.
+    pub prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
+    /// Why it finished.
+    pub finish_reason: FinishReason,
+    /// Token counts.
+    pub usage: Usage,
+}
