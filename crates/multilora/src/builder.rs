@@ -8,7 +8,7 @@ use candle_core::{DType, Device};
 use multilora_adapter::{AdapterSource, LoadOptions, ModelShapes, ModuleKind};
 use multilora_models::{HubCache, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig};
-use multilora_store::{Store, StoreConfig};
+use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
 
 use crate::error::{EngineError, Result};
 use crate::handle::Engine;
@@ -93,6 +93,17 @@ pub struct EngineBuilder {
     enable_prefix_caching: bool,
     allow_runtime_lora_updating: bool,
     allowed_lora_roots: Vec<PathBuf>,
+    resolvers: Resolvers,
+}
+
+/// Resolvers to hand to the store, kept as closures because the store takes them by value.
+#[derive(Default)]
+struct Resolvers(Vec<Box<dyn FnOnce(StoreBuilder) -> StoreBuilder + Send>>);
+
+impl std::fmt::Debug for Resolvers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} resolvers", self.0.len())
+    }
 }
 
 macro_rules! setter {
@@ -126,6 +137,7 @@ impl EngineBuilder {
             enable_prefix_caching: true,
             allow_runtime_lora_updating: false,
             allowed_lora_roots: Vec::new(),
+            resolvers: Resolvers::default(),
         }
     }
 
@@ -162,8 +174,12 @@ impl EngineBuilder {
         enable_prefix_caching: bool => enable_prefix_caching = |v| v);
     setter!(/// Runtime load / unload / reload (default off).
         allow_runtime_lora_updating: bool => allow_runtime_lora_updating = |v| v);
-    setter!(/// The name requests use for the base model (default: the model source as given).
-        served_model_name: String => served_model_name = Some);
+
+    /// The name requests use for the base model (default: the model source as given).
+    pub fn served_model_name(mut self, name: impl Into<String>) -> EngineBuilder {
+        self.served_model_name = Some(name.into());
+        self
+    }
 
     /// Modules that get slot buffers (default: the seven projections plus whatever the startup
     /// adapters target). A runtime adapter targeting anything else is refused.
@@ -178,8 +194,23 @@ impl EngineBuilder {
         self
     }
 
+    /// Adds a resolver for adapter names nobody registered (vLLM's `LoRAResolver`), asked in the
+    /// order added; used only with `allow_runtime_lora_updating`. A request for such a name waits
+    /// in the engine (deferred) while the resolved adapter loads. See
+    /// [`multilora_store::DirectoryResolver`] for the built-in one.
+    pub fn lora_resolver(mut self, resolver: impl Resolver + 'static) -> EngineBuilder {
+        self.resolvers.0.push(Box::new(move |b: StoreBuilder| b.resolver(resolver)));
+        self
+    }
+
     /// Loads the model, tokenizer and startup adapters, sizes the KV cache, and starts the loop.
-    pub fn build(self) -> Result<Engine> {
+    pub fn build(mut self) -> Result<Engine> {
+        if self.max_loras == 0 && !self.loras.is_empty() {
+            return Err(EngineError::Config(format!(
+                "{} lora adapters given but max_loras is 0 (lora is off)",
+                self.loras.len()
+            )));
+        }
         let source = ModelSource::parse(&self.model)?;
         let hub = HubCache::from_env();
         let files = source.resolve(&hub)?;
@@ -227,6 +258,9 @@ impl EngineBuilder {
         let mut store = Store::builder(store_cfg).notify(move || {
             let _ = wake.send(crate::engine_loop::Command::Wake);
         });
+        for add in std::mem::take(&mut self.resolvers.0) {
+            store = add(store);
+        }
         for (name, src) in &self.loras {
             let parsed = AdapterSource::parse(src).map_err(|e| adapter_err(name, &e))?;
             store = store.startup(name.clone(), parsed);
@@ -249,7 +283,10 @@ impl EngineBuilder {
                 ..KvConfig::default()
             });
         let scheduler = Scheduler::new(sched_cfg).map_err(|e| {
-            EngineError::Config(format!("{e} (kv_cache_bytes {} minus {slot_bytes} of lora slots)", self.kv_cache_bytes))
+            EngineError::Config(format!(
+                "{e} (kv_cache_bytes {} minus {slot_bytes} of lora slots)",
+                self.kv_cache_bytes
+            ))
         })?;
         let kv = model.new_kv_cache(kv_cfg)?;
         tracing::info!(
@@ -300,7 +337,8 @@ impl EngineBuilder {
         let (mut rank, mut kinds) = (0, Vec::new());
         for (name, src) in &self.loras {
             let dir = AdapterSource::parse(src).and_then(|s| s.resolve()).map_err(|e| adapter_err(name, &e))?;
-            let summary = multilora_adapter::read_config(name, &dir, &shapes, &opts).map_err(|e| adapter_err(name, &e))?;
+            let summary =
+                multilora_adapter::read_config(name, &dir, &shapes, &opts).map_err(|e| adapter_err(name, &e))?;
             rank = rank.max(summary.max_rank());
             for id in summary.modules.keys() {
                 if !kinds.contains(&id.kind) {

@@ -46,3 +46,27 @@ impl Detokenizer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streamed_deltas_never_split_a_character_and_add_up() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/peft-tiny/base/tokenizer.json");
+        let tok = Tokenizer::from_file(path).expect("fixture tokenizer");
+        let text = "Grüße aus Köln: ☃ naïve café — 東京 🚀 done";
+        let ids = tok.encode(text, true).expect("encode").get_ids().to_vec();
+        let (prompt, rest) = ids.split_at(3);
+        let mut d = Detokenizer::new(prompt, true);
+        let mut out = String::new();
+        for &t in rest {
+            let delta = d.push(&tok, t);
+            assert!(!delta.contains('\u{FFFD}'), "delta {delta:?} splits a character");
+            out.push_str(&delta);
+        }
+        let whole = tok.decode(&ids, true).expect("decode");
+        let head = tok.decode(prompt, true).expect("decode");
+        assert_eq!(format!("{head}{out}"), whole);
+    }
+}

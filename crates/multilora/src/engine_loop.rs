@@ -56,6 +56,10 @@ pub(crate) struct Submission {
 struct Live {
     sub: Submission,
     generation: Option<AdapterGen>,
+    /// Whether this request holds a pin on `generation`: from the step it starts running until
+    /// it finishes, is cancelled or is preempted (a waiting request must not hold a slot, or
+    /// waiting requests of running adapters could pin every slot).
+    pinned: bool,
     sampler: SamplerState,
     detok: Option<Detokenizer>,
     /// Generated text so far; kept only when stop strings need it.
@@ -104,7 +108,10 @@ impl EngineLoop {
             live: HashMap::new(),
             deferred: VecDeque::new(),
             counters: Counters::default(),
-            seed_counter: 0x5eed,
+            // Unseeded requests differ between runs, as in vLLM.
+            seed_counter: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0x5eed, |d| d.as_nanos() as u64),
         }
     }
 
@@ -125,6 +132,9 @@ impl EngineLoop {
                 if !self.handle(cmd) {
                     break 'outer;
                 }
+            }
+            if !self.deferred.is_empty() {
+                self.note_deferred();
             }
             self.admit_deferred();
             self.reap_closed();
@@ -162,20 +172,18 @@ impl EngineLoop {
     }
 
     fn submit(&mut self, sub: Submission) {
-        let mut stop_ids = sub.params.stop_token_ids.clone();
-        if !sub.params.ignore_eos {
-            stop_ids.extend(self.config.eos_token_ids.iter().copied());
-        }
+        let stop = stop_ids(&sub.params, &self.config.eos_token_ids);
         let seed = sub.params.seed.unwrap_or_else(|| {
-            self.seed_counter = self.seed_counter.wrapping_add(1);
-            self.seed_counter ^ sub.arrived.elapsed().as_nanos() as u64 ^ sub.id.rotate_left(32)
+            self.seed_counter = self.seed_counter.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            self.seed_counter ^ sub.id.rotate_left(32)
         });
         let detok = self.tokenizer.as_ref().map(|_| Detokenizer::new(&sub.prompt, sub.params.skip_special_tokens));
         let live = Live {
-            sampler: SamplerState::new(seed, &sub.prompt, stop_ids, &sub.params),
+            sampler: SamplerState::new(seed, &sub.prompt, stop, &sub.params),
             prompt_lp: sub.params.prompt_logprobs.map(|_| vec![None; sub.prompt.len()]),
             sub,
             generation: None,
+            pinned: false,
             detok,
             text: String::new(),
             last_token: None,
@@ -199,39 +207,25 @@ impl EngineLoop {
         }
     }
 
-    /// Hands request `id` to the scheduler on `generation`, pinning it until the request ends.
+    /// Hands request `id` to the scheduler on `generation` (pinned once it first runs).
     fn admit(&mut self, id: u64, generation: Option<AdapterGen>) {
         let Some(live) = self.live.get_mut(&id) else { return };
-        if let Some(g) = generation
-            && self.store.pin(g).is_err()
-        {
-            // Evicted from the CPU tier since `request` said ready: wait for the reload.
-            self.store.prefetch([live.sub.model.as_str()]);
-            self.deferred.push_back(id);
-            return;
-        }
         live.generation = generation;
         let p = &live.sub.params;
         let room = self.config.max_model_len.saturating_sub(live.sub.prompt.len()).max(1);
         let mut req = Request::new(id, live.sub.prompt.clone(), p.max_tokens.unwrap_or(room).min(room))
-            .stop_token_ids(self.stop_ids(p))
+            .stop_token_ids(stop_ids(p, &self.config.eos_token_ids))
             .prompt_logprobs(p.prompt_logprobs.is_some());
         if let Some(g) = generation {
             req = req.adapter(multilora_scheduler::AdapterGen::new(g.id.0, g.fingerprint.0));
         }
         if let Err(e) = self.scheduler.add_request(req) {
-            if let Some(g) = generation {
-                self.store.release(g);
-            }
             let err = match e {
                 multilora_scheduler::Error::PromptTooLong { prompt_len, max_model_len, .. } => {
                     EngineError::PromptTooLong { prompt_len, max_model_len }
                 }
                 other => EngineError::invalid(other.to_string()),
             };
-            if let Some(live) = self.live.get_mut(&id) {
-                live.generation = None;
-            }
             return self.fail(id, err);
         }
         let prompt_len = live.sub.prompt.len() as u64;
@@ -239,14 +233,6 @@ impl EngineLoop {
         usage.requests += 1;
         usage.prompt_tokens += prompt_len;
         self.counters.prompt_tokens += prompt_len;
-    }
-
-    fn stop_ids(&self, p: &SamplingParams) -> Vec<u32> {
-        let mut ids = p.stop_token_ids.clone();
-        if !p.ignore_eos {
-            ids.extend(self.config.eos_token_ids.iter().copied());
-        }
-        ids
     }
 
     /// Admits deferred requests whose adapter became ready, and fails those whose load failed.
@@ -303,7 +289,9 @@ impl EngineLoop {
     /// Removes request `id`: releases its pin, counts it, sends `Finished`.
     fn finish(&mut self, id: u64, reason: FinishReason, completion_tokens: usize) {
         let Some(live) = self.live.remove(&id) else { return };
-        if let Some(g) = live.generation {
+        if let Some(g) = live.generation
+            && live.pinned
+        {
             self.store.release(g);
         }
         *self.counters.finished.entry(reason.as_str()).or_default() += 1;
@@ -331,6 +319,7 @@ impl EngineLoop {
         if out.is_empty() {
             return false;
         }
+        self.update_pins(&out);
         let slots = self.activate(&out);
         let mut seqs = Vec::with_capacity(out.scheduled.len());
         let mut kept = Vec::with_capacity(out.scheduled.len());
@@ -342,15 +331,20 @@ impl EngineLoop {
                     None => continue,
                 },
             };
-            if !self.live.contains_key(&s.id) {
-                continue;
+            // Failed, re-deferred or unpinned since `schedule`: not part of this step.
+            match self.live.get(&s.id) {
+                Some(live) if s.adapter.is_none() || live.pinned => {}
+                _ => continue,
             }
             let rows = match s.logits {
                 LogitsWanted::None => LogitsRows::Skip,
                 LogitsWanted::Last => LogitsRows::Last,
                 LogitsWanted::AllPrompt => LogitsRows::All,
             };
-            seqs.push(SeqInput::new(s.token_ids.clone(), s.num_computed_tokens, s.block_table.clone(), slot).with_logits(rows));
+            seqs.push(
+                SeqInput::new(s.token_ids.clone(), s.num_computed_tokens, s.block_table.clone(), slot)
+                    .with_logits(rows),
+            );
             kept.push(s);
         }
         if seqs.is_empty() {
@@ -398,6 +392,41 @@ impl EngineLoop {
             self.finish(f.id, FinishReason::from_scheduler(f.reason), f.output_token_ids.len());
         }
         true
+    }
+
+    /// Pins the generation of every request that starts running this step, and releases the
+    /// pins of preempted requests (they wait again).
+    fn update_pins(&mut self, out: &SchedulerOutput) {
+        for &id in &out.preempted {
+            if let Some(live) = self.live.get_mut(&id)
+                && live.pinned
+                && let Some(g) = live.generation
+            {
+                live.pinned = false;
+                self.store.release(g);
+            }
+        }
+        for s in &out.scheduled {
+            let Some(live) = self.live.get_mut(&s.id) else { continue };
+            let Some(g) = live.generation else { continue };
+            if live.pinned {
+                continue;
+            }
+            if self.store.pin(g).is_ok() {
+                live.pinned = true;
+            } else if live.sampler.num_generated == 0 {
+                // Evicted from the CPU tier while waiting: back to the engine's queue until it
+                // is loaded again (nothing was generated, so nothing is lost).
+                self.scheduler.abort(s.id);
+                live.generation = None;
+                live.prompt_lp = live.sub.params.prompt_logprobs.map(|_| vec![None; live.sub.prompt.len()]);
+                self.store.prefetch([live.sub.model.as_str()]);
+                self.deferred.push_back(s.id);
+            } else {
+                let name = live.sub.model.clone();
+                self.fail(s.id, EngineError::Internal(format!("adapter {name:?} left host memory mid-request")));
+            }
+        }
     }
 
     /// Puts every adapter generation of the step in a slot; requests whose generation cannot be
@@ -517,7 +546,8 @@ impl EngineLoop {
         let c = self.scheduler.counts();
         let sm = self.store.metrics();
         let names: HashMap<u64, String> = self.store.adapters().into_iter().map(|i| (i.id.0, i.name)).collect();
-        let name = |g: &multilora_scheduler::AdapterGen| names.get(&g.id).cloned().unwrap_or_else(|| format!("#{}", g.id));
+        let name =
+            |g: &multilora_scheduler::AdapterGen| names.get(&g.id).cloned().unwrap_or_else(|| format!("#{}", g.id));
         let deferred = self.deferred.len() + c.deferred;
         let mut load_time = Histogram::new(sm.load_time.bounds);
         load_time.counts.clone_from(&sm.load_time.counts);
@@ -572,6 +602,15 @@ impl EngineLoop {
         }
         *self.last_metrics.lock() = Some(self.snapshot());
     }
+}
+
+/// The tokens that end a request: its `stop_token_ids`, plus EOS unless `ignore_eos`.
+fn stop_ids(p: &SamplingParams, eos: &[u32]) -> Vec<u32> {
+    let mut ids = p.stop_token_ids.clone();
+    if !p.ignore_eos {
+        ids.extend(eos.iter().copied());
+    }
+    ids
 }
 
 impl std::fmt::Debug for EngineLoop {

@@ -82,9 +82,10 @@ impl EngineError {
         match e {
             S::UnknownAdapter { .. } => EngineError::ModelNotFound { name: name.to_string() },
             S::RuntimeUpdatesDisabled { .. } => EngineError::RuntimeUpdatesDisabled,
-            S::InvalidName { .. } | S::AlreadyRegistered { .. } | S::PathOutsideRoots { .. } | S::HubDisabled { .. } => {
-                EngineError::InvalidRequest { reason: e.to_string() }
-            }
+            S::InvalidName { .. }
+            | S::AlreadyRegistered { .. }
+            | S::PathOutsideRoots { .. }
+            | S::HubDisabled { .. } => EngineError::InvalidRequest { reason: e.to_string() },
             S::Shutdown { .. } => EngineError::Shutdown,
             _ => EngineError::Adapter { name: name.to_string(), message: e.to_string(), cause_kind: e.kind() },
         }

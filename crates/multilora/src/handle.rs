@@ -186,14 +186,18 @@ impl EngineHandle {
             return Err(EngineError::invalid("the prompt is empty"));
         }
         if let Some(t) = prompt.iter().find(|&&t| t as usize >= config.vocab_size) {
-            return Err(EngineError::invalid(format!("prompt token {t} is outside the vocabulary of {}", config.vocab_size)));
+            return Err(EngineError::invalid(format!(
+                "prompt token {t} is outside the vocabulary of {}",
+                config.vocab_size
+            )));
         }
         if prompt.len() >= config.max_model_len {
             return Err(EngineError::PromptTooLong { prompt_len: prompt.len(), max_model_len: config.max_model_len });
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = unbounded_channel();
-        let sub = Submission { id, model: request.model, prompt, params: request.params, events, arrived: Instant::now() };
+        let sub =
+            Submission { id, model: request.model, prompt, params: request.params, events, arrived: Instant::now() };
         self.shared.tx.send(Command::Submit(Box::new(sub))).map_err(|_| EngineError::Shutdown)?;
         Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false })
     }

@@ -39,6 +39,11 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// The README's Rust examples, compiled and run as doctests so the README stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;
+
 mod builder;
 mod detokenize;
 mod engine_loop;
@@ -54,6 +59,7 @@ pub use error::{EngineError, Result};
 pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};
 pub use metrics::{AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, TierOccupancy};
 pub use multilora_adapter::ModuleKind;
+pub use multilora_store::{DirectoryResolver, Resolver};
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, Prompt, PromptLogprob, SamplingParams,
     TokenLogprob, Usage,

@@ -211,7 +211,7 @@ mod tests {
         let mut l = vec![4.0, 3.0, -1.0];
         assert_eq!(s.sample(&mut l, &p), 1);
         assert_eq!(l, vec![2.0, 3.0, -1.0]);
-        let p = SamplingParams { temperature: 0.0, frequency_penalty: 1.0, presence_penalty: 0.5, ..p };
+        let p = SamplingParams { repetition_penalty: 1.0, frequency_penalty: 1.0, presence_penalty: 0.5, ..p };
         let mut s = SamplerState::new(0, &[], vec![], &p);
         s.push(0);
         s.push(0);

@@ -1,0 +1,110 @@
+//! End-to-end throughput through the engine API on the PEFT comparison model shape (hidden 1024,
+//! intermediate 2816, 8 layers, 16 heads / 8 KV heads, vocab 32000, f32; random weights written
+//! to a temp dir): 16 requests of 64-token prompts and 32 greedy new tokens, (1) base only,
+//! (2) over 8 rank-16 adapters on all seven projections, (3) the same with `max_loras 1`.
+//! After criterion, a summary measured in the same run prints new tokens/s and the ratios.
+//!
+//! `cargo bench -p multilora --bench cpu_engine -- --warm-up-time 1 --measurement-time 10`
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use criterion::Criterion;
+use multilora::{Engine, GenerateRequest, SamplingParams};
+use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};
+
+const REQUESTS: usize = 16;
+const PROMPT: usize = 64;
+const NEW: usize = 32;
+const ADAPTERS: usize = 8;
+
+fn write_model(dir: &Path) -> anyhow::Result<()> {
+    let (h, i, v, layers, heads, kv_heads) = (1024, 2816, 32000, 8, 16, 8);
+    let head_dim = h / heads;
+    let config = serde_json::json!({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": h, "intermediate_size": i, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "vocab_size": v, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2});
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let dev = Device::Cpu;
+    let r = |shape: (usize, usize)| Tensor::randn(0f32, 0.02, shape, &dev);
+    let mut w: HashMap<String, Tensor> = HashMap::new();
+    w.insert("model.embed_tokens.weight".into(), r((v, h))?);
+    w.insert("lm_head.weight".into(), r((v, h))?);
+    w.insert("model.norm.weight".into(), Tensor::ones(h, DType::F32, &dev)?);
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        for (n, shape) in [
+            ("self_attn.q_proj", (heads * head_dim, h)),
+            ("self_attn.k_proj", (kv_heads * head_dim, h)),
+            ("self_attn.v_proj", (kv_heads * head_dim, h)),
+            ("self_attn.o_proj", (h, heads * head_dim)),
+            ("mlp.gate_proj", (i, h)),
+            ("mlp.up_proj", (i, h)),
+            ("mlp.down_proj", (h, i)),
+        ] {
+            w.insert(format!("{p}.{n}.weight"), r(shape)?);
+        }
+        w.insert(format!("{p}.input_layernorm.weight"), Tensor::ones(h, DType::F32, &dev)?);
+        w.insert(format!("{p}.post_attention_layernorm.weight"), Tensor::ones(h, DType::F32, &dev)?);
+    }
+    candle_core::safetensors::save(&w, dir.join("model.safetensors"))?;
+    let shapes = ModelShapes::llama(layers, h, i, v, heads, kv_heads);
+    for a in 0..ADAPTERS {
+        SyntheticAdapter::new(16, &ModuleKind::PROJECTIONS, 100 + a as u64)
+            .write(&dir.join(format!("lora{a}")), &shapes)?;
+    }
+    Ok(())
+}
+
+fn engine(dir: &Path, max_loras: usize) -> anyhow::Result<Engine> {
+    let mut b = Engine::builder(dir.display().to_string())
+        .served_model_name("base")
+        .max_loras(max_loras)
+        .kv_cache_bytes(512 << 20)
+        .enable_prefix_caching(false);
+    for a in 0..ADAPTERS {
+        b = b.lora(format!("lora{a}"), dir.join(format!("lora{a}")).display().to_string());
+    }
+    Ok(b.build()?)
+}
+
+/// Submits the 16 requests at once and waits for all; returns new tokens generated.
+fn run(engine: &Engine, mixed: bool) -> usize {
+    let mut p = SamplingParams::greedy(NEW);
+    p.ignore_eos = true;
+    let streams: Vec<_> = (0..REQUESTS)
+        .map(|r| {
+            let model = if mixed { format!("lora{}", r % ADAPTERS) } else { "base".to_string() };
+            let prompt: Vec<u32> = (0..PROMPT).map(|k| ((r * 131 + k * 17) % 31990 + 3) as u32).collect();
+            engine.submit(GenerateRequest::new(model, prompt).params(p.clone())).expect("submit")
+        })
+        .collect();
+    streams.into_iter().map(|s| s.collect_blocking().expect("request").token_ids.len()).sum()
+}
+
+fn main() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    write_model(tmp.path())?;
+    let mut criterion = Criterion::default().configure_from_args().sample_size(10);
+    let scenarios =
+        [("base only", 8, false), ("16 over 8 adapters", 8, true), ("16 over 8 adapters, max_loras 1", 1, true)];
+    let mut summary = Vec::new();
+    for (name, max_loras, mixed) in scenarios {
+        let engine = engine(tmp.path(), max_loras)?;
+        run(&engine, mixed);
+        criterion.bench_function(&format!("cpu_engine/{name}"), |b| b.iter(|| run(&engine, mixed)));
+        let start = Instant::now();
+        let tokens = run(&engine, mixed);
+        summary.push((name, tokens as f64 / start.elapsed().as_secs_f64()));
+    }
+    criterion.final_summary();
+    let base = summary[0].1;
+    println!("\nend-to-end new tokens/s (16 requests, 64-token prompts, 32 new tokens; PEFT mixed: 131):");
+    for (name, tps) in &summary {
+        println!("  {name:<34} {tps:8.1} tok/s   {:.2}x base   {:.2}x PEFT mixed", tps / base, tps / 131.0);
+    }
+    Ok(())
+}

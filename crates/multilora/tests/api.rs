@@ -1,0 +1,123 @@
+//! The public API's promises: handles are `Send + Sync`, public enums are `#[non_exhaustive]`,
+//! streaming text is valid UTF-8 and adds up to the whole, seeded sampling repeats, stop strings
+//! and logprobs behave as in vLLM.
+
+mod common;
+
+use anyhow::Result;
+use common::*;
+use multilora::{Engine, EngineHandle, Event, FinishReason, GenerateRequest, RequestStream, SamplingParams};
+
+#[test]
+fn handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Engine>();
+    check::<EngineHandle>();
+    check::<multilora::EngineError>();
+    check::<multilora::MetricsSnapshot>();
+    fn send<T: Send>() {}
+    send::<RequestStream>();
+}
+
+#[test]
+fn public_enums_and_structs_are_non_exhaustive() -> Result<()> {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    for entry in std::fs::read_dir(src)? {
+        let path = entry?.path();
+        let text = std::fs::read_to_string(&path)?;
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            if line.starts_with("pub enum ") {
+                let attrs = &lines[i.saturating_sub(3)..i];
+                assert!(attrs.iter().any(|l| l.contains("#[non_exhaustive]")), "{}: {line}", path.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn streaming_text_seeds_stops_and_logprobs() -> Result<()> {
+    let engine = builder(2).build()?;
+    // Streamed deltas add up to the decoded text and are valid UTF-8 by construction.
+    let mut p = SamplingParams::greedy(16);
+    p.ignore_eos = true;
+    p.logprobs = Some(3);
+    let mut stream = engine.submit(GenerateRequest::new("qv_r8", "The quick brown fox").params(p))?;
+    let (mut text, mut n) = (String::new(), 0);
+    while let Some(ev) = stream.recv_blocking() {
+        match ev {
+            Event::Token { text_delta, logprob, top_logprobs, id } => {
+                text.push_str(&text_delta);
+                n += 1;
+                assert_eq!(top_logprobs.len(), 3);
+                assert_eq!(top_logprobs[0].0, id, "greedy picks the most likely token");
+                assert!((logprob.unwrap_or(1.0) - top_logprobs[0].1).abs() < 1e-6);
+            }
+            Event::Finished { reason, usage } => {
+                assert_eq!((reason, usage.completion_tokens), (FinishReason::Length, 16));
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(n, 16);
+    assert!(!text.contains('\u{FFFD}') || text.chars().filter(|&c| c == '\u{FFFD}').count() < 16);
+
+    // Seeded sampling repeats; a stop string ends the request and is left out.
+    let mut p = SamplingParams::default();
+    p.seed = Some(42);
+    p.max_tokens = Some(24);
+    p.ignore_eos = true;
+    p.top_k = 40;
+    let a = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(p.clone()))?.collect_blocking()?;
+    let b = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(p.clone()))?.collect_blocking()?;
+    assert_eq!(a.token_ids, b.token_ids);
+    if let Some(stop) =
+        a.text.get(a.text.len() / 2..).and_then(|t| t.chars().find(|c| !c.is_whitespace() && *c != '\u{FFFD}'))
+    {
+        let mut ps = p.clone();
+        ps.stop = vec![stop.to_string()];
+        let c = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(ps))?.collect_blocking()?;
+        assert_eq!(c.finish_reason, FinishReason::Stop);
+        assert!(!c.text.contains(stop), "{:?} contains {stop:?}", c.text);
+        assert!(a.text.starts_with(&c.text));
+    }
+    Ok(())
+}
+
+#[test]
+fn defaults_follow_the_startup_adapters_and_max_loras_zero_turns_lora_off() -> Result<()> {
+    let engine = Engine::builder(path("base")).lora("sql", path("adapters/qv_r8")).kv_cache_bytes(16 << 20).build()?;
+    let c = engine.config();
+    assert_eq!((c.max_loras, c.max_cpu_loras, c.max_lora_rank), (4, 32, 8), "rank from the startup adapter");
+    assert_eq!(c.served_model_name, path("base"), "served under the source string as given");
+    assert_eq!(c.lora_target_modules.len(), 7, "the seven projections");
+    assert!(c.lora_slot_bytes > 0);
+    let models = engine.models();
+    assert_eq!(models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), vec![path("base").as_str(), "sql"]);
+    drop(engine);
+
+    let with_embed = Engine::builder(path("base"))
+        .lora("e", path("invalid_adapters/embed_target"))
+        .lora("big", path("adapters/rank32"))
+        .kv_cache_bytes(16 << 20)
+        .build()?;
+    assert_eq!(with_embed.config().max_lora_rank, 32);
+    assert!(with_embed.config().lora_target_modules.contains(&multilora::ModuleKind::EmbedTokens));
+    drop(with_embed);
+
+    let off = Engine::builder(path("base")).served_model_name(BASE).max_loras(0).kv_cache_bytes(16 << 20).build()?;
+    assert_eq!(off.config().lora_slot_bytes, 0, "no slot buffers");
+    let mut p = SamplingParams::greedy(3);
+    p.ignore_eos = true;
+    assert_eq!(
+        off.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p.clone()))?.collect_blocking()?.token_ids.len(),
+        3
+    );
+    let err = off.submit(GenerateRequest::new("qv_r8", vec![1, 2]).params(p))?.collect_blocking().unwrap_err();
+    assert_eq!(err.kind(), "model_not_found");
+    let err = Engine::builder(path("base")).max_loras(0).lora("x", path("adapters/qv_r8")).build().unwrap_err();
+    assert_eq!(err.kind(), "invalid_config");
+    Ok(())
+}

@@ -1,0 +1,77 @@
+//! Shared helpers of the engine's integration tests: the PEFT fixtures and engines built on them.
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use multilora::{Engine, EngineBuilder, MetricsSnapshot};
+use serde_json::Value;
+
+/// The served base model's name in these tests.
+pub const BASE: &str = "base";
+
+/// The seven adapters of `adapters/` plus the two extra ones.
+pub const ADAPTERS: [(&str, &str); 9] = [
+    ("qv_r8", "adapters/qv_r8"),
+    ("all_r16", "adapters/all_r16"),
+    ("rslora_r4", "adapters/rslora_r4"),
+    ("pattern_r8", "adapters/pattern_r8"),
+    ("regex_layers", "adapters/regex_layers"),
+    ("layers_subset", "adapters/layers_subset"),
+    ("rank32", "adapters/rank32"),
+    ("embed_target", "invalid_adapters/embed_target"),
+    ("bias_all", "invalid_adapters/bias_all"),
+];
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
+}
+
+pub fn path(rel: &str) -> String {
+    fixtures().join(rel).display().to_string()
+}
+
+pub fn cases() -> Result<Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json"))?)?)
+}
+
+/// A builder on the fixture base model with every fixture adapter registered at start.
+pub fn builder(max_loras: usize) -> EngineBuilder {
+    let mut b = Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_loras(max_loras)
+        .max_lora_rank(32)
+        .kv_cache_bytes(16 << 20);
+    for (name, rel) in ADAPTERS {
+        b = b.lora(name, path(rel));
+    }
+    b
+}
+
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default()
+}
+
+pub fn model_of(v: &Value) -> String {
+    v.as_str().unwrap_or(BASE).to_string()
+}
+
+/// Polls metrics until `done` holds (the loop may still be releasing after a drop).
+pub fn wait_for(engine: &Engine, done: impl Fn(&MetricsSnapshot) -> bool) -> MetricsSnapshot {
+    let start = Instant::now();
+    loop {
+        let m = engine.metrics();
+        if done(&m) || start.elapsed() > Duration::from_secs(10) {
+            return m;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Everything returned: nothing running, waiting or deferred, no KV blocks or slot pins held.
+pub fn assert_idle(m: &MetricsSnapshot) {
+    assert_eq!((m.running, m.waiting, m.deferred), (0, 0, 0), "{m:?}");
+    assert_eq!(m.kv_usage, 0.0, "kv blocks still held: {m:?}");
+    assert_eq!(m.pinned_slots, 0, "slot pins still held: {m:?}");
+}

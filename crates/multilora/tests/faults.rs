@@ -1,0 +1,177 @@
+//! Faults affect only the request they hit: an unknown model, invalid parameters, a corrupt
+//! adapter loaded at run time, a cancelled stream, and 1,000 requests from 8 threads at once;
+//! afterwards every KV block and slot pin is back.
+
+mod common;
+
+use anyhow::Result;
+use common::*;
+use multilora::{Event, GenerateRequest, SamplingParams};
+
+fn greedy(n: usize) -> SamplingParams {
+    let mut p = SamplingParams::greedy(n);
+    p.ignore_eos = true;
+    p
+}
+
+#[test]
+fn unknown_model_and_bad_params_fail_alone() -> Result<()> {
+    let engine = builder(4).build()?;
+    let ok1 = engine.submit(GenerateRequest::new("qv_r8", vec![1, 294, 488]).params(greedy(4)))?;
+    let bad = engine.submit(GenerateRequest::new("no-such-adapter", vec![1, 294, 488]).params(greedy(4)))?;
+    let ok2 = engine.submit(GenerateRequest::new(BASE, "Hello world").params(greedy(4)))?;
+    let err = bad.collect_blocking().unwrap_err();
+    assert_eq!(err.kind(), "model_not_found", "{err}");
+    assert_eq!(ok1.collect_blocking()?.token_ids.len(), 4);
+    assert_eq!(ok2.collect_blocking()?.token_ids.len(), 4);
+
+    let mut p = greedy(4);
+    p.top_p = 0.0;
+    let err = engine.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p)).unwrap_err();
+    assert_eq!(err.kind(), "invalid_request");
+    assert!(err.to_string().contains("top_p"), "{err}");
+    let mut p = greedy(4);
+    p.n = 2;
+    assert_eq!(engine.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p)).unwrap_err().kind(), "invalid_request");
+    let long = vec![5u32; 600];
+    let err = engine.submit(GenerateRequest::new(BASE, long).params(greedy(4))).unwrap_err();
+    assert_eq!(err.kind(), "prompt_too_long");
+    assert_idle(&wait_for(&engine, |m| m.running == 0));
+    Ok(())
+}
+
+#[test]
+fn corrupt_runtime_adapter_is_refused_and_serving_goes_on() -> Result<()> {
+    let engine = builder(2).allow_runtime_lora_updating(true).allowed_lora_root(fixtures()).build()?;
+    let running = engine.submit(GenerateRequest::new("qv_r8", vec![1, 294, 488]).params(greedy(8)))?;
+    for bad in ["truncated", "corrupt_header", "shape_mismatch"] {
+        let err = engine.handle().load_adapter(bad, &path(&format!("invalid_adapters/{bad}"))).unwrap_err();
+        assert_eq!(err.kind(), "adapter_error", "{bad}: {err}");
+        assert!(err.to_string().contains(bad), "{err}");
+    }
+    assert_eq!(running.collect_blocking()?.token_ids.len(), 8);
+    let later = engine.submit(GenerateRequest::new("truncated", vec![1, 2]).params(greedy(2)))?;
+    assert_eq!(later.collect_blocking().unwrap_err().kind(), "model_not_found");
+    Ok(())
+}
+
+#[test]
+fn dropped_stream_frees_blocks_and_pins() -> Result<()> {
+    let engine = builder(4).build()?;
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + i % 500).collect();
+    let mut stream = engine.submit(GenerateRequest::new("all_r16", prompt).params(greedy(400)))?;
+    let first = stream.recv_blocking();
+    assert!(matches!(first, Some(Event::Token { .. })), "{first:?}");
+    let m = engine.metrics();
+    assert_eq!(m.running, 1);
+    assert!(m.kv_usage > 0.0 && m.pinned_slots == 1, "{m:?}");
+    drop(stream);
+    let m = wait_for(&engine, |m| m.running == 0);
+    assert_idle(&m);
+    assert_eq!(m.requests_finished.get("abort"), Some(&1), "{m:?}");
+    Ok(())
+}
+
+#[test]
+fn a_thousand_requests_from_eight_threads() -> Result<()> {
+    let engine = builder(4).build()?;
+    let names: Vec<&str> =
+        ["qv_r8", "all_r16", "rslora_r4", "pattern_r8", "layers_subset", "embed_target", BASE].to_vec();
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let handle = engine.handle();
+                let names = &names;
+                s.spawn(move || -> Result<usize> {
+                    let streams = (0..125)
+                        .map(|i| {
+                            let prompt: Vec<u32> =
+                                (0..3 + (i % 6)).map(|k| (1 + t * 31 + i * 7 + k * 13) as u32 % 512).collect();
+                            let name = names[(t + i) % names.len()];
+                            handle.submit(GenerateRequest::new(name, prompt).params(greedy(2)))
+                        })
+                        .collect::<multilora::Result<Vec<_>>>()?;
+                    let mut tokens = 0;
+                    for st in streams {
+                        tokens += st.collect_blocking()?.token_ids.len();
+                    }
+                    Ok(tokens)
+                })
+            })
+            .collect();
+        for t in threads {
+            let tokens = t.join().expect("thread panicked")?;
+            assert_eq!(tokens, 250);
+        }
+        anyhow::Ok(())
+    })?;
+    let m = wait_for(&engine, |m| m.running == 0);
+    assert_idle(&m);
+    assert_eq!(m.requests_finished.get("length"), Some(&1000), "{m:?}");
+    assert_eq!(m.generation_tokens, 2000);
+    let per: u64 = m.per_adapter.values().map(|u| u.requests).sum();
+    assert_eq!(per, 1000);
+    Ok(())
+}
+
+/// Copies a fixture adapter directory to `dst`.
+fn copy_adapter(rel: &str, dst: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dst)?;
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(fixtures().join(rel).join(f), dst.join(f))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn adapter_whose_files_disappear_fails_alone() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    copy_adapter("adapters/qv_r8", &a)?;
+    copy_adapter("adapters/rslora_r4", &b)?;
+    // One CPU entry: loading "b" at start evicts "a", which must come back from disk later.
+    let engine = multilora::Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_loras(1)
+        .max_cpu_loras(1)
+        .kv_cache_bytes(8 << 20)
+        .lora("a", a.display().to_string())
+        .lora("b", b.display().to_string())
+        .build()?;
+    std::fs::remove_dir_all(&a)?;
+    let gone = engine.submit(GenerateRequest::new("a", vec![1, 2, 3]).params(greedy(2)))?;
+    let fine = engine.submit(GenerateRequest::new("b", vec![1, 2, 3]).params(greedy(2)))?;
+    let err = gone.collect_blocking().unwrap_err();
+    assert_eq!(err.kind(), "adapter_error", "{err}");
+    assert_eq!(fine.collect_blocking()?.token_ids.len(), 2);
+    let m = wait_for(&engine, |m| m.running == 0);
+    assert_idle(&m);
+    assert_eq!(m.request_errors.get("adapter_error"), Some(&1), "{m:?}");
+    Ok(())
+}
+
+#[test]
+fn resolved_adapter_waits_in_the_engine_while_it_loads() -> Result<()> {
+    let root = fixtures().join("adapters");
+    let engine = multilora::Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_lora_rank(16)
+        .kv_cache_bytes(8 << 20)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(root.clone())
+        .lora_resolver(multilora::DirectoryResolver::new(root))
+        .build()?;
+    let streams: Vec<_> = (0..3)
+        .map(|i| engine.submit(GenerateRequest::new("rslora_r4", vec![1, 2, 3 + i]).params(greedy(3))))
+        .collect::<multilora::Result<_>>()?;
+    for s in streams {
+        assert_eq!(s.collect_blocking()?.token_ids.len(), 3);
+    }
+    let err = engine.submit(GenerateRequest::new("rank32", vec![1, 2]).params(greedy(2)))?.collect_blocking();
+    assert_eq!(err.unwrap_err().kind(), "adapter_error", "rank 32 exceeds max_lora_rank 16");
+    let m = wait_for(&engine, |m| m.running == 0);
+    assert_idle(&m);
+    assert!(m.adapter_loads >= 1 && m.adapter_load_time.count >= 1, "{m:?}");
+    assert!(m.deferred_max >= 1, "requests waited for the load: {m:?}");
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! Adapter management while serving: refused when off; load, use, reload in place with
+//! different weights (outputs change, and prefix-cache blocks of the old generation are not
+//! reused), unload (then `model_not_found`).
+
+mod common;
+
+use anyhow::Result;
+use common::*;
+use multilora::{Engine, GenerateRequest, SamplingParams, Tier};
+
+fn run(engine: &Engine, model: &str, prompt: &[u32]) -> Result<(Vec<u32>, u64)> {
+    let before = engine.metrics().prefix_cache_hit_tokens;
+    let mut p = SamplingParams::greedy(8);
+    p.ignore_eos = true;
+    let out = engine.submit(GenerateRequest::new(model, prompt.to_vec()).params(p))?.collect_blocking()?;
+    Ok((out.token_ids, engine.metrics().prefix_cache_hit_tokens - before))
+}
+
+#[test]
+fn refused_when_runtime_updating_is_off() -> Result<()> {
+    let engine = builder(2).build()?;
+    let h = engine.handle();
+    assert_eq!(h.load_adapter("x", &path("adapters/qv_r8")).unwrap_err().kind(), "runtime_updates_disabled");
+    assert_eq!(h.reload_adapter("qv_r8", &path("adapters/all_r16")).unwrap_err().kind(), "runtime_updates_disabled");
+    assert_eq!(h.unload_adapter("qv_r8").unwrap_err().kind(), "runtime_updates_disabled");
+    Ok(())
+}
+
+#[test]
+fn load_use_reload_in_place_and_unload() -> Result<()> {
+    let engine = Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_loras(2)
+        .kv_cache_bytes(8 << 20)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(fixtures())
+        .build()?;
+    let h = engine.handle();
+    let prompt: Vec<u32> = (0..40).map(|i| (7 + i * 11) % 512).collect();
+    h.load_adapter("x", &path("adapters/qv_r8"))?;
+    let info = engine.models().into_iter().find(|m| m.id == "x").expect("x is listed");
+    assert_eq!((info.parent.as_deref(), info.rank, info.tier), (Some(BASE), Some(8), Tier::Cpu));
+    let (base_out, _) = run(&engine, BASE, &prompt)?;
+    let (old, _) = run(&engine, "x", &prompt)?;
+    assert_ne!(old, base_out, "the adapter changes the output");
+    let (again, hits) = run(&engine, "x", &prompt)?;
+    assert_eq!(again, old);
+    assert!(hits >= 32, "the same generation reuses its cached blocks ({hits} hit tokens)");
+    assert_eq!(engine.models().iter().find(|m| m.id == "x").map(|m| m.tier), Some(Tier::Device));
+
+    h.reload_adapter("x", &path("adapters/all_r16"))?;
+    let (new, hits) = run(&engine, "x", &prompt)?;
+    assert_ne!(new, old, "new requests get the new weights");
+    assert_eq!(hits, 0, "no block computed with the old weights is reused");
+
+    h.unload_adapter("x")?;
+    let err = engine.submit(GenerateRequest::new("x", prompt.clone()))?.collect_blocking().unwrap_err();
+    assert_eq!(err.kind(), "model_not_found");
+    assert!(engine.models().iter().all(|m| m.id != "x"));
+    assert_idle(&wait_for(&engine, |m| m.running == 0));
+    Ok(())
+}
