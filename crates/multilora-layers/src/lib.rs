@@ -43,7 +43,7 @@ pub use error::{Error, Result};
 pub use linear::LoraLinear;
 pub use mapping::{LoraMapping, Segment};
 pub use multilora_adapter::{
-    Error as AdapterError, Fingerprint, LoraAdapter, LoraModule, ModelShapes, ModuleId, ModuleKind,
+    Error as AdapterError, Fingerprint, HubConfig, LoraAdapter, LoraModule, ModelShapes, ModuleId, ModuleKind,
     Result as AdapterResult, SlotSink, embedding_digest, with_embedding_digest,
 };
 pub use ops::expand::lora_expand;

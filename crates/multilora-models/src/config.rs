@@ -103,6 +103,24 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// The sizes adapters are validated against (without the embedding digest, which needs the
+    /// weights: the loaded [`crate::Model::shapes`] carries it).
+    pub fn shapes(&self) -> multilora_layers::ModelShapes {
+        let mut s = multilora_layers::ModelShapes::llama(
+            self.num_layers,
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.num_heads,
+            self.num_kv_heads,
+        );
+        s.architecture = self.architecture.class_name().to_string();
+        s.model_type = self.architecture.model_type().to_string();
+        s.head_dim = self.head_dim;
+        s.tie_word_embeddings = self.tie_word_embeddings;
+        s
+    }
+
     /// Reads `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<ModelConfig> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;

@@ -42,4 +42,5 @@ pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token, num_blocks_for_budget};
 pub use llama::{Model, ModelOptions};
-pub use weights::{CheckpointFiles, HubCache, ModelSource};
+pub use multilora_layers::HubConfig;
+pub use weights::{CheckpointFiles, ModelSource};

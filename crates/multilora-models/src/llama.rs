@@ -18,7 +18,8 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
-use crate::weights::{CheckpointFiles, HubCache, ModelSource, Weights};
+use crate::weights::{CheckpointFiles, ModelSource, Weights};
+use multilora_layers::HubConfig;
 
 /// How to load a model.
 #[derive(Clone, Debug)]
@@ -38,7 +39,7 @@ pub struct ModelOptions {
     /// Dtype of the slot buffers; the model dtype when `None`.
     pub lora_dtype: Option<DType>,
     /// The hub cache used for repo ids.
-    pub hub: HubCache,
+    pub hub: HubConfig,
 }
 
 impl Default for ModelOptions {
@@ -52,7 +53,7 @@ impl Default for ModelOptions {
             max_lora_rank: 16,
             lora_target_modules: targets,
             lora_dtype: None,
-            hub: HubCache::from_env(),
+            hub: HubConfig::from_env(),
         }
     }
 }
@@ -95,7 +96,7 @@ impl ModelOptions {
     }
 
     /// Sets the hub cache.
-    pub fn hub(mut self, hub: HubCache) -> ModelOptions {
+    pub fn hub(mut self, hub: HubConfig) -> ModelOptions {
         self.hub = hub;
         self
     }
@@ -439,17 +440,5 @@ fn into_adapter_error(e: Error, slot: usize, adapter: &str) -> multilora_layers:
 }
 
 fn model_shapes(cfg: &ModelConfig, embed: &Tensor) -> Result<ModelShapes> {
-    let mut s = ModelShapes::llama(
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-    );
-    s.architecture = cfg.architecture.class_name().to_string();
-    s.model_type = cfg.architecture.model_type().to_string();
-    s.head_dim = cfg.head_dim;
-    s.tie_word_embeddings = cfg.tie_word_embeddings;
-    Ok(with_embedding_digest(s, embed)?)
+    Ok(with_embedding_digest(cfg.shapes(), embed)?)
 }

@@ -6,58 +6,17 @@ use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
-use hf_hub::{Cache, Repo, RepoType};
+use multilora_layers::{AdapterError, HubConfig};
 
 use crate::error::{Error, Result};
 
-/// Where the hub cache lives and whether the network may be used.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct HubCache {
-    /// The cache root: `$HF_HOME/hub`, or `~/.cache/huggingface/hub`.
-    pub cache_dir: PathBuf,
-    /// Serve from the cache alone.
-    pub offline: bool,
-}
-
-impl HubCache {
-    /// Settings as `huggingface_hub` reads them: `HF_HOME` and `HF_HUB_OFFLINE`.
-    pub fn from_env() -> HubCache {
-        let offline = std::env::var("HF_HUB_OFFLINE")
-            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
-        HubCache { cache_dir: Cache::from_env().path().clone(), offline }
-    }
-
-    /// Explicit settings; `cache_dir` is the `hub` folder (holding `models--org--name`).
-    pub fn new(cache_dir: impl Into<PathBuf>, offline: bool) -> HubCache {
-        HubCache { cache_dir: cache_dir.into(), offline }
-    }
-
-    /// A file of a hub repo: from the cache, else (unless offline) downloaded into it. The error
-    /// is the reason it could not be had, for the caller to wrap (an absent `model.safetensors` is
-    /// expected for a sharded repo).
-    fn file(&self, repo: &str, revision: &str, file: &str) -> std::result::Result<PathBuf, String> {
-        let hub_repo = Repo::with_revision(repo.to_string(), RepoType::Model, revision.to_string());
-        if let Some(path) = Cache::new(self.cache_dir.clone()).repo(hub_repo.clone()).get(file) {
-            return Ok(path);
-        }
-        // A commit id needs no `refs/` entry: the snapshot folder is named by it.
-        let direct = self.cache_dir.join(hub_repo.folder_name()).join("snapshots").join(revision).join(file);
-        if direct.is_file() {
-            return Ok(direct);
-        }
-        if self.offline {
-            return Err(format!(
-                "{file} is not in the hub cache at {} and offline mode is on",
-                self.cache_dir.display()
-            ));
-        }
-        let api = hf_hub::api::sync::ApiBuilder::from_env()
-            .with_cache_dir(self.cache_dir.clone())
-            .build()
-            .map_err(|e| format!("cannot start the hub client: {e}"))?;
-        api.repo(hub_repo).get(file).map_err(|e| format!("cannot fetch {file}: {e}"))
-    }
+/// A file of a hub repo through the shared hub settings, with the bare reason on failure (the
+/// caller names the repo; an absent `model.safetensors` is expected for a sharded repo).
+fn hub_file(hub: &HubConfig, repo: &str, revision: &str, file: &str) -> std::result::Result<PathBuf, String> {
+    hub.file(repo, revision, file).map_err(|e| match e {
+        AdapterError::Hub { reason, .. } => reason,
+        other => other.to_string(),
+    })
 }
 
 /// A checkpoint's location.
@@ -101,18 +60,18 @@ impl ModelSource {
     }
 
     /// The files of the checkpoint on disk: `config.json` and the safetensors files.
-    pub fn resolve(&self, hub: &HubCache) -> Result<CheckpointFiles> {
+    pub fn resolve(&self, hub: &HubConfig) -> Result<CheckpointFiles> {
         match self {
             ModelSource::Local(dir) => CheckpointFiles::from_dir(dir),
             ModelSource::Hub { repo, revision } => {
                 let err = |reason: String| Error::Hub { repo: repo.clone(), revision: revision.clone(), reason };
-                let get = |f: &str| hub.file(repo, revision, f).map_err(err);
+                let get = |f: &str| hub_file(hub, repo, revision, f).map_err(err);
                 let config = get("config.json")?;
-                let weights = match hub.file(repo, revision, "model.safetensors") {
+                let weights = match hub_file(hub, repo, revision, "model.safetensors") {
                     Ok(single) => vec![single],
                     Err(single_err) => {
                         let index =
-                            hub.file(repo, revision, INDEX_FILE).map_err(|e| err(format!("{single_err}; {e}")))?;
+                            hub_file(hub, repo, revision, INDEX_FILE).map_err(|e| err(format!("{single_err}; {e}")))?;
                         shard_names(&index)?.iter().map(|s| get(s)).collect::<Result<Vec<_>>>()?
                     }
                 };

@@ -7,7 +7,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use common::*;
 use multilora_models::{
-    Batch, HubCache, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, ModelSource, SeqInput,
+    Batch, HubConfig, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, ModelSource, SeqInput,
 };
 
 /// bf16 / f16 logits against f32 on every fixture row, one flat batch each.
@@ -44,7 +44,7 @@ fn loads_by_hub_id_offline_from_the_cache() -> Result<()> {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(fixture().join("base").join(f), snap.join(f))?;
     }
-    let opts = ModelOptions::default().hub(HubCache::new(&hub, true));
+    let opts = ModelOptions::default().hub(HubConfig::new(&hub, true));
     let source = ModelSource::parse("tiny-org/peft-tiny-base")?;
     assert_eq!(source, ModelSource::Hub { repo: "tiny-org/peft-tiny-base".into(), revision: "main".into() });
     let model = Model::load(&source, &opts)?;

@@ -71,7 +71,7 @@ impl SchedulerOutput {
 
 /// Why a request finished.
 #[non_exhaustive]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FinishReason {
     /// `max_new_tokens` generated, or the sequence reached `max_model_len`.
     Length,

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};
-use multilora_adapter::{AdapterSource, LoadOptions, ModelShapes, ModuleKind};
-use multilora_models::{HubCache, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
+use multilora_adapter::{AdapterSource, LoadOptions, ModuleKind};
+use multilora_models::{HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
 
@@ -212,7 +212,7 @@ impl EngineBuilder {
             )));
         }
         let source = ModelSource::parse(&self.model)?;
-        let hub = HubCache::from_env();
+        let hub = HubConfig::from_env();
         let files = source.resolve(&hub)?;
         let cfg = ModelConfig::from_file(&files.config)?;
         let (startup_rank, startup_targets) = self.scan_startup(&cfg)?;
@@ -325,14 +325,7 @@ impl EngineBuilder {
     /// Reads each startup adapter's config (no tensors): the largest rank and the modules
     /// targeted, so slots are sized before the model allocates them.
     fn scan_startup(&self, cfg: &ModelConfig) -> Result<(usize, Vec<ModuleKind>)> {
-        let shapes = ModelShapes::llama(
-            cfg.num_layers,
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-        );
+        let shapes = cfg.shapes();
         let opts = LoadOptions::new(DType::F32);
         let (mut rank, mut kinds) = (0, Vec::new());
         for (name, src) in &self.loras {

@@ -389,7 +389,7 @@ impl EngineLoop {
             }
         }
         for f in finished {
-            self.finish(f.id, FinishReason::from_scheduler(f.reason), f.output_token_ids.len());
+            self.finish(f.id, f.reason, f.output_token_ids.len());
         }
         true
     }
@@ -526,7 +526,7 @@ impl EngineLoop {
             if let Some(pos) = hit {
                 delta = live.text.get(prev..pos).unwrap_or_default().to_string();
                 live.text.truncate(pos);
-                finish = Some(multilora_scheduler::FinishReason::Stop);
+                finish = Some(FinishReason::Stop);
             }
         }
         let (lp, top_logprobs) = match &logprob {

@@ -187,41 +187,8 @@ impl SamplingParams {
     }
 }
 
-/// Why a request finished.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[non_exhaustive]
-pub enum FinishReason {
-    /// `max_tokens` generated, or the context is full.
-    Length,
-    /// EOS, a stop token or a stop string.
-    Stop,
-    /// Cancelled by the caller.
-    Aborted,
-    /// Failed (the stream carried an [`Event::Error`] first).
-    Error,
-}
-
-impl FinishReason {
-    /// OpenAI's spelling: `length`, `stop`, `abort`, `error`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            FinishReason::Length => "length",
-            FinishReason::Stop => "stop",
-            FinishReason::Aborted => "abort",
-            FinishReason::Error => "error",
-        }
-    }
-
-    pub(crate) fn from_scheduler(r: multilora_scheduler::FinishReason) -> FinishReason {
-        use multilora_scheduler::FinishReason as S;
-        match r {
-            S::Length => FinishReason::Length,
-            S::Stop => FinishReason::Stop,
-            S::Aborted => FinishReason::Aborted,
-            _ => FinishReason::Error,
-        }
-    }
-}
+/// Why a request finished: the scheduler's own type (`length`, `stop`, `abort`, `error`).
+pub use multilora_scheduler::FinishReason;
 
 /// Token counts of a finished request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
