@@ -125,8 +125,9 @@ fn check_dependencies(root: &Path, problems: &mut Vec<String>) -> Result<()> {
             continue;
         }
         let Some((_, allowed)) = ALLOWED.iter().find(|(n, _)| *n == name) else {
-            problems
-                .push(format!("{name}: not in the dependency table of xtask/src/tidy.rs (and the crate table of DESIGN.md)"));
+            problems.push(format!(
+                "{name}: not in the dependency table of xtask/src/tidy.rs (and the crate table of DESIGN.md)"
+            ));
             continue;
         };
         for dep in package["dependencies"].as_array().into_iter().flatten() {

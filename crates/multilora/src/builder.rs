@@ -265,7 +265,12 @@ impl EngineBuilder {
             let parsed = AdapterSource::parse(src).map_err(|e| adapter_err(name, &e))?;
             store = store.startup(name.clone(), parsed);
         }
-        let store = store.build().map_err(|e| EngineError::from_store("startup", &e))?;
+        let store = store.build().map_err(|e| {
+            // The store's message names the failing start-up adapter; name the error after it too.
+            let text = e.to_string();
+            let name = self.loras.iter().map(|(n, _)| n.as_str()).find(|n| text.contains(&format!("{n:?}")));
+            EngineError::from_store(name.unwrap_or("start-up adapters"), &e)
+        })?;
 
         let max_model_len = self.max_model_len.unwrap_or(cfg.max_model_len());
         let slot_bytes = model.lora_slot_bytes();

@@ -30,7 +30,7 @@ pub enum EngineError {
         max_model_len: usize,
     },
     /// The adapter could not be loaded, validated or activated.
-    #[error("adapter {name:?}: {message}")]
+    #[error("{}", adapter_message(name, message))]
     Adapter {
         /// The adapter.
         name: String,
@@ -106,4 +106,10 @@ impl From<candle_core::Error> for EngineError {
     fn from(e: candle_core::Error) -> EngineError {
         EngineError::Internal(e.to_string())
     }
+}
+
+/// The store's message, prefixed with the adapter's name unless it already leads with it.
+fn adapter_message(name: &str, message: &str) -> String {
+    let prefix = format!("adapter {name:?}");
+    if message.starts_with(&prefix) { message.to_string() } else { format!("{prefix}: {message}") }
 }

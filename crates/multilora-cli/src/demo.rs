@@ -1,0 +1,412 @@
+//! `multilora demo`: what multi-LoRA serving does, on this machine, in about a minute.
+//!
+//! With no arguments it builds (once, deterministically, in a cache directory) a small
+//! Llama-architecture model with random weights, the fixture's real byte-level BPE
+//! `tokenizer.json` (vocab 512) and 8 PEFT adapters of different ranks, then serves a mixed
+//! workload through the engine twice: with 4 adapter slots, and with 1 for contrast. Every figure
+//! printed comes from the engine's metrics or the wall clock; the per-step figures are sampled by
+//! polling `metrics()`, which the engine answers between steps.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow};
+use candle_core::{Device, Tensor};
+use clap::Args;
+use clap::builder::TypedValueParser;
+use indicatif::{ProgressBar, ProgressStyle};
+use multilora::{Engine, GenerateRequest, Histogram, MetricsSnapshot, SamplingParams};
+use serde_json::json;
+
+use crate::Failure;
+
+/// The fixture's tokenizer: a real byte-level BPE tokenizer, small enough to embed.
+const TOKENIZER: &[u8] = include_bytes!("../../../tests/fixtures/peft-tiny/base/tokenizer.json");
+/// Bump when the generated model changes, so a stale cache is not reused.
+const DEMO_VERSION: &str = "v1";
+const HIDDEN: usize = 256;
+const LAYERS: usize = 4;
+const HEADS: usize = 8;
+const KV_HEADS: usize = 4;
+const HEAD_DIM: usize = 32;
+const MLP: usize = 704;
+const VOCAB: usize = 512;
+/// The demo's adapters: name, rank, target modules.
+const ADAPTERS: [(&str, usize, &[&str]); 8] = [
+    ("sql", 8, &["q_proj", "v_proj"]),
+    ("chat", 16, &["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ("code", 32, &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("math", 4, &["q_proj", "v_proj"]),
+    ("legal", 16, &["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("medical", 8, &["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ("poetry", 64, &["q_proj", "v_proj"]),
+    ("support", 2, &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+];
+
+/// `demo`'s flags.
+#[derive(Debug, Args)]
+pub(crate) struct DemoArgs {
+    /// Where the demo model is built (default `$XDG_CACHE_HOME/multilora/demo` or `~/.cache/multilora/demo`).
+    #[arg(long)]
+    pub(crate) cache_dir: Option<PathBuf>,
+    /// Run on this model (directory or hub id) instead of the built one.
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+    /// Adapters for `--model`, `NAME=<DIR|HUB_ID>`; repeatable.
+    #[arg(long = "lora", value_parser = parse_lora)]
+    pub(crate) loras: Vec<(String, String)>,
+    /// Requests in the workload.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
+    pub(crate) requests: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
+    pub(crate) max_tokens: usize,
+}
+
+impl Default for DemoArgs {
+    /// What `multilora` with no arguments runs: clap's defaults, which a derived Default would not see.
+    fn default() -> DemoArgs {
+        DemoArgs { cache_dir: None, model: None, loras: Vec::new(), requests: 300, max_tokens: 16 }
+    }
+}
+
+fn parse_lora(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((n, src)) if !n.is_empty() && !src.is_empty() => Ok((n.to_string(), src.to_string())),
+        _ => Err(format!("expected NAME=<DIR|HUB_ID>, got {s:?}")),
+    }
+}
+
+/// splitmix64: a tiny deterministic generator, so the cached model is the same on every machine.
+#[derive(Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// A [rows, cols] tensor, uniform with standard deviation `std`.
+fn random(rng: &mut Rng, rows: usize, cols: usize, std: f32) -> candle_core::Result<Tensor> {
+    let a = std * 3f32.sqrt();
+    let v: Vec<f32> = (0..rows * cols).map(|_| rng.unit() * a).collect();
+    Tensor::from_vec(v, (rows, cols), &Device::Cpu)
+}
+
+fn module_shape(m: &str) -> (usize, usize) {
+    match m {
+        "q_proj" => (HIDDEN, HEADS * HEAD_DIM),
+        "k_proj" | "v_proj" => (HIDDEN, KV_HEADS * HEAD_DIM),
+        "o_proj" => (HEADS * HEAD_DIM, HIDDEN),
+        "gate_proj" | "up_proj" => (HIDDEN, MLP),
+        _ => (MLP, HIDDEN),
+    }
+}
+
+fn module_group(m: &str) -> &'static str {
+    if ["gate_proj", "up_proj", "down_proj"].contains(&m) { "mlp" } else { "self_attn" }
+}
+
+fn write_model(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let config = json!({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": MLP, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": false,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"});
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(dir.join("tokenizer.json"), TOKENIZER)?;
+    let mut rng = Rng(0x5EED);
+    let mut t = HashMap::new();
+    let ones = Tensor::ones(HIDDEN, candle_core::DType::F32, &Device::Cpu)?;
+    t.insert("model.embed_tokens.weight".to_string(), random(&mut rng, VOCAB, HIDDEN, 1.0)?);
+    for l in 0..LAYERS {
+        for m in ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] {
+            let (i, o) = module_shape(m);
+            let w = random(&mut rng, o, i, 1.0 / (i as f32).sqrt())?;
+            t.insert(format!("model.layers.{l}.{}.{m}.weight", module_group(m)), w);
+        }
+        t.insert(format!("model.layers.{l}.input_layernorm.weight"), ones.clone());
+        t.insert(format!("model.layers.{l}.post_attention_layernorm.weight"), ones.clone());
+    }
+    t.insert("model.norm.weight".to_string(), ones);
+    // A larger head scale gives peaked next-token distributions, like a trained model's.
+    t.insert("lm_head.weight".to_string(), random(&mut rng, VOCAB, HIDDEN, 3.0 / (HIDDEN as f32).sqrt())?);
+    candle_core::safetensors::save(&t, dir.join("model.safetensors"))?;
+    for (k, (name, r, targets)) in ADAPTERS.iter().enumerate() {
+        let adir = dir.join("adapters").join(name);
+        std::fs::create_dir_all(&adir)?;
+        let cfg = json!({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r,
+            "target_modules": targets, "bias": "none", "lora_dropout": 0.0, "base_model_name_or_path": "multilora-demo"});
+        std::fs::write(adir.join("adapter_config.json"), serde_json::to_string_pretty(&cfg)?)?;
+        let mut rng = Rng(0xADA0 + k as u64);
+        let mut t = HashMap::new();
+        for l in 0..LAYERS {
+            for m in targets.iter() {
+                let (i, o) = module_shape(m);
+                let key = format!("base_model.model.model.layers.{l}.{}.{m}", module_group(m));
+                t.insert(format!("{key}.lora_A.weight"), random(&mut rng, *r, i, 1.0 / (i as f32).sqrt())?);
+                t.insert(format!("{key}.lora_B.weight"), random(&mut rng, o, *r, 0.5 / (*r as f32).sqrt())?);
+            }
+        }
+        candle_core::safetensors::save(&t, adir.join("adapter_model.safetensors"))?;
+    }
+    Ok(())
+}
+
+/// The built model's directory, building it first when absent.
+fn demo_model(cache: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    let root = match cache {
+        Some(c) => c,
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .ok_or_else(|| anyhow!("no cache directory: set XDG_CACHE_HOME or HOME, or pass --cache-dir"))?
+            .join("multilora")
+            .join("demo"),
+    };
+    let dir = root.join(DEMO_VERSION);
+    if dir.join(".complete").is_file() {
+        return Ok(dir);
+    }
+    eprintln!("building the demo model and 8 adapters in {} (once)", dir.display());
+    // Build beside the final place and rename, so an interrupted build is never taken as done.
+    let tmp = root.join(format!("{DEMO_VERSION}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    write_model(&tmp).with_context(|| format!("writing the demo model in {}", tmp.display()))?;
+    std::fs::write(tmp.join(".complete"), "")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&tmp, &dir).with_context(|| format!("moving the demo model to {}", dir.display()))?;
+    Ok(dir)
+}
+
+const SYSTEM: &str = "You are a careful assistant for a small company. Answer in one short paragraph, \
+    cite the relevant rule when there is one, and say so plainly when you do not know. ";
+const QUESTIONS: [&str; 12] = [
+    "How do I reset my password?",
+    "Write a query that lists last month's orders.",
+    "What is the capital of France?",
+    "Summarise the refund policy.",
+    "def add(a, b): return a + b  # explain this",
+    "Once upon a time, in a village by the river,",
+    "What is 17 times 23?",
+    "Is this contract clause enforceable?",
+    "List three symptoms of the flu.",
+    "Write a haiku about the sea.",
+    "My parcel has not arrived, what now?",
+    "Translate 'good morning' to Spanish.",
+];
+
+/// The workload: model name per request (skewed: a few adapters are popular), and a prompt that
+/// shares the system prompt so the prefix cache can hit.
+fn workload(n: usize, served: &str, adapters: &[String]) -> Vec<(String, String)> {
+    let mut rng = Rng(42);
+    let mut names = vec![served.to_string()];
+    names.extend(adapters.iter().cloned());
+    // Zipf-like weights 1/(k+1): the base and the first adapters get most requests.
+    let weights: Vec<f64> = (0..names.len()).map(|k| 1.0 / (k + 1) as f64).collect();
+    let total: f64 = weights.iter().sum();
+    (0..n)
+        .map(|i| {
+            let mut x = (rng.next() >> 11) as f64 / (1u64 << 53) as f64 * total;
+            let k = weights.iter().position(|w| {
+                x -= w;
+                x < 0.0
+            });
+            let model = names[k.unwrap_or(names.len() - 1)].clone();
+            (model, format!("{SYSTEM}{}", QUESTIONS[i % QUESTIONS.len()]))
+        })
+        .collect()
+}
+
+/// What one run measured.
+#[derive(Debug)]
+struct RunReport {
+    wall: Duration,
+    metrics: MetricsSnapshot,
+    samples: usize,
+    mean_running: f64,
+    mean_adapters: f64,
+    errors: usize,
+}
+
+/// The histogram bucket holding the median, as "between A and B ms" (the engine keeps buckets,
+/// not samples, so that is as precise as it can honestly be).
+fn median_bucket(h: &Histogram) -> String {
+    let mut seen = 0;
+    for (i, c) in h.counts.iter().enumerate() {
+        seen += c;
+        if h.count > 0 && seen * 2 >= h.count {
+            let lo = if i == 0 { 0.0 } else { h.bounds[i - 1] * 1000.0 };
+            return match h.bounds.get(i) {
+                Some(hi) => format!("between {lo:.0} and {:.0} ms", hi * 1000.0),
+                None => format!("over {lo:.0} ms"),
+            };
+        }
+    }
+    "n/a".to_string()
+}
+
+fn run_once(
+    model: &str,
+    loras: &[(String, String)],
+    max_loras: usize,
+    work: &[(String, String)],
+    params: &SamplingParams,
+) -> anyhow::Result<RunReport> {
+    let mut b = Engine::builder(model.to_string()).served_model_name("base").max_loras(max_loras);
+    for (n, s) in loras {
+        b = b.lora(n, s);
+    }
+    let engine = b.build().map_err(|e| anyhow!("{e}"))?;
+    let bar = ProgressBar::new(work.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "max_loras {max_loras}: {{bar:40}} {{pos}}/{{len}} requests {{elapsed}}"
+        ))
+        .expect("valid template"),
+    );
+    let start = Instant::now();
+    let mut streams = Vec::with_capacity(work.len());
+    for (i, (m, p)) in work.iter().enumerate() {
+        let mut params = params.clone();
+        params.seed = Some(i as u64);
+        streams.push(engine.submit(GenerateRequest::new(m.clone(), p.as_str()).params(params)));
+    }
+    // Poll metrics while the workload runs: each answer comes between two engine steps.
+    let done = Arc::new(AtomicBool::new(false));
+    let handle = engine.handle();
+    let poller = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let (mut n, mut running, mut adapters) = (0usize, 0usize, 0usize);
+            while !done.load(Ordering::Relaxed) {
+                let m = handle.metrics();
+                if m.running > 0 {
+                    n += 1;
+                    running += m.running;
+                    adapters += m.running_adapters.iter().collect::<BTreeSet<_>>().len();
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (n, running, adapters)
+        })
+    };
+    let mut errors = 0;
+    for s in streams {
+        if s.and_then(|s| s.collect_blocking()).is_err() {
+            errors += 1;
+        }
+        bar.inc(1);
+    }
+    let wall = start.elapsed();
+    done.store(true, Ordering::Relaxed);
+    let (samples, running, adapters) = poller.join().map_err(|_| anyhow!("metrics poller panicked"))?;
+    bar.finish_and_clear();
+    let metrics = engine.metrics();
+    engine.shutdown();
+    let div = |a: usize| if samples == 0 { 0.0 } else { a as f64 / samples as f64 };
+    Ok(RunReport { wall, metrics, samples, mean_running: div(running), mean_adapters: div(adapters), errors })
+}
+
+fn print_report(r: &RunReport, max_loras: usize) {
+    let m = &r.metrics;
+    let secs = r.wall.as_secs_f64();
+    println!("== max_loras {max_loras} ==");
+    let per: Vec<String> = m.per_adapter.iter().map(|(k, u)| format!("{k} {}", u.requests)).collect();
+    println!("requests per model:        {}", per.join(", "));
+    println!(
+        "steps sampled:             {} (metrics polled between steps while requests ran; errors: {})",
+        r.samples, r.errors
+    );
+    println!("mean batch size:           {:.1} running requests per sampled step", r.mean_running);
+    println!("distinct adapters / step:  {:.2} (sampled)", r.mean_adapters);
+    let hit = if m.prefix_cache_query_tokens == 0 {
+        0.0
+    } else {
+        100.0 * m.prefix_cache_hit_tokens as f64 / m.prefix_cache_query_tokens as f64
+    };
+    println!(
+        "prefix-cache hit rate:     {hit:.1}% ({} of {} prompt tokens)",
+        m.prefix_cache_hit_tokens, m.prefix_cache_query_tokens
+    );
+    println!(
+        "adapter tier moves:        {} loads disk -> CPU, {} evictions (CPU tier and device slots); {} of {} slots in use at the end",
+        m.adapter_loads, m.adapter_evictions, m.device_tier.entries, m.device_tier.capacity
+    );
+    println!(
+        "throughput:                {:.0} generated tokens/s ({} tokens in {secs:.1} s)",
+        m.generation_tokens as f64 / secs,
+        m.generation_tokens
+    );
+    let mean_ttft = if m.ttft.count == 0 { 0.0 } else { m.ttft.sum_seconds / m.ttft.count as f64 };
+    println!("time to first token:       mean {:.0} ms, median {}", mean_ttft * 1000.0, median_bucket(&m.ttft));
+}
+
+/// Runs the demo.
+pub(crate) fn run(a: DemoArgs) -> Result<(), Failure> {
+    let (model, loras) = match &a.model {
+        Some(m) => (m.clone(), a.loras.clone()),
+        None => {
+            let dir = demo_model(a.cache_dir.clone()).map_err(Failure::input)?;
+            let loras = ADAPTERS
+                .iter()
+                .map(|(n, _, _)| (n.to_string(), dir.join("adapters").join(n).display().to_string()))
+                .collect();
+            (dir.display().to_string(), loras)
+        }
+    };
+    let names: Vec<String> = loras.iter().map(|(n, _)| n.clone()).collect();
+    let work = workload(a.requests, "base", &names);
+    let mut params = SamplingParams::default();
+    params.temperature = 0.8;
+    params.max_tokens = Some(a.max_tokens.max(1));
+    params.ignore_eos = true; // every request generates the same number of tokens in both runs
+    println!(
+        "workload: {} requests, {} new tokens each, over the base and {} adapters, one shared system prompt",
+        work.len(),
+        a.max_tokens,
+        names.len()
+    );
+    let wide = run_once(&model, &loras, 4, &work, &params).map_err(Failure::input)?;
+    print_report(&wide, 4);
+    let narrow = run_once(&model, &loras, 1, &work, &params).map_err(Failure::input)?;
+    print_report(&narrow, 1);
+    println!(
+        "=> with 4 slots a step mixes up to 4 adapters ({:.2} on average), so requests for different adapters share \
+         each forward pass; with 1 slot each step serves one adapter and requests for the others wait: {:.0} vs {:.0} tokens/s, \
+         {:.1}x the wall time.",
+        wide.mean_adapters,
+        wide.metrics.generation_tokens as f64 / wide.wall.as_secs_f64(),
+        narrow.metrics.generation_tokens as f64 / narrow.wall.as_secs_f64(),
+        narrow.wall.as_secs_f64() / wide.wall.as_secs_f64()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workload_is_deterministic_and_mixed() {
+        let names: Vec<String> = ADAPTERS.iter().map(|(n, _, _)| n.to_string()).collect();
+        let a = workload(300, "base", &names);
+        assert_eq!(a, workload(300, "base", &names));
+        let distinct: BTreeSet<&str> = a.iter().map(|(m, _)| m.as_str()).collect();
+        assert_eq!(distinct.len(), 9);
+        assert!(a.iter().all(|(_, p)| p.starts_with(SYSTEM)));
+    }
+}
