@@ -18,7 +18,9 @@ use candle_core::{Device, Tensor};
 use clap::Args;
 use clap::builder::TypedValueParser;
 use indicatif::{ProgressBar, ProgressStyle};
-use multilora::{Engine, GenerateRequest, Histogram, MetricsSnapshot, SamplingParams};
+use multilora::{
+    Engine, GenerateRequest, Histogram, MetricsSnapshot, ModelShapes, ModuleKind, SamplingParams, SyntheticAdapter,
+};
 use serde_json::json;
 
 use crate::Failure;
@@ -26,7 +28,7 @@ use crate::Failure;
 /// The fixture's tokenizer: a real byte-level BPE tokenizer, small enough to embed.
 const TOKENIZER: &[u8] = include_bytes!("../../../tests/fixtures/peft-tiny/base/tokenizer.json");
 /// Bump when the generated model changes, so a stale cache is not reused.
-const DEMO_VERSION: &str = "v1";
+const DEMO_VERSION: &str = "v2";
 const HIDDEN: usize = 256;
 const LAYERS: usize = 4;
 const HEADS: usize = 8;
@@ -35,16 +37,19 @@ const HEAD_DIM: usize = 32;
 const MLP: usize = 704;
 const VOCAB: usize = 512;
 /// The demo's adapters: name, rank, target modules.
-const ADAPTERS: [(&str, usize, &[&str]); 8] = [
-    ("sql", 8, &["q_proj", "v_proj"]),
-    ("chat", 16, &["q_proj", "k_proj", "v_proj", "o_proj"]),
-    ("code", 32, &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    ("math", 4, &["q_proj", "v_proj"]),
-    ("legal", 16, &["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
-    ("medical", 8, &["q_proj", "k_proj", "v_proj", "o_proj"]),
-    ("poetry", 64, &["q_proj", "v_proj"]),
-    ("support", 2, &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-];
+const ADAPTERS: [(&str, usize, &[ModuleKind]); 8] = {
+    use ModuleKind::{DownProj as D, GateProj as G, KProj as K, OProj as O, QProj as Q, UpProj as U, VProj as V};
+    [
+        ("sql", 8, &[Q, V]),
+        ("chat", 16, &[Q, K, V, O]),
+        ("code", 32, &[Q, K, V, O, G, U, D]),
+        ("math", 4, &[Q, V]),
+        ("legal", 16, &[Q, V, G, U, D]),
+        ("medical", 8, &[Q, K, V, O]),
+        ("poetry", 64, &[Q, V]),
+        ("support", 2, &[Q, K, V, O, G, U, D]),
+    ]
+};
 
 /// `demo`'s flags.
 #[derive(Debug, Args)]
@@ -145,23 +150,12 @@ fn write_model(dir: &Path) -> anyhow::Result<()> {
     // A larger head scale gives peaked next-token distributions, like a trained model's.
     t.insert("lm_head.weight".to_string(), random(&mut rng, VOCAB, HIDDEN, 3.0 / (HIDDEN as f32).sqrt())?);
     candle_core::safetensors::save(&t, dir.join("model.safetensors"))?;
+    // The adapters are real PEFT files, written by the adapter crate's seeded generator.
+    let shapes = ModelShapes::llama(LAYERS, HIDDEN, MLP, VOCAB, HEADS, KV_HEADS);
     for (k, (name, r, targets)) in ADAPTERS.iter().enumerate() {
-        let adir = dir.join("adapters").join(name);
-        std::fs::create_dir_all(&adir)?;
-        let cfg = json!({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r,
-            "target_modules": targets, "bias": "none", "lora_dropout": 0.0, "base_model_name_or_path": "multilora-demo"});
-        std::fs::write(adir.join("adapter_config.json"), serde_json::to_string_pretty(&cfg)?)?;
-        let mut rng = Rng(0xADA0 + k as u64);
-        let mut t = HashMap::new();
-        for l in 0..LAYERS {
-            for m in targets.iter() {
-                let (i, o) = module_shape(m);
-                let key = format!("base_model.model.model.layers.{l}.{}.{m}", module_group(m));
-                t.insert(format!("{key}.lora_A.weight"), random(&mut rng, *r, i, 1.0 / (i as f32).sqrt())?);
-                t.insert(format!("{key}.lora_B.weight"), random(&mut rng, o, *r, 0.5 / (*r as f32).sqrt())?);
-            }
-        }
-        candle_core::safetensors::save(&t, adir.join("adapter_model.safetensors"))?;
+        let mut adapter = SyntheticAdapter::new(*r, targets, 0xADA0 + k as u64);
+        adapter.std = 0.06;
+        adapter.write(&dir.join("adapters").join(name), &shapes)?;
     }
     Ok(())
 }

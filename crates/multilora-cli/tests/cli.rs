@@ -263,17 +263,17 @@ fn demo_builds_once_and_shows_the_contrast() {
     {
         assert!(first.contains(want), "missing {want:?}:\n{first}");
     }
-    let model = std::fs::read(dir.path().join("v1/model.safetensors")).unwrap();
+    let model = std::fs::read(dir.path().join("v2/model.safetensors")).unwrap();
     let (_, err) = run();
     assert!(!err.contains("building"), "the second run reuses the cache: {err}");
     // No arguments at all is the demo with its defaults (300 requests); here only check it starts.
     let out = Command::new(env!("CARGO_BIN_EXE_multilora")).args(["demo", "--requests", "0"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "--requests 0 is bad input");
-    assert_eq!(std::fs::read(dir.path().join("v1/model.safetensors")).unwrap(), model);
+    assert_eq!(std::fs::read(dir.path().join("v2/model.safetensors")).unwrap(), model);
     // Deterministic: a fresh build writes the same bytes.
     let other = tempfile::tempdir().unwrap();
     let out =
         multilora(&["demo", "--cache-dir", other.path().to_str().unwrap(), "--requests", "1", "--max-tokens", "1"]);
     assert!(out.status.success());
-    assert_eq!(std::fs::read(other.path().join("v1/model.safetensors")).unwrap(), model);
+    assert_eq!(std::fs::read(other.path().join("v2/model.safetensors")).unwrap(), model);
 }

@@ -58,7 +58,8 @@ pub use candle_core::{DType, Device};
 pub use error::{EngineError, Result};
 pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};
 pub use metrics::{AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, TierOccupancy};
-pub use multilora_adapter::ModuleKind;
+/// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
+pub use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};
 pub use multilora_store::{DirectoryResolver, Resolver};
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, Prompt, PromptLogprob, SamplingParams,
