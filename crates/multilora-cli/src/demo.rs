@@ -61,7 +61,7 @@ pub(crate) struct DemoArgs {
     #[arg(long)]
     pub(crate) model: Option<String>,
     /// Adapters for `--model`, `NAME=<DIR|HUB_ID>`; repeatable.
-    #[arg(long = "lora", value_parser = parse_lora)]
+    #[arg(long = "lora", value_parser = crate::engine_args::parse_lora)]
     pub(crate) loras: Vec<(String, String)>,
     /// Requests in the workload.
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
@@ -75,13 +75,6 @@ impl Default for DemoArgs {
     /// What `multilora` with no arguments runs: clap's defaults, which a derived Default would not see.
     fn default() -> DemoArgs {
         DemoArgs { cache_dir: None, model: None, loras: Vec::new(), requests: 300, max_tokens: 16 }
-    }
-}
-
-fn parse_lora(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((n, src)) if !n.is_empty() && !src.is_empty() => Ok((n.to_string(), src.to_string())),
-        _ => Err(format!("expected NAME=<DIR|HUB_ID>, got {s:?}")),
     }
 }
 

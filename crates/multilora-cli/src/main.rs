@@ -1,14 +1,17 @@
-//! The `multilora` command: `demo` (the default), `generate` (the offline batch runner) and
-//! `plan` (capacity arithmetic), a thin shell over the `multilora` engine.
+//! The `multilora` command: `demo` (the default), `generate` (the offline batch runner), `serve`
+//! (the OpenAI-compatible server) and `plan` (capacity arithmetic), a thin shell over the
+//! `multilora` engine and `multilora-server`.
 //!
 //! Errors print one line, `error: ...`, on stderr and exit with status 2 for bad input (1 for
 //! anything else); main returns the status itself so no backtrace or debug chain is ever printed.
 #![forbid(unsafe_code)]
 
 mod demo;
+mod engine_args;
 mod generate;
 mod jsonl;
 mod plan;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,6 +32,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run a JSONL file of requests through the engine, all at once; write one result per line.
     Generate(generate::GenerateArgs),
+    /// Serve the OpenAI-compatible API (vLLM's flags, endpoints and metrics) until SIGINT/SIGTERM.
+    Serve(serve::ServeArgs),
     /// Capacity arithmetic from a model's config.json: weights, adapters, slots, KV cache.
     Plan(PlanCli),
 }
@@ -92,12 +97,24 @@ fn run_plan(a: PlanCli) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         None => demo::run(demo::DemoArgs::default()),
         Some(Command::Demo(a)) => demo::run(a),
         Some(Command::Generate(a)) => generate::run(a),
+        Some(Command::Serve(a)) => {
+            init_logging();
+            serve::run(a)
+        }
         Some(Command::Plan(a)) => run_plan(a),
     };
     match result {

@@ -23,6 +23,9 @@ pub const DEFAULT_KV_CACHE_BYTES: u64 = 256 << 20;
 pub struct EngineConfig {
     /// The model source as given.
     pub model: String,
+    /// The model's local directory (the hub cache's snapshot for a hub id): `tokenizer.json`,
+    /// `tokenizer_config.json` (chat template, special tokens) and `generation_config.json`.
+    pub model_dir: PathBuf,
     /// The name requests use for the base model.
     pub served_model_name: String,
     /// Adapter slots (distinct adapters per step); 0 = LoRA off.
@@ -215,6 +218,14 @@ impl EngineBuilder {
         let hub = HubConfig::from_env();
         let files = source.resolve(&hub)?;
         let cfg = ModelConfig::from_file(&files.config)?;
+        if let ModelSource::Hub { repo, revision } = &source {
+            // The tokenizer files sit next to config.json in the snapshot; fetch them too.
+            for f in ["tokenizer.json", "tokenizer_config.json"] {
+                if let Err(e) = hub.file(repo, revision, f) {
+                    tracing::warn!(repo = %repo, file = f, error = %e, "tokenizer file not fetched");
+                }
+            }
+        }
         let (startup_rank, startup_targets) = self.scan_startup(&cfg)?;
         let max_lora_rank = self.max_lora_rank.unwrap_or(if startup_rank > 0 { startup_rank } else { 16 });
         let targets = self.lora_target_modules.clone().unwrap_or_else(|| {
@@ -230,7 +241,7 @@ impl EngineBuilder {
             .max_lora_rank(max_lora_rank)
             .lora_target_modules(&targets)
             .lora_dtype(lora_dtype)
-            .hub(hub);
+            .hub(hub.clone());
         let model = Model::load(&source, &opts)?;
         let tokenizer_path = files.dir.join("tokenizer.json");
         let tokenizer = if tokenizer_path.is_file() {
@@ -306,6 +317,7 @@ impl EngineBuilder {
         );
         let config = EngineConfig {
             model: self.model,
+            model_dir: files.dir.clone(),
             served_model_name: served,
             max_loras: self.max_loras,
             max_cpu_loras,

@@ -172,15 +172,7 @@ impl EngineHandle {
         request.params.validate(config.vocab_size)?;
         let prompt = match request.prompt {
             Prompt::Tokens(ids) => ids,
-            Prompt::Text(text) => {
-                let tok = self
-                    .shared
-                    .tokenizer
-                    .as_ref()
-                    .ok_or_else(|| EngineError::invalid("text prompts need the model's tokenizer.json"))?;
-                let enc = tok.encode(text, true).map_err(|e| EngineError::invalid(format!("tokenizing: {e}")))?;
-                enc.get_ids().to_vec()
-            }
+            Prompt::Text(text) => self.tokenize(&text, true)?,
         };
         if prompt.is_empty() {
             return Err(EngineError::invalid("the prompt is empty"));
@@ -200,6 +192,30 @@ impl EngineHandle {
             Submission { id, model: request.model, prompt, params: request.params, events, arrived: Instant::now() };
         self.shared.tx.send(Command::Submit(Box::new(sub))).map_err(|_| EngineError::Shutdown)?;
         Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false })
+    }
+
+    /// Tokenizes `text` with the model's tokenizer; `add_special_tokens` adds what the tokenizer's
+    /// post-processor adds (BOS for Llama). Chat prompts rendered from a template that already
+    /// writes the BOS token use `false`, as vLLM does.
+    pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let tok = self.tokenizer()?;
+        let enc = tok.encode(text, add_special_tokens).map_err(|e| EngineError::invalid(format!("tokenizing: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Each token's own text (special tokens included), as OpenAI's logprobs report tokens.
+    pub fn token_texts(&self, ids: &[u32]) -> Result<Vec<String>> {
+        let tok = self.tokenizer()?;
+        ids.iter()
+            .map(|&id| tok.decode(&[id], false).map_err(|e| EngineError::invalid(format!("decoding token {id}: {e}"))))
+            .collect()
+    }
+
+    fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.shared
+            .tokenizer
+            .as_deref()
+            .ok_or_else(|| EngineError::invalid("text prompts need the model's tokenizer.json"))
     }
 
     /// A metrics snapshot, taken by the loop between steps (the last one after shutdown).

@@ -1,0 +1,141 @@
+//! The engine's flags, shared by `generate` and `serve` (vLLM's names), and building the engine
+//! from them with errors that name the flag to blame.
+
+use anyhow::{Context, anyhow};
+use clap::Args;
+use multilora::{DType, Device, Engine, EngineBuilder};
+use serde::Deserialize;
+
+use crate::Failure;
+
+/// Flags that configure the engine.
+#[derive(Debug, Args)]
+pub(crate) struct EngineArgs {
+    /// Base model: a directory or a hub id.
+    #[arg(long)]
+    pub(crate) model: String,
+    /// The base model's name in requests (default: `--model` as given).
+    #[arg(long)]
+    pub(crate) served_model_name: Option<String>,
+    /// Adapters: `NAME=<DIR|HUB_ID>` or vLLM's JSON `{"name": ..., "path": ...}`; repeatable,
+    /// and several may follow one flag (`--lora-modules a=x b=y`, as vLLM takes them).
+    #[arg(long = "lora", visible_alias = "lora-modules", value_parser = parse_lora, num_args = 1..)]
+    pub(crate) loras: Vec<(String, String)>,
+    /// Adapter slots: distinct adapters per step.
+    #[arg(long)]
+    pub(crate) max_loras: Option<usize>,
+    /// Adapters kept in host memory.
+    #[arg(long)]
+    pub(crate) max_cpu_loras: Option<usize>,
+    /// Rank of every slot.
+    #[arg(long)]
+    pub(crate) max_lora_rank: Option<usize>,
+    /// Most running requests.
+    #[arg(long)]
+    pub(crate) max_num_seqs: Option<usize>,
+    /// Most tokens per step.
+    #[arg(long)]
+    pub(crate) max_num_batched_tokens: Option<usize>,
+    /// Context length (default: the model's).
+    #[arg(long)]
+    pub(crate) max_model_len: Option<usize>,
+    /// Bytes for the KV cache and the adapter slots together (default 256 MiB).
+    #[arg(long)]
+    pub(crate) kv_cache_bytes: Option<u64>,
+    /// `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Model dtype.
+    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
+    pub(crate) dtype: Option<String>,
+}
+
+/// A builder setter taking a count.
+type Setter = fn(EngineBuilder, usize) -> EngineBuilder;
+
+/// vLLM's JSON form of a `--lora-modules` entry.
+#[derive(Deserialize)]
+struct LoraJson {
+    name: String,
+    path: String,
+}
+
+pub(crate) fn parse_lora(s: &str) -> Result<(String, String), String> {
+    if s.trim_start().starts_with('{') {
+        let j: LoraJson = serde_json::from_str(s).map_err(|e| format!("{s:?} is not {{\"name\", \"path\"}}: {e}"))?;
+        return Ok((j.name, j.path));
+    }
+    match s.split_once('=') {
+        Some((n, src)) if !n.is_empty() && !src.is_empty() => Ok((n.to_string(), src.to_string())),
+        _ => Err(format!("expected NAME=<DIR|HUB_ID>, got {s:?}")),
+    }
+}
+
+fn parse_device(s: &str) -> anyhow::Result<Device> {
+    if s == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let n = s.strip_prefix("cuda:").or((s == "cuda").then_some("0"));
+    let n: usize =
+        n.and_then(|n| n.parse().ok()).ok_or_else(|| anyhow!("--device must be cpu or cuda:N, got {s:?}"))?;
+    Device::new_cuda(n).with_context(|| format!("--device {s}"))
+}
+
+impl EngineArgs {
+    /// A builder with every flag given applied; `more` adds what the command adds.
+    pub(crate) fn build(&self, more: impl FnOnce(EngineBuilder) -> EngineBuilder) -> Result<Engine, Failure> {
+        let mut b = Engine::builder(self.model.clone())
+            .served_model_name(self.served_model_name.clone().unwrap_or_else(|| self.model.clone()))
+            .device(parse_device(&self.device).map_err(Failure::input)?);
+        if let Some(d) = &self.dtype {
+            b = b.dtype(match d.as_str() {
+                "bf16" => DType::BF16,
+                "f16" => DType::F16,
+                _ => DType::F32,
+            });
+        }
+        for (name, src) in &self.loras {
+            b = b.lora(name, src);
+        }
+        let knobs: [(Option<usize>, Setter); 6] = [
+            (self.max_loras, EngineBuilder::max_loras),
+            (self.max_cpu_loras, EngineBuilder::max_cpu_loras),
+            (self.max_lora_rank, EngineBuilder::max_lora_rank),
+            (self.max_num_seqs, EngineBuilder::max_num_seqs),
+            (self.max_num_batched_tokens, EngineBuilder::max_num_batched_tokens),
+            (self.max_model_len, EngineBuilder::max_model_len),
+        ];
+        for (value, set) in knobs {
+            if let Some(v) = value {
+                b = set(b, v);
+            }
+        }
+        if let Some(bytes) = self.kv_cache_bytes {
+            b = b.kv_cache_bytes(bytes);
+        }
+        more(b).build().map_err(|e| {
+            // The adapter error's text names the adapter, its file and the reason; say which flag
+            // (its message already starts with `adapter "NAME":`, so it is not repeated here).
+            match &e {
+                multilora::EngineError::Adapter { message, .. } => Failure::input(anyhow!("--lora: {message}")),
+                _ => Failure::input(anyhow!("--model {}: {e}", self.model)),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lora_flags_in_both_forms() {
+        assert_eq!(parse_lora("sql=/a/b").unwrap(), ("sql".into(), "/a/b".into()));
+        assert_eq!(
+            parse_lora(r#"{"name": "sql", "path": "/a/b", "base_model_name": "m"}"#).unwrap(),
+            ("sql".into(), "/a/b".into())
+        );
+        assert!(parse_lora("sql").is_err());
+        assert!(parse_lora("{\"name\": 1}").is_err());
+    }
+}

@@ -1,0 +1,114 @@
+//! The model list, vLLM's runtime adapter endpoints, and `/health`. Loading reads and validates
+//! files, so it runs on a blocking thread and answers once the adapter is ready to serve.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use multilora::{EngineError, EngineHandle, Tier};
+use serde_json::{Value, json};
+
+use crate::error::{Error, Result};
+use crate::protocol::{LoadLoraRequest, UnloadLoraRequest, parse_body};
+use crate::state::AppState;
+
+/// `GET /health`: 200 while the engine runs, 503 once it has stopped.
+pub(crate) async fn health(State(state): State<AppState>) -> StatusCode {
+    let engine = state.engine.clone();
+    match blocking(move || Ok(engine.metrics().kv_blocks)).await {
+        Ok(blocks) if blocks > 0 => StatusCode::OK,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// The name of a tier in API bodies and metric labels.
+pub(crate) fn tier_name(t: Tier) -> &'static str {
+    match t {
+        Tier::Device => "device",
+        Tier::Cpu => "cpu",
+        Tier::Disk => "disk",
+        _ => "unknown",
+    }
+}
+
+/// `GET /v1/models`: the base model, then every adapter (vLLM's model cards, plus this engine's
+/// rank, fingerprint and tier under `multilora`).
+pub(crate) async fn models(State(state): State<AppState>) -> Result<Json<Value>> {
+    let engine = state.engine.clone();
+    let list = blocking(move || Ok(engine.models())).await?;
+    let max_model_len = state.engine.config().max_model_len;
+    let data: Vec<Value> = list
+        .iter()
+        .map(|m| {
+            json!({
+                "id": m.id,
+                "object": "model",
+                "created": state.started,
+                "owned_by": state.config.owned_by,
+                "root": m.source,
+                "parent": m.parent,
+                "max_model_len": max_model_len,
+                "permission": [],
+                "multilora": {"rank": m.rank, "fingerprint": m.fingerprint, "tier": tier_name(m.tier)},
+            })
+        })
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+/// `POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}`.
+pub(crate) async fn load_lora(State(state): State<AppState>, body: Bytes) -> Result<Response> {
+    let req: LoadLoraRequest = parse_body(&body)?;
+    if req.lora_name.is_empty() || req.lora_path.is_empty() {
+        return Err(Error::bad("lora_name", "lora_name and lora_path are both required"));
+    }
+    let engine = state.engine.clone();
+    let name = req.lora_name.clone();
+    blocking(move || {
+        if !req.load_inplace && engine.models().iter().any(|m| m.parent.is_some() && m.id == req.lora_name) {
+            return Err(EngineError::InvalidRequest {
+                reason: format!(
+                    "the lora adapter {:?} has already been loaded; pass \"load_inplace\": true to replace it",
+                    req.lora_name
+                ),
+            });
+        }
+        load(&engine, &req)
+    })
+    .await?;
+    tracing::info!(adapter = %name, "lora adapter loaded");
+    Ok((StatusCode::OK, format!("Success: LoRA adapter '{name}' added successfully.")).into_response())
+}
+
+/// `load_inplace` replaces a served adapter's weights, or loads it if it is new (vLLM's meaning).
+fn load(engine: &EngineHandle, req: &LoadLoraRequest) -> std::result::Result<(), EngineError> {
+    if req.load_inplace {
+        match engine.reload_adapter(&req.lora_name, &req.lora_path) {
+            Err(EngineError::ModelNotFound { .. }) => {}
+            other => return other,
+        }
+    }
+    engine.load_adapter(&req.lora_name, &req.lora_path)
+}
+
+/// `POST /v1/unload_lora_adapter {lora_name}`.
+pub(crate) async fn unload_lora(State(state): State<AppState>, body: Bytes) -> Result<Response> {
+    let req: UnloadLoraRequest = parse_body(&body)?;
+    let engine = state.engine.clone();
+    let name = req.lora_name.clone();
+    blocking(move || engine.unload_adapter(&req.lora_name)).await?;
+    tracing::info!(adapter = %name, "lora adapter unloaded");
+    Ok((StatusCode::OK, format!("Success: LoRA adapter '{name}' removed successfully.")).into_response())
+}
+
+/// Runs an engine call that blocks (file reads, a round trip to the engine loop) off the async
+/// worker threads.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> std::result::Result<T, EngineError> + Send + 'static,
+) -> Result<T> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(Error::Engine),
+        Err(e) => Err(Error::Engine(EngineError::Internal(format!("blocking task failed: {e}")))),
+    }
+}

@@ -1,0 +1,120 @@
+//! `POST /v1/chat/completions`: messages rendered through the chat template (the server's
+//! `--chat-template`, else the model's; a clear 400 when there is none), tokenized without adding
+//! special tokens (the template writes them, as in vLLM), then generated like a completion.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use multilora::{FinishReason, Prompt};
+use serde_json::{Value, json};
+
+use crate::completions::{Meta, TokenNames};
+use crate::error::{Error, Result};
+use crate::generation::{self, Render, TokenOut};
+use crate::protocol::{ChatRequest, fan_out};
+use crate::state::{AppState, unix_now};
+
+pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Result<Response> {
+    let req = ChatRequest::parse(&body)?;
+    let template = state
+        .config
+        .chat_template
+        .as_ref()
+        .or(state.chat_template.as_ref())
+        .ok_or_else(|| Error::NoChatTemplate { model: state.engine.config().served_model_name.clone() })?;
+    if req.messages.is_empty() {
+        return Err(Error::bad("messages", "messages must not be empty"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        messages.push(json!({"role": m.role, "content": m.text(i)?}));
+    }
+    let text = template.render(&messages, req.add_generation_prompt.unwrap_or(true), &req.chat_template_kwargs)?;
+    let ids = state.engine.tokenize(&text, false)?;
+    let n = req.sampling.n()?;
+    let logprobs = req.logprobs()?;
+    let params = req.sampling.params(req.max_completion_tokens, logprobs)?;
+    let requests = fan_out(&req.model, vec![Prompt::Tokens(ids)], &params, n);
+    let started = generation::start(&state, requests, n).await?;
+    let meta = Meta { id: state.response_id("chatcmpl"), created: unix_now(), model: req.model.clone() };
+    let names = TokenNames::new(&state.engine, req.sampling.return_tokens_as_token_ids);
+    let render = ChatRender { meta, names: names.clone() };
+    if req.sampling.stream {
+        return Ok(started.sse(render, req.sampling.include_usage()).into_response());
+    }
+    let outputs = started.collect().await?;
+    let usage = generation::total_usage(&outputs, n);
+    let choices: Vec<Value> = outputs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            json!({
+                "index": i,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": logprobs.map(|_| json!({"content": o.tokens.iter().map(|t| token_logprob(&names, t)).collect::<Vec<_>>()})),
+                "finish_reason": o.finish_reason.as_str(),
+            })
+        })
+        .collect();
+    let m = &render.meta;
+    let body = json!({
+        "id": m.id, "object": "chat.completion", "created": m.created, "model": m.model,
+        "choices": choices, "usage": usage,
+    });
+    Ok(Json(body).into_response())
+}
+
+/// One entry of chat logprobs: `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`.
+fn token_logprob(names: &TokenNames, t: &TokenOut) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let text = names.name(id);
+        json!({"token": text, "logprob": lp, "bytes": text.as_bytes()})
+    };
+    let mut v = entry(t.id, t.logprob.unwrap_or(f32::NAN));
+    v["top_logprobs"] = Value::Array(t.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
+    v
+}
+
+struct ChatRender {
+    meta: Meta,
+    names: TokenNames,
+}
+
+impl ChatRender {
+    fn chunk(&self, choices: Vec<Value>) -> Value {
+        let m = &self.meta;
+        json!({"id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model, "choices": choices})
+    }
+}
+
+impl Render for ChatRender {
+    fn opening(&self, n_choices: usize) -> Vec<Value> {
+        (0..n_choices)
+            .map(|i| {
+                let delta = json!({"role": "assistant", "content": ""});
+                self.chunk(vec![
+                    json!({"index": i, "delta": delta, "logprobs": Value::Null, "finish_reason": Value::Null}),
+                ])
+            })
+            .collect()
+    }
+
+    fn token(&mut self, index: usize, token: &TokenOut) -> Value {
+        let logprobs = token.logprob.map(|_| json!({"content": [token_logprob(&self.names, token)]}));
+        let choice = json!({"index": index, "delta": {"content": token.text}, "logprobs": logprobs, "finish_reason": Value::Null});
+        self.chunk(vec![choice])
+    }
+
+    fn finish(&mut self, index: usize, reason: FinishReason) -> Value {
+        self.chunk(vec![
+            json!({"index": index, "delta": {}, "logprobs": Value::Null, "finish_reason": reason.as_str()}),
+        ])
+    }
+
+    fn usage(&mut self, usage: Value) -> Value {
+        let m = &self.meta;
+        json!({"id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model,
+               "choices": [], "usage": usage})
+    }
+}

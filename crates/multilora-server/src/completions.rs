@@ -1,0 +1,143 @@
+//! `POST /v1/completions`: prompts in every OpenAI shape, `n` choices per prompt, legacy
+//! `logprobs` (tokens, token_logprobs, top_logprobs as `{token: logprob}`, text_offset), and
+//! streaming.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use multilora::{EngineHandle, FinishReason};
+use serde_json::{Map, Value, json};
+
+use crate::error::Result;
+use crate::generation::{self, Render, TokenOut};
+use crate::protocol::{CompletionRequest, fan_out};
+use crate::state::{AppState, unix_now};
+
+pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Response> {
+    let req = CompletionRequest::parse(&body)?;
+    let prompts = req.prompts()?;
+    let n = req.sampling.n()?;
+    let params = req.sampling.params(None, req.logprobs)?;
+    let requests = fan_out(&req.model, prompts, &params, n);
+    let started = generation::start(&state, requests, n).await?;
+    let meta = Meta { id: state.response_id("cmpl"), created: unix_now(), model: req.model.clone() };
+    let names = TokenNames::new(&state.engine, req.sampling.return_tokens_as_token_ids);
+    let render = CompletionRender { meta, names: names.clone(), offsets: Vec::new() };
+    if req.sampling.stream {
+        return Ok(started.sse(render, req.sampling.include_usage()).into_response());
+    }
+    let outputs = started.collect().await?;
+    let usage = generation::total_usage(&outputs, n);
+    let choices: Vec<Value> = outputs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            json!({
+                "index": i,
+                "text": o.text,
+                "logprobs": req.logprobs.map(|_| logprobs_json(&names, &o.tokens, 0)),
+                "finish_reason": o.finish_reason.as_str(),
+                "stop_reason": Value::Null,
+            })
+        })
+        .collect();
+    let m = &render.meta;
+    let body = json!({
+        "id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
+        "choices": choices, "usage": usage,
+    });
+    Ok(Json(body).into_response())
+}
+
+/// What every chunk of a response repeats.
+#[derive(Clone, Debug)]
+pub(crate) struct Meta {
+    pub(crate) id: String,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+}
+
+/// Legacy completions logprobs of `tokens`, text offsets counted from `offset` (characters).
+fn logprobs_json(names: &TokenNames, tokens: &[TokenOut], offset: usize) -> Value {
+    let mut texts = Vec::with_capacity(tokens.len());
+    let mut lps = Vec::with_capacity(tokens.len());
+    let mut tops = Vec::with_capacity(tokens.len());
+    let mut offsets = Vec::with_capacity(tokens.len());
+    let mut at = offset;
+    for t in tokens {
+        let text = names.name(t.id);
+        offsets.push(at);
+        at += t.text.chars().count();
+        let mut top = Map::new();
+        for &(id, lp) in &t.top {
+            top.insert(names.name(id), json!(lp));
+        }
+        texts.push(text);
+        lps.push(t.logprob);
+        tops.push(Value::Object(top));
+    }
+    json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// How logprobs name tokens: their own text, or `token_id:<id>` (vLLM's
+/// `return_tokens_as_token_ids`, for clients that need the exact ids).
+#[derive(Clone, Debug)]
+pub(crate) struct TokenNames {
+    engine: EngineHandle,
+    as_ids: bool,
+}
+
+impl TokenNames {
+    pub(crate) fn new(engine: &EngineHandle, as_ids: bool) -> TokenNames {
+        TokenNames { engine: engine.clone(), as_ids }
+    }
+
+    /// A token's name (`token_id:<id>` if its text cannot be decoded).
+    pub(crate) fn name(&self, id: u32) -> String {
+        if self.as_ids {
+            return format!("token_id:{id}");
+        }
+        self.engine.token_texts(&[id]).ok().and_then(|mut v| v.pop()).unwrap_or_else(|| format!("token_id:{id}"))
+    }
+}
+
+struct CompletionRender {
+    meta: Meta,
+    names: TokenNames,
+    /// Characters streamed so far per choice, for `text_offset`.
+    offsets: Vec<usize>,
+}
+
+impl CompletionRender {
+    fn chunk(&self, choice: Value) -> Value {
+        let m = &self.meta;
+        json!({"id": m.id, "object": "text_completion", "created": m.created, "model": m.model, "choices": [choice]})
+    }
+}
+
+impl Render for CompletionRender {
+    fn opening(&self, _n_choices: usize) -> Vec<Value> {
+        Vec::new()
+    }
+
+    fn token(&mut self, index: usize, token: &TokenOut) -> Value {
+        if self.offsets.len() <= index {
+            self.offsets.resize(index + 1, 0);
+        }
+        let logprobs =
+            token.logprob.map(|_| logprobs_json(&self.names, std::slice::from_ref(token), self.offsets[index]));
+        self.offsets[index] += token.text.chars().count();
+        self.chunk(json!({"index": index, "text": token.text, "logprobs": logprobs, "finish_reason": Value::Null}))
+    }
+
+    fn finish(&mut self, index: usize, reason: FinishReason) -> Value {
+        self.chunk(json!({"index": index, "text": "", "logprobs": Value::Null, "finish_reason": reason.as_str()}))
+    }
+
+    fn usage(&mut self, usage: Value) -> Value {
+        let m = &self.meta;
+        json!({"id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
+               "choices": [], "usage": usage})
+    }
+}

@@ -1,0 +1,132 @@
+//! `Error`: every way a request to the server fails, with its HTTP status, rendered in OpenAI's
+//! error shape `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use multilora::EngineError;
+use serde_json::json;
+
+/// The crate's result type.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Errors of the server. Each fails only the request that got it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The body is not what the endpoint takes; `param` names the field.
+    #[error("{message}")]
+    BadRequest {
+        /// The offending field, when one is to blame.
+        param: Option<String>,
+        /// What is wrong.
+        message: String,
+    },
+    /// No or a wrong API key.
+    #[error("invalid or missing API key (send `Authorization: Bearer <key>`)")]
+    Unauthorized,
+    /// Too many requests in flight.
+    #[error("server overloaded: {in_flight} requests in flight, limit {limit}; retry later")]
+    Overloaded {
+        /// Requests in flight now.
+        in_flight: usize,
+        /// The bound.
+        limit: usize,
+    },
+    /// The model has no chat template and none was given with `--chat-template`.
+    #[error(
+        "model {model:?} has no chat template (tokenizer_config.json has no chat_template); \
+         start the server with --chat-template FILE, or use /v1/completions"
+    )]
+    NoChatTemplate {
+        /// The served model.
+        model: String,
+    },
+    /// The chat template failed to compile or render.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The engine refused or failed the request.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// Setting the server up failed (reading a template, binding a socket).
+    #[error("{0}")]
+    Startup(String),
+}
+
+impl Error {
+    pub(crate) fn bad(param: impl Into<String>, message: impl Into<String>) -> Error {
+        Error::BadRequest { param: Some(param.into()), message: message.into() }
+    }
+
+    /// The HTTP status this error is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Error::BadRequest { .. } | Error::NoChatTemplate { .. } | Error::Template(_) => StatusCode::BAD_REQUEST,
+            Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Engine(e) => match e.kind() {
+                "model_not_found" => StatusCode::NOT_FOUND,
+                "invalid_request" | "prompt_too_long" | "adapter_error" => StatusCode::BAD_REQUEST,
+                "runtime_updates_disabled" => StatusCode::FORBIDDEN,
+                "shutdown" => StatusCode::SERVICE_UNAVAILABLE,
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            },
+            Error::Startup(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's `code`: a stable snake_case label.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::BadRequest { .. } => "invalid_request",
+            Error::Unauthorized => "invalid_api_key",
+            Error::Overloaded { .. } => "rate_limit_exceeded",
+            Error::NoChatTemplate { .. } => "no_chat_template",
+            Error::Template(_) => "chat_template_error",
+            Error::Engine(e) => e.kind(),
+            Error::Startup(_) => "internal",
+        }
+    }
+
+    /// OpenAI's `type`.
+    fn error_type(&self) -> &'static str {
+        match self.status() {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    fn param(&self) -> Option<&str> {
+        match self {
+            Error::BadRequest { param, .. } => param.as_deref(),
+            Error::Engine(EngineError::ModelNotFound { .. }) => Some("model"),
+            Error::Engine(EngineError::PromptTooLong { .. }) => Some("prompt"),
+            _ => None,
+        }
+    }
+
+    /// The JSON body: `{"error": {...}}`, also sent as an SSE event when a stream fails.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.to_string(),
+            "type": self.error_type(),
+            "param": self.param(),
+            "code": self.code(),
+        }})
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(error = %self, "request failed");
+        } else {
+            tracing::debug!(error = %self, status = status.as_u16(), "request refused");
+        }
+        (status, Json(self.body())).into_response()
+    }
+}

@@ -1,0 +1,235 @@
+//! Running one HTTP request's engine requests (one per prompt and choice): admission, submission,
+//! waiting for the first event (so an unknown model is a 404, not a broken stream), then either
+//! collecting every choice or streaming them merged as server-sent events ending in `[DONE]`.
+//! Dropping the response (a client that disconnects) drops the engine streams, which cancels
+//! their requests and frees their KV blocks and adapter slots.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use futures_util::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
+use multilora::{EngineError, Event, FinishReason, GenerateRequest, RequestStream, Usage};
+use serde_json::{Value, json};
+
+use crate::error::{Error, Result};
+use crate::state::{Admission, AppState};
+
+/// A generated token with what `logprobs` asked for.
+#[derive(Clone, Debug)]
+pub(crate) struct TokenOut {
+    pub(crate) id: u32,
+    pub(crate) text: String,
+    pub(crate) logprob: Option<f32>,
+    pub(crate) top: Vec<(u32, f32)>,
+}
+
+/// One choice's whole output.
+#[derive(Debug)]
+pub(crate) struct Output {
+    pub(crate) text: String,
+    pub(crate) tokens: Vec<TokenOut>,
+    pub(crate) finish_reason: FinishReason,
+    pub(crate) usage: Usage,
+}
+
+/// One choice: its stream and the event already read from it.
+#[derive(Debug)]
+struct Choice {
+    first: Option<Event>,
+    stream: RequestStream,
+}
+
+/// The engine requests of one HTTP request, admitted and started.
+#[derive(Debug)]
+pub(crate) struct Started {
+    choices: Vec<Choice>,
+    admission: Admission,
+    /// Choices per prompt (`n`): choice `i` belongs to prompt `i / n`.
+    n: usize,
+}
+
+/// Admits and submits `requests`, then waits for each one's first event: a request that fails
+/// before producing anything (unknown model, bad adapter) fails the whole HTTP request, and the
+/// others are cancelled by being dropped.
+pub(crate) async fn start(state: &AppState, requests: Vec<GenerateRequest>, n: usize) -> Result<Started> {
+    let admission = state.admit(requests.len())?;
+    let mut streams = Vec::with_capacity(requests.len());
+    for r in requests {
+        streams.push(state.engine.submit(r)?);
+    }
+    let mut choices = Vec::with_capacity(streams.len());
+    for mut stream in streams {
+        match stream.recv().await {
+            Some(Event::Error(e)) => return Err(Error::Engine(e)),
+            None => return Err(Error::Engine(EngineError::Shutdown)),
+            first => choices.push(Choice { first, stream }),
+        }
+    }
+    Ok(Started { choices, admission, n })
+}
+
+impl Started {
+    /// Waits for every choice's whole output; a choice that fails fails the request.
+    pub(crate) async fn collect(self) -> Result<Vec<Output>> {
+        let mut outs = Vec::with_capacity(self.choices.len());
+        for mut c in self.choices {
+            let mut out = Output {
+                text: String::new(),
+                tokens: Vec::new(),
+                finish_reason: FinishReason::Error,
+                usage: Usage::default(),
+            };
+            let mut next = c.first.take();
+            loop {
+                let ev = match next.take() {
+                    Some(ev) => ev,
+                    None => match c.stream.recv().await {
+                        Some(ev) => ev,
+                        None => return Err(Error::Engine(EngineError::Shutdown)),
+                    },
+                };
+                match ev {
+                    Event::Token { id, text_delta, logprob, top_logprobs } => {
+                        out.text.push_str(&text_delta);
+                        out.tokens.push(TokenOut { id, text: text_delta, logprob, top: top_logprobs });
+                    }
+                    Event::Finished { reason, usage } => {
+                        out.finish_reason = reason;
+                        out.usage = usage;
+                        break;
+                    }
+                    Event::Error(e) => return Err(Error::Engine(e)),
+                    _ => {}
+                }
+            }
+            outs.push(out);
+        }
+        drop(self.admission);
+        Ok(outs)
+    }
+
+    /// Streams the choices as SSE chunks rendered by `render`, then `data: [DONE]`.
+    pub(crate) fn sse<R: Render>(
+        self,
+        render: R,
+        include_usage: bool,
+    ) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
+        let n_choices = self.choices.len();
+        let events: SelectAll<BoxStream<'static, (usize, Event)>> =
+            stream::select_all(self.choices.into_iter().enumerate().map(|(i, c)| {
+                let first = stream::iter(c.first.map(|e| (i, e)));
+                let rest = stream::unfold(c.stream, move |mut s| async move { s.recv().await.map(|e| ((i, e), s)) });
+                first.chain(rest).boxed()
+            }));
+        let pending: VecDeque<String> = render.opening(n_choices).iter().map(Value::to_string).collect();
+        let state = SseState {
+            events,
+            render,
+            pending,
+            prompt_tokens: vec![0; n_choices.div_ceil(self.n.max(1))],
+            completion_tokens: 0,
+            n: self.n.max(1),
+            include_usage,
+            done: false,
+            failed: vec![false; n_choices],
+            _admission: self.admission,
+        };
+        let body = stream::unfold(state, |mut st| async move {
+            let data = st.next_data().await?;
+            Some((Ok(SseEvent::default().data(data)), st))
+        });
+        Sse::new(body).keep_alive(KeepAlive::default())
+    }
+}
+
+/// How an endpoint writes its stream chunks.
+pub(crate) trait Render: Send + 'static {
+    /// Chunks before any token (chat's assistant role deltas).
+    fn opening(&self, n_choices: usize) -> Vec<Value>;
+    /// A token of choice `index`.
+    fn token(&mut self, index: usize, token: &TokenOut) -> Value;
+    /// Choice `index` finished.
+    fn finish(&mut self, index: usize, reason: FinishReason) -> Value;
+    /// The closing usage chunk (`stream_options.include_usage`).
+    fn usage(&mut self, usage: Value) -> Value;
+}
+
+struct SseState<R> {
+    events: SelectAll<BoxStream<'static, (usize, Event)>>,
+    render: R,
+    pending: VecDeque<String>,
+    prompt_tokens: Vec<usize>,
+    completion_tokens: usize,
+    n: usize,
+    include_usage: bool,
+    done: bool,
+    failed: Vec<bool>,
+    _admission: Admission,
+}
+
+impl<R: Render> SseState<R> {
+    /// The next SSE `data:` payload; `None` after `[DONE]`.
+    async fn next_data(&mut self) -> Option<String> {
+        loop {
+            if let Some(d) = self.pending.pop_front() {
+                return Some(d);
+            }
+            if self.done {
+                return None;
+            }
+            match self.events.next().await {
+                Some((i, ev)) => self.on_event(i, ev),
+                None => {
+                    if self.include_usage {
+                        let usage = usage_json(self.prompt_tokens.iter().sum(), self.completion_tokens);
+                        self.pending.push_back(self.render.usage(usage).to_string());
+                    }
+                    self.pending.push_back("[DONE]".to_string());
+                    self.done = true;
+                }
+            }
+        }
+    }
+
+    fn on_event(&mut self, i: usize, ev: Event) {
+        match ev {
+            Event::Token { id, text_delta, logprob, top_logprobs } => {
+                if text_delta.is_empty() && logprob.is_none() {
+                    return; // half a multi-byte character: nothing to send yet
+                }
+                let token = TokenOut { id, text: text_delta, logprob, top: top_logprobs };
+                self.pending.push_back(self.render.token(i, &token).to_string());
+            }
+            Event::Finished { reason, usage } => {
+                self.prompt_tokens[i / self.n] = usage.prompt_tokens;
+                self.completion_tokens += usage.completion_tokens;
+                if !self.failed[i] {
+                    self.pending.push_back(self.render.finish(i, reason).to_string());
+                }
+            }
+            Event::Error(e) => {
+                // Headers are sent: the failure travels as an error event, as vLLM sends it.
+                self.failed[i] = true;
+                self.pending.push_back(Error::Engine(e).body().to_string());
+            }
+            _ => {}
+        }
+    }
+}
+
+/// OpenAI's `usage` object.
+pub(crate) fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// Usage of a collected response: prompt tokens once per prompt, completion tokens of all choices.
+pub(crate) fn total_usage(outputs: &[Output], n: usize) -> Value {
+    let prompt: usize = outputs.chunks(n.max(1)).map(|c| c[0].usage.prompt_tokens).sum();
+    let completion: usize = outputs.iter().map(|o| o.usage.completion_tokens).sum();
+    usage_json(prompt, completion)
+}

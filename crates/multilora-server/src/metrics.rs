@@ -1,0 +1,263 @@
+//! `GET /metrics`: the engine's [`MetricsSnapshot`] in the OpenMetrics text format (which
+//! Prometheus scrapes), encoded by `prometheus-client`. Names follow vLLM's where one exists, with
+//! its `model_name` label, so dashboards and LoRA-affinity routers that read
+//! `vllm:lora_requests_info` work unchanged; this engine's own metrics are `multilora_*`.
+
+use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use multilora::{Histogram, MetricsSnapshot, ModelInfo};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::admin::{blocking, tier_name};
+use crate::error::{Error, Result};
+use crate::state::AppState;
+
+/// OpenMetrics' content type.
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+pub(crate) async fn metrics(State(state): State<AppState>) -> Result<Response> {
+    let engine = state.engine.clone();
+    let (metrics, models) = blocking(move || Ok((engine.metrics(), engine.models()))).await?;
+    let model_name = state.engine.config().served_model_name.clone();
+    let text = render(Snapshot { metrics, models, model_name })
+        .map_err(|e| Error::Startup(format!("encoding metrics: {e}")))?;
+    Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response())
+}
+
+/// Encodes one snapshot.
+fn render(snapshot: Snapshot) -> std::result::Result<String, fmt::Error> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(snapshot));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)?;
+    Ok(out)
+}
+
+#[derive(Debug)]
+struct Snapshot {
+    metrics: MetricsSnapshot,
+    models: Vec<ModelInfo>,
+    model_name: String,
+}
+
+type Labels = Vec<(String, String)>;
+
+/// A label value with `\`, `"` and newlines escaped, as the text format wants.
+fn esc(s: &str) -> String {
+    s.replace('\\', r"\\").replace('"', "\\\"").replace('\n', r"\n")
+}
+
+/// A gauge family; nothing at all when it has no samples (a labelled family with no children).
+fn gauge<V: EncodeGaugeValue>(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: &[(Labels, V)],
+) -> fmt::Result {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in samples {
+        if labels.is_empty() {
+            m.encode_gauge(v)?;
+        } else {
+            m.encode_family(labels)?.encode_gauge(v)?;
+        }
+    }
+    Ok(())
+}
+
+/// A counter family; nothing at all when it has no samples.
+fn counter(e: &mut DescriptorEncoder, name: &str, help: &str, samples: &[(Labels, u64)]) -> fmt::Result {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in samples {
+        if labels.is_empty() {
+            m.encode_counter::<NoLabelSet, _, u64>(v, None)?;
+        } else {
+            m.encode_family(labels)?.encode_counter::<NoLabelSet, _, u64>(v, None)?;
+        }
+    }
+    Ok(())
+}
+
+fn histogram(e: &mut DescriptorEncoder, name: &str, help: &str, labels: &Labels, h: &Histogram) -> fmt::Result {
+    let mut buckets: Vec<(f64, u64)> = h.bounds.iter().copied().zip(h.counts.iter().copied()).collect();
+    buckets.push((f64::MAX, h.counts.last().copied().unwrap_or(0)));
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Histogram)?;
+    if labels.is_empty() {
+        return m.encode_histogram::<NoLabelSet>(h.sum_seconds, h.count, &buckets, None);
+    }
+    m.encode_family(labels)?.encode_histogram::<NoLabelSet>(h.sum_seconds, h.count, &buckets, None)
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut e: DescriptorEncoder) -> fmt::Result {
+        let m = &self.metrics;
+        let model: Labels = vec![("model_name".into(), esc(&self.model_name))];
+        let with = |k: &str, v: &str| -> Labels {
+            let mut l = model.clone();
+            l.push((k.to_string(), esc(v)));
+            l
+        };
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let info = vec![
+            ("max_lora".to_string(), m.max_lora.to_string()),
+            ("running_lora_adapters".to_string(), esc(&m.running_adapters.join(","))),
+            ("waiting_lora_adapters".to_string(), esc(&m.waiting_adapters.join(","))),
+        ];
+        gauge(&mut e, "vllm:lora_requests_info", "Running stats on lora requests.", &[(info, now)])?;
+        gauge(
+            &mut e,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            &[(model.clone(), m.running as u64)],
+        )?;
+        gauge(
+            &mut e,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            &[(model.clone(), m.waiting as u64)],
+        )?;
+        gauge(
+            &mut e,
+            "vllm:num_requests_waiting_by_reason",
+            "Requests waiting, by reason (deferred: held back by the adapter limit or waiting for their adapter to load).",
+            &[(with("reason", "deferred"), m.deferred as u64)],
+        )?;
+        gauge(
+            &mut e,
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            &[(model.clone(), m.kv_usage)],
+        )?;
+        counter(
+            &mut e,
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            &[(model.clone(), m.prompt_tokens)],
+        )?;
+        counter(
+            &mut e,
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            &[(model.clone(), m.generation_tokens)],
+        )?;
+        let finished: Vec<(Labels, u64)> =
+            m.requests_finished.iter().map(|(reason, n)| (with("finished_reason", reason), *n)).collect();
+        counter(&mut e, "vllm:request_success", "Count of finished requests by finish reason.", &finished)?;
+        counter(
+            &mut e,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in tokens.",
+            &[(model.clone(), m.prefix_cache_query_tokens)],
+        )?;
+        counter(
+            &mut e,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in tokens.",
+            &[(model.clone(), m.prefix_cache_hit_tokens)],
+        )?;
+        histogram(
+            &mut e,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &model,
+            &m.ttft,
+        )?;
+        histogram(
+            &mut e,
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            &model,
+            &m.inter_token_latency,
+        )?;
+        histogram(
+            &mut e,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            &model,
+            &m.e2e_latency,
+        )?;
+        self.encode_own(&mut e)
+    }
+}
+
+impl Snapshot {
+    /// This engine's own metrics: adapter tiers, loads and per-tenant usage.
+    fn encode_own(&self, e: &mut DescriptorEncoder) -> fmt::Result {
+        let m = &self.metrics;
+        let one = |k: &str, v: &str| -> Labels { vec![(k.to_string(), esc(v))] };
+        let tiers: Vec<(Labels, u64)> = self
+            .models
+            .iter()
+            .filter(|i| i.parent.is_some())
+            .map(|i| (vec![("adapter".into(), esc(&i.id)), ("tier".into(), tier_name(i.tier).into())], 1))
+            .collect();
+        gauge(
+            e,
+            "multilora_adapter_tier",
+            "1 for each adapter, labelled with the tier it is in now (device, cpu, disk).",
+            &tiers,
+        )?;
+        let occupancy = [(one("tier", "device"), m.device_tier), (one("tier", "cpu"), m.cpu_tier)];
+        let entries: Vec<(Labels, u64)> = occupancy.iter().map(|(l, t)| (l.clone(), t.entries as u64)).collect();
+        let capacity: Vec<(Labels, u64)> = occupancy.iter().map(|(l, t)| (l.clone(), t.capacity as u64)).collect();
+        gauge(e, "multilora_adapter_tier_entries", "Adapters held in each tier.", &entries)?;
+        gauge(e, "multilora_adapter_tier_capacity", "Capacity of each tier (max_loras, max_cpu_loras).", &capacity)?;
+        gauge(
+            e,
+            "multilora_pinned_slots",
+            "Device slots pinned by running requests.",
+            &[(vec![], m.pinned_slots as u64)],
+        )?;
+        gauge(e, "multilora_kv_blocks", "KV-cache blocks in the pool.", &[(vec![], m.kv_blocks as u64)])?;
+        gauge(
+            e,
+            "multilora_num_requests_deferred_max",
+            "Most requests ever deferred at once.",
+            &[(vec![], m.deferred_max as u64)],
+        )?;
+        counter(e, "multilora_adapter_loads", "Adapter loads into the CPU tier.", &[(vec![], m.adapter_loads)])?;
+        counter(
+            e,
+            "multilora_adapter_evictions",
+            "Adapter evictions from the CPU tier and device slots.",
+            &[(vec![], m.adapter_evictions)],
+        )?;
+        histogram(e, "multilora_adapter_load_seconds", "Adapter load time in seconds.", &vec![], &m.adapter_load_time)?;
+        let per = |f: fn(&multilora::AdapterUsage) -> u64| -> Vec<(Labels, u64)> {
+            m.per_adapter.iter().map(|(name, u)| (one("adapter", name), f(u))).collect()
+        };
+        counter(
+            e,
+            "multilora_adapter_requests",
+            "Requests admitted, per adapter (the base model under its name).",
+            &per(|u| u.requests),
+        )?;
+        counter(
+            e,
+            "multilora_adapter_prompt_tokens",
+            "Prompt tokens of admitted requests, per adapter.",
+            &per(|u| u.prompt_tokens),
+        )?;
+        counter(
+            e,
+            "multilora_adapter_generation_tokens",
+            "Tokens generated, per adapter.",
+            &per(|u| u.generation_tokens),
+        )?;
+        let errors: Vec<(Labels, u64)> = m.request_errors.iter().map(|(k, n)| (one("kind", k), *n)).collect();
+        counter(e, "multilora_request_errors", "Failed requests by error kind.", &errors)
+    }
+}

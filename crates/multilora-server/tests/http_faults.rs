@@ -1,0 +1,211 @@
+//! Every error status the server answers (404 model_not_found, 400 with the field named, 400
+//! prompt too long, 401, 429, the adapter endpoints' 404 when updating is off), runtime adapter
+//! load / reload / unload while other streams run, and a client disconnect that frees its request.
+
+mod common;
+
+use std::path::Path;
+
+use anyhow::Result;
+use common::{BASE, Server, builder, path, sse_events, value};
+use multilora::{ModelShapes, ModuleKind, SyntheticAdapter};
+use multilora_server::ServerConfig;
+use serde_json::{Value, json};
+
+fn code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_status_in_openai_shape() -> Result<()> {
+    let server = Server::start(builder(), ServerConfig::default()).await?;
+    let (status, body) = server.post("/v1/completions", &json!({"model": "nope", "prompt": "hi"})).await?;
+    assert_eq!((status, code(&body)), (404, "model_not_found"), "{body}");
+    assert_eq!(body["error"]["type"], "not_found_error");
+    assert!(body["error"]["message"].as_str().unwrap().contains("nope"));
+
+    let (status, body) =
+        server.post("/v1/completions", &json!({"model": BASE, "prompt": "hi", "temperature": "hot"})).await?;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("temperature")), "{body}");
+    let (status, body) = server.post("/v1/completions", &json!({"prompt": "hi"})).await?;
+    assert_eq!(status, 400);
+    assert!(body["error"]["message"].as_str().unwrap().contains("model"), "{body}");
+    let (status, body) = server.post("/v1/completions", &json!({"model": BASE, "prompt": "hi", "top_p": 0})).await?;
+    assert_eq!((status, code(&body)), (400, "invalid_request"), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("top_p"), "{body}");
+    let resp = server.client.post(format!("{}/v1/completions", server.url)).body("{not json").send().await?;
+    assert_eq!(resp.status(), 400);
+
+    let long: Vec<u32> = (0..600).map(|i| 3 + i % 400).collect();
+    let (status, body) = server.post("/v1/completions", &json!({"model": BASE, "prompt": long})).await?;
+    assert_eq!((status, code(&body)), (400, "prompt_too_long"), "{body}");
+
+    // The fixture model has no chat template and none was given.
+    let chat = json!({"model": BASE, "messages": [{"role": "user", "content": "hi"}]});
+    let (status, body) = server.post("/v1/chat/completions", &chat).await?;
+    assert_eq!((status, code(&body)), (400, "no_chat_template"), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("--chat-template"));
+
+    // Runtime updating is off: the adapter endpoints do not exist, as in vLLM.
+    let (status, _) = server.post("/v1/load_lora_adapter", &json!({"lora_name": "x", "lora_path": "/tmp"})).await?;
+    assert_eq!(status, 404);
+    let (status, _) = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "qv_r8"})).await?;
+    assert_eq!(status, 404);
+
+    // Every failure above affected only itself.
+    let (status, body) =
+        server.post("/v1/completions", &json!({"model": "qv_r8", "prompt": "hi", "max_tokens": 3})).await?;
+    assert_eq!(status, 200, "{body}");
+    server.wait_idle().await?;
+    server.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_and_overload() -> Result<()> {
+    let config = ServerConfig::default().api_key("sekrit").max_waiting_requests(0);
+    let server = Server::start(builder().max_num_seqs(1), config).await?;
+    let url = format!("{}/v1/completions", server.url);
+    let body = json!({"model": BASE, "prompt": "hi", "max_tokens": 2});
+    for auth in [None, Some("Bearer wrong"), Some("sekrit")] {
+        let mut req = server.client.post(&url).json(&body);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await?;
+        assert_eq!(resp.status(), 401, "{auth:?}");
+        let err: Value = resp.json().await?;
+        assert_eq!(code(&err), "invalid_api_key");
+    }
+    assert_eq!(server.get("/health").await?.0, 200, "health needs no key");
+    assert_eq!(server.get("/metrics").await?.0, 200, "metrics need no key");
+
+    // One request may be in flight (max_num_seqs 1, no waiting): a second one gets 429.
+    let long = json!({"model": BASE, "prompt": "hi", "max_tokens": 300, "ignore_eos": true, "stream": true});
+    let held = server.client.post(&url).bearer_auth("sekrit").json(&long).send().await?;
+    assert_eq!(held.status(), 200);
+    let resp = server.client.post(&url).bearer_auth("sekrit").json(&body).send().await?;
+    assert_eq!(resp.status(), 429);
+    let err: Value = resp.json().await?;
+    assert_eq!(code(&err), "rate_limit_exceeded");
+    drop(held);
+    server.wait_idle().await?;
+    let resp = server.client.post(&url).bearer_auth("sekrit").json(&body).send().await?;
+    assert_eq!(resp.status(), 200, "admitted again once the first left");
+    server.stop().await
+}
+
+fn copy_dir(from: &str, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), to.join(entry.file_name()))?;
+    }
+    Ok(())
+}
+
+/// Greedy text of `model` for the test prompt.
+async fn greedy(server: &Server, model: &str) -> Result<(u16, Value)> {
+    let body = json!({"model": model, "prompt": "The capital of France", "max_tokens": 8, "temperature": 0,
+                      "ignore_eos": true});
+    server.post("/v1/completions", &body).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_reload_unload_while_streams_run() -> Result<()> {
+    let roots = tempfile::tempdir()?;
+    let root = roots.path();
+    copy_dir(&path("adapters/qv_r8"), &root.join("v1"))?;
+    copy_dir(&path("adapters/all_r16"), &root.join("v2"))?;
+    copy_dir(&path("adapters/qv_r8"), &root.join("truncated"))?;
+    let st = root.join("truncated/adapter_model.safetensors");
+    let bytes = std::fs::read(&st)?;
+    std::fs::write(&st, &bytes[..bytes.len() / 2])?;
+    copy_dir(&path("invalid_adapters/dora"), &root.join("dora"))?;
+    let shapes = ModelShapes::llama(4, 128, 352, 512, 4, 2);
+    SyntheticAdapter::new(64, &[ModuleKind::QProj], 7).write(&root.join("rank64"), &shapes)?;
+
+    let engine = builder().allow_runtime_lora_updating(true).allowed_lora_root(root);
+    let server = Server::start(engine, ServerConfig::default()).await?;
+    let url = format!("{}/v1/completions", server.url);
+
+    // Streams that run through everything below.
+    let mut running = Vec::new();
+    for model in ["all_r16", "rank32", BASE] {
+        let body = json!({"model": model, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": true,
+                          "temperature": 0, "stream": true});
+        let resp = server.client.post(&url).json(&body).send().await?;
+        assert_eq!(resp.status(), 200);
+        running.push(tokio::spawn(sse_events(resp)));
+    }
+
+    let load = |name: &str, dir: &Path, inplace: bool| json!({"lora_name": name, "lora_path": dir.display().to_string(), "load_inplace": inplace});
+    let (status, body) = server.post("/v1/load_lora_adapter", &load("fresh", &root.join("v1"), false)).await?;
+    assert_eq!(status, 200, "{body}");
+    let (status, first) = greedy(&server, "fresh").await?;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["choices"][0]["text"], greedy(&server, "qv_r8").await?.1["choices"][0]["text"]);
+    let listed = server.get("/v1/models").await?.1;
+    assert!(listed.contains("\"fresh\""), "{listed}");
+
+    let (status, body) = server.post("/v1/load_lora_adapter", &load("fresh", &root.join("v2"), false)).await?;
+    assert_eq!((status, code(&body)), (400, "invalid_request"), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("load_inplace"), "{body}");
+    let (status, body) = server.post("/v1/load_lora_adapter", &load("fresh", &root.join("v2"), true)).await?;
+    assert_eq!(status, 200, "{body}");
+    let (_, second) = greedy(&server, "fresh").await?;
+    assert_ne!(second["choices"][0]["text"], first["choices"][0]["text"], "new weights, new output");
+    assert_eq!(second["choices"][0]["text"], greedy(&server, "all_r16").await?.1["choices"][0]["text"]);
+
+    for (name, dir, needle) in [
+        ("bad1", root.join("truncated"), "is truncated"),
+        ("bad2", root.join("dora"), "dora is not supported"),
+        ("bad3", root.join("rank64"), "exceeds max_lora_rank 32"),
+        ("bad4", root.join("missing"), "neither an existing local directory"),
+        ("bad5", std::path::PathBuf::from("/etc"), "outside the allowed roots"),
+    ] {
+        let (status, body) = server.post("/v1/load_lora_adapter", &load(name, &dir, false)).await?;
+        assert_eq!(status, 400, "{name}: {body}");
+        let msg = body["error"]["message"].as_str().unwrap().to_lowercase();
+        assert!(msg.contains(needle), "{name}: {msg}");
+        assert_eq!(greedy(&server, name).await?.0, 404, "{name} is not served after a failed load");
+    }
+
+    let (status, body) = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "fresh"})).await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(greedy(&server, "fresh").await?.0, 404);
+    let (status, body) = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "fresh"})).await?;
+    assert_eq!((status, code(&body)), (404, "model_not_found"), "{body}");
+
+    for r in running {
+        let events = r.await??;
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let finish = events
+            .iter()
+            .rev()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .find_map(|c| c["choices"][0]["finish_reason"].as_str().map(String::from));
+        assert_eq!(finish.as_deref(), Some("length"), "the other streams ran to the end");
+    }
+    server.wait_idle().await?;
+    server.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnect_cancels_the_request_and_frees_everything() -> Result<()> {
+    let server = Server::start(builder(), ServerConfig::default()).await?;
+    for model in ["pattern_r8", BASE] {
+        let body = json!({"model": model, "prompt": "hello", "max_tokens": 400, "ignore_eos": true, "stream": true});
+        let mut resp = server.client.post(format!("{}/v1/completions", server.url)).json(&body).send().await?;
+        assert_eq!(resp.status(), 200);
+        let first = resp.chunk().await?;
+        assert!(first.is_some_and(|c| c.starts_with(b"data: ")));
+        let s = server.scrape().await?;
+        assert_eq!(value(&s, "vllm:num_requests_running", &[]), 1.0);
+        drop(resp);
+        let s = server.wait_idle().await?;
+        assert!(value(&s, "vllm:generation_tokens", &[]) < 400.0, "cancelled before the end");
+    }
+    let s = server.scrape().await?;
+    assert_eq!(value(&s, "vllm:request_success", &[("finished_reason", "abort")]), 2.0);
+    server.stop().await
+}
