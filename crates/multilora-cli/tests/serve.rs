@@ -22,6 +22,10 @@ struct Serve {
 }
 
 fn serve(extra: &[&str]) -> Serve {
+    serve_with_env(extra, &[])
+}
+
+fn serve_with_env(extra: &[&str], env: &[(&str, &str)]) -> Serve {
     let f = fixtures();
     let mut args: Vec<String> = ["serve", "--model"].map(String::from).to_vec();
     args.push(f.join("base").display().to_string());
@@ -35,6 +39,7 @@ fn serve(extra: &[&str]) -> Serve {
     let mut child = Command::new(env!("CARGO_BIN_EXE_multilora"))
         .args(&args)
         .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -132,4 +137,35 @@ fn a_bad_chat_template_file_is_refused_at_start() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--chat-template") && err.contains("/nonexistent/chat.jinja"), "{err}");
+}
+
+/// A raw HTTP/1.1 POST (no client library needed): the whole response, headers included.
+fn post(url: &str, path: &str, body: &str) -> String {
+    use std::io::{Read, Write};
+    let addr = url.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer test-key\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn vllm_env_switch_enables_the_adapter_routes() {
+    let body = r#"{"lora_name": "nope"}"#;
+    let off = serve(&[]);
+    let resp = post(&off.url, "/v1/unload_lora_adapter", body);
+    assert!(resp.starts_with("HTTP/1.1 404") && !resp.contains("model_not_found"), "no route: {resp}");
+    assert_eq!(off.terminate().code(), Some(0));
+
+    let on = serve_with_env(&[], &[("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")]);
+    let resp = post(&on.url, "/v1/unload_lora_adapter", body);
+    assert!(resp.starts_with("HTTP/1.1 404") && resp.contains("model_not_found"), "the route answers: {resp}");
+    assert_eq!(on.terminate().code(), Some(0));
 }
