@@ -205,7 +205,23 @@ async fn a_disconnect_cancels_the_request_and_frees_everything() -> Result<()> {
         let s = server.wait_idle().await?;
         assert!(value(&s, "vllm:generation_tokens", &[]) < 400.0, "cancelled before the end");
     }
-    let s = server.scrape().await?;
-    assert_eq!(value(&s, "vllm:request_success", &[("finished_reason", "abort")]), 2.0);
+    // A non-streamed request whose client goes away is cancelled too (the handler is dropped).
+    let body = json!({"model": "qv_r8", "prompt": "hello", "max_tokens": 480, "ignore_eos": true}).to_string();
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await?;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, format!("{head}{body}").as_bytes()).await?;
+    let start = std::time::Instant::now();
+    while value(&server.scrape().await?, "vllm:num_requests_running", &[]) == 0.0 {
+        assert!(start.elapsed().as_secs() < 10, "the request never started");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    drop(conn);
+    let s = server.wait_idle().await?;
+    assert_eq!(value(&s, "vllm:request_success", &[("finished_reason", "abort")]), 3.0);
+    assert_eq!(value(&s, "vllm:request_success", &[("finished_reason", "length")]), 0.0);
     server.stop().await
 }
