@@ -1,7 +1,8 @@
 //! `LoraLinear`: a base linear layer (plain or fused, e.g. qkv or gate_up) plus the LoRA slot
 //! buffers of each module it holds.
 //!
-//! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row, then adds each LoRA
+//! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row (with
+//! [`crate::linear`], the crate's CPU kernel, for f32 on the CPU), then adds each LoRA
 //! row's own `B_k · A_k · x` with the segmented ops; rows with slot -1 keep the base output bit for
 //! bit. `merge(slot)` folds one adapter into the weight for deployments where one tenant carries
 //! nearly all the traffic.
@@ -85,7 +86,7 @@ impl LoraLinear {
     pub fn forward(&self, x: &Tensor, mapping: &LoraMapping) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let x2 = if dims.len() == 2 { x.clone() } else { x.flatten_to(dims.len().saturating_sub(2))? };
-        let mut y = x2.matmul(&self.weight.t()?)?;
+        let mut y = crate::ops::gemm::linear(&x2, &self.weight)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }

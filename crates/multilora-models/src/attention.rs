@@ -5,9 +5,10 @@
 //! The `heads / kv_heads` query heads that share a KV head are stacked into one matrix
 //! (`[kv_heads, group · len, d]`), so GQA needs no copy of K or V.
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
+use rayon::prelude::*;
 
-use crate::batch::StepPlan;
+use crate::batch::{DecodeGroup, StepPlan};
 use crate::error::Result;
 
 /// Shapes of the attention.
@@ -43,21 +44,10 @@ pub(crate) fn paged_attention(
             Some(rows) => q.index_select(rows, 0)?,
             None => q.narrow(0, 0, g.n)?,
         };
-        // [n, heads, d] → [n, kv_heads, group, d]; keys [n, kv_heads, max_ctx, d].
-        let qd = qd.reshape((g.n, d.kv_heads, group, d.head_dim))?;
-        let gather = |c: &Tensor| -> Result<Tensor> {
-            Ok(c.index_select(&g.ctx_rows, 0)?
-                .reshape((g.n, g.max_ctx, d.kv_heads, d.head_dim))?
-                .transpose(1, 2)?
-                .contiguous()?)
-        };
-        let (k, v) = (gather(cache_k)?, gather(cache_v)?);
-        let mut scores = qd.matmul(&k.transpose(2, 3)?)?.to_dtype(DType::F32)?;
-        if let Some(mask) = &g.mask {
-            scores = scores.broadcast_add(mask)?;
+        match decode_f32(&qd, cache_k, cache_v, g, d)? {
+            Some(o) => outs.push(o),
+            None => outs.push(decode_tensor_ops(&qd, cache_k, cache_v, g, d)?),
         }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?;
-        outs.push(probs.matmul(&v)?.reshape((g.n, d.heads * d.head_dim))?);
     }
     for s in &plan.seqs {
         let ctx = s.ctx_rows.dim(0)?;
@@ -88,4 +78,96 @@ pub(crate) fn paged_attention(
         Some(index) => out.index_select(index, 0)?,
         None => out,
     })
+}
+
+/// The decode group with candle ops: contexts gathered from the cache, padded and transposed to
+/// `[n, kv_heads, max_ctx, d]`, then two batched matmuls. `qd: [n, heads, d]`, already scaled.
+fn decode_tensor_ops(qd: &Tensor, cache_k: &Tensor, cache_v: &Tensor, g: &DecodeGroup, d: AttnDims) -> Result<Tensor> {
+    let group = d.heads / d.kv_heads;
+    let qd = qd.reshape((g.n, d.kv_heads, group, d.head_dim))?;
+    let gather = |c: &Tensor| -> Result<Tensor> {
+        Ok(c.index_select(&g.ctx_rows, 0)?
+            .reshape((g.n, g.max_ctx, d.kv_heads, d.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    };
+    let (k, v) = (gather(cache_k)?, gather(cache_v)?);
+    let mut scores = qd.matmul(&k.transpose(2, 3)?)?.to_dtype(DType::F32)?;
+    if let Some(mask) = &g.mask {
+        scores = scores.broadcast_add(mask)?;
+    }
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(qd.dtype())?;
+    Ok(probs.matmul(&v)?.reshape((g.n, d.heads * d.head_dim))?)
+}
+
+/// The decode group for f32 on the CPU, reading each sequence's keys and values straight from
+/// the cache rows (no gather, no transpose, no padding): per sequence and query head,
+/// `softmax(q · kᵀ) · v` over its own context, sequences side by side on the rayon pool.
+/// `None` when the operands are not contiguous f32 CPU tensors.
+fn decode_f32(qd: &Tensor, cache_k: &Tensor, cache_v: &Tensor, g: &DecodeGroup, d: AttnDims) -> Result<Option<Tensor>> {
+    if qd.dtype() != DType::F32 || cache_k.dtype() != DType::F32 || !qd.device().is_cpu() {
+        return Ok(None);
+    }
+    let qd = qd.contiguous()?;
+    let (qg, ql) = qd.storage_and_layout();
+    let (kg, kl) = cache_k.storage_and_layout();
+    let (vg, vl) = cache_v.storage_and_layout();
+    let (Some(q), Some(k), Some(v)) = (cpu_f32(&qg, ql), cpu_f32(&kg, kl), cpu_f32(&vg, vl)) else {
+        return Ok(None);
+    };
+    let (hd, heads) = (d.head_dim, d.heads);
+    let group = heads / d.kv_heads;
+    let width = d.kv_heads * hd;
+    let rows_ok = g.host_ctx.iter().flatten().all(|&r| (r as usize + 1) * width <= k.len().min(v.len()));
+    if q.len() < g.n * heads * hd || g.host_ctx.len() != g.n || !rows_ok {
+        return Ok(None);
+    }
+    let mut out = vec![0f32; g.n * heads * hd];
+    out.par_chunks_mut(heads * hd).zip(&g.host_ctx).enumerate().for_each(|(b, (o, rows))| {
+        let mut scores = vec![0f32; rows.len()];
+        for h in 0..heads {
+            let col = (h / group) * hd;
+            let qh = &q[(b * heads + h) * hd..][..hd];
+            let mut max = f32::NEG_INFINITY;
+            for (s, &r) in scores.iter_mut().zip(rows) {
+                *s = dot(qh, &k[r as usize * width + col..][..hd]);
+                max = max.max(*s);
+            }
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let oh = &mut o[h * hd..][..hd];
+            for (&s, &r) in scores.iter().zip(rows) {
+                let p = s / sum;
+                for (a, &x) in oh.iter_mut().zip(&v[r as usize * width + col..][..hd]) {
+                    *a += p * x;
+                }
+            }
+        }
+    });
+    drop((qg, kg, vg));
+    Ok(Some(Tensor::from_vec(out, (g.n, heads * hd), qd.device())?))
+}
+
+/// `a · b` with eight partial sums, so the compiler vectorises it.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The contiguous f32 values of a CPU tensor from its layout's start, if it is one.
+fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Option<&'a [f32]> {
+    match storage {
+        Storage::Cpu(CpuStorage::F32(v)) if layout.is_contiguous() => v.get(layout.start_offset()..),
+        _ => None,
+    }
 }

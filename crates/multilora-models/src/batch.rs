@@ -121,6 +121,9 @@ pub(crate) struct DecodeGroup {
     pub(crate) ctx_rows: Tensor,
     /// `[n, 1, 1, max_ctx]` additive f32 mask of the padding; `None` when all contexts are equal.
     pub(crate) mask: Option<Tensor>,
+    /// Each sequence's flat cache rows, unpadded, on the host (the CPU f32 attention reads the
+    /// cache through them directly).
+    pub(crate) host_ctx: Vec<Vec<u32>>,
 }
 
 /// Everything the layers need about a step, computed once.
@@ -259,11 +262,13 @@ fn decode_group(rows: Vec<(usize, Vec<u32>)>, device: &Device) -> Result<Option<
         }
     }
     let flat: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
+    let host_ctx = rows.into_iter().map(|r| r.1).collect();
     Ok(Some(DecodeGroup {
         n,
         max_ctx,
         rows: if in_order { None } else { Some(Tensor::from_vec(flat, n, device)?) },
         ctx_rows: Tensor::from_vec(ctx_rows, n * max_ctx, device)?,
         mask: if uniform { None } else { Some(Tensor::from_vec(mask, (n, 1, 1, max_ctx), device)?) },
+        host_ctx,
     }))
 }

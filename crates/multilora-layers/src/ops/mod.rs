@@ -3,6 +3,7 @@
 //! form (BGMV: each row's A and B gathered by slot) that serves as the oracle.
 
 pub(crate) mod expand;
+pub(crate) mod gemm;
 pub(crate) mod shrink;
 pub(crate) mod slow;
 

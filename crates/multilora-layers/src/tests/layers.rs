@@ -51,7 +51,7 @@ fn seed_example(dev: &Device) -> anyhow::Result<()> {
         assert!(err < 1e-5, "row {row} slot {slot}: relative error {err:e}");
     }
     // The base row is the base output bit for bit.
-    assert_eq!(bits(&y.i(2..3)?)?, bits(&x.i(2..3)?.matmul(&w.t()?)?)?);
+    assert_eq!(bits(&y.i(2..3)?)?, bits(&crate::linear(&x.i(2..3)?, &w)?)?);
     Ok(())
 }
 test_device!(seed_example, seed_example_cpu, seed_example_cuda);
@@ -76,7 +76,8 @@ fn random_layer(rng: &mut Rng, dev: &Device, dtype: DType) -> anyhow::Result<(Lo
 fn base_rows_exact(dev: &Device) -> anyhow::Result<()> {
     let mut rng = Rng::new(5);
     let (layer, _, x) = random_layer(&mut rng, dev, DType::F32)?;
-    let base = x.matmul(&layer.weight().t()?)?.broadcast_add(layer.bias().ok_or_else(|| anyhow::anyhow!("bias"))?)?;
+    let base =
+        crate::linear(&x, layer.weight())?.broadcast_add(layer.bias().ok_or_else(|| anyhow::anyhow!("bias"))?)?;
     let none = LoraMapping::new(&[-1; 40], 6, dev)?;
     assert_eq!(bits(&layer.forward(&x, &none)?)?, bits(&base)?);
     let slots = rng.slots(40, 6);
@@ -132,7 +133,7 @@ fn lora_equals_merged(dev: &Device) -> anyhow::Result<()> {
     let err = rel_err(&merged, &before)?;
     assert!(err < 1e-5, "mixed batch while merged: relative error {err:e}");
     let all2 = LoraMapping::new(&[2; 40], 6, dev)?;
-    let plain = x.matmul(&layer.weight().t()?)?.broadcast_add(&bias)?;
+    let plain = crate::linear(&x, layer.weight())?.broadcast_add(&bias)?;
     assert_eq!(bits(&layer.forward(&x, &all2)?)?, bits(&plain)?, "merged slot rows cost only the base matmul");
     layer.merge(4)?;
     let err = rel_err(&layer.forward(&x, &mixed)?, &before)?;

@@ -4,10 +4,11 @@
 //! `gemm` to split over cores, so they run side by side on the rayon pool.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, WithDType};
 
 use crate::error::Result;
 use crate::mapping::LoraMapping;
+use crate::ops::gemm::matmul_t_into;
 use crate::ops::run_tasks;
 use crate::slots::LoraSlots;
 
@@ -48,6 +49,9 @@ pub(crate) fn shrink_expand_in_place(
     slices: &[&LoraSlots],
     mapping: &LoraMapping,
 ) -> Result<()> {
+    if shrink_expand_f32(xs, y, slices, mapping)? {
+        return Ok(());
+    }
     let lora_rows = mapping.lora_rows();
     let in_features = xs.dim(1)?;
     let mut tasks = Vec::new();
@@ -71,6 +75,112 @@ pub(crate) fn shrink_expand_in_place(
         Ok(())
     })?;
     Ok(())
+}
+
+/// The f32 case of [`shrink_expand_in_place`] on plain slices: each (slice, segment) task runs
+/// both products with the crate's kernel ([`matmul_t_into`]) straight on the slot buffers at the
+/// true rank, and one in-place op then adds every delta into `y`. No candle op runs per segment,
+/// which at one or two rows per adapter (a decode step) cost more than the arithmetic. Returns
+/// `false`, doing nothing, when an operand is not f32.
+fn shrink_expand_f32(xs: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
+    let f32s = xs.dtype() == DType::F32
+        && y.dtype() == DType::F32
+        && slices.iter().all(|s| s.a().dtype() == DType::F32 && s.b().dtype() == DType::F32);
+    if !f32s {
+        return Ok(false);
+    }
+    let xs = xs.contiguous()?;
+    let in_features = xs.dim(1)?;
+    let (x_guard, x_layout) = xs.storage_and_layout();
+    let Some(x) = cpu_f32(&x_guard, x_layout) else { return Ok(false) };
+    let guards: Vec<_> = slices.iter().map(|s| (s.a().storage_and_layout(), s.b().storage_and_layout())).collect();
+    let mut ab = Vec::with_capacity(slices.len());
+    for ((a, al), (b, bl)) in &guards {
+        let (Some(a), Some(b)) = (cpu_f32(a, al), cpu_f32(b, bl)) else { return Ok(false) };
+        ab.push((a, b));
+    }
+    // (slice, slot, packed start, len, column offset) for every segment with a non-zero rank.
+    let mut tasks = Vec::new();
+    let mut work = 0;
+    let mut offset = 0;
+    for (i, sl) in slices.iter().enumerate() {
+        for seg in mapping.lora_segments() {
+            let r = sl.rank(seg.slot as usize);
+            if r > 0 {
+                work += seg.len * r * (in_features + sl.out_features());
+                tasks.push((i, seg.slot as usize, mapping.packed_start(seg), seg.len, offset));
+            }
+        }
+        offset += sl.out_features();
+    }
+    let deltas = run_tasks(&tasks, work, |&(i, slot, p, len, _)| {
+        let sl = slices[i];
+        let (a, b) = ab[i];
+        let (r, max_r, out) = (sl.rank(slot), sl.max_rank(), sl.out_features());
+        // A[slot, 0..r, :] is `r` rows of `in`; B[slot, :, 0..r] is `out` rows `max_r` apart.
+        let a = &a[slot * max_r * in_features..][..r * in_features];
+        let b = &b[slot * out * max_r..][..out * max_r];
+        let mut s = vec![0f32; len * r];
+        matmul_t_into(&x[p * in_features..], in_features, a, in_features, (len, r, in_features), &mut s, r);
+        let mut d = vec![0f32; len * out];
+        matmul_t_into(&s, r, b, max_r, (len, out, r), &mut d, out);
+        Ok(d)
+    })?;
+    drop(guards);
+    drop(x_guard);
+    let lora_rows = mapping.lora_rows();
+    let adds: Vec<(&[u32], usize, &[f32])> = tasks
+        .iter()
+        .zip(&deltas)
+        .map(|(&(_, _, p, len, col), d)| (&lora_rows[p..p + len], col, d.as_slice()))
+        .collect();
+    y.inplace_op1(&AddAll { adds })?;
+    Ok(true)
+}
+
+/// The contiguous f32 values of a CPU tensor from its layout's start, if it is one.
+fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Option<&'a [f32]> {
+    match storage {
+        Storage::Cpu(CpuStorage::F32(v)) if layout.is_contiguous() => v.get(layout.start_offset()..),
+        _ => None,
+    }
+}
+
+/// For each `(rows, col_offset, delta)`: `dst[rows[j], col_offset + c] += delta[j · w + c]`,
+/// with `w = delta.len() / rows.len()`, on a contiguous f32 `dst`.
+#[derive(Debug)]
+struct AddAll<'a> {
+    adds: Vec<(&'a [u32], usize, &'a [f32])>,
+}
+
+impl InplaceOp1 for AddAll<'_> {
+    fn name(&self) -> &'static str {
+        "lora-add-all"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(dst) = storage else {
+            candle_core::bail!("add_all: the output must be f32, got {:?}", storage.dtype());
+        };
+        let (n, width) = layout.shape().dims2()?;
+        if !layout.is_contiguous() {
+            candle_core::bail!("add_all: the output must be contiguous");
+        }
+        let dst = &mut dst[layout.start_offset()..];
+        for &(rows, col, delta) in &self.adds {
+            let w = if rows.is_empty() { 0 } else { delta.len() / rows.len() };
+            if col + w > width || rows.iter().any(|&r| r as usize >= n) {
+                candle_core::bail!("add_all: a delta of width {w} at column {col} does not fit [{n}, {width}]");
+            }
+            for (&row, src) in rows.iter().zip(delta.chunks_exact(w.max(1))) {
+                let start = row as usize * width + col;
+                for (o, &v) in dst[start..start + w].iter_mut().zip(src) {
+                    *o += v;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `dst[rows[j], col_offset + c] += src[j, c]`, with `dst: [rows, width]` contiguous and

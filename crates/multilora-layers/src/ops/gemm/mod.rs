@@ -1,0 +1,205 @@
+//! `linear`: `y = x · Wᵀ` for f32 on the CPU with the crate's own kernels, the base matmul of
+//! every [`crate::LoraLinear`] (and so of `lm_head`), and the LoRA segment products.
+//!
+//! ```text
+//! y[i, j] = Σ_k x[i, k] · W[j, k]        x: [m, k], W: [n, k] (PyTorch's [out, in]), y: [m, n]
+//! ```
+//!
+//! Up to `DECODE_ROWS` (64) rows (a decode step, bound by reading `W` from memory), both operands are
+//! read in place, rows contiguous along `k`, in register tiles of `RM × RN` vector accumulators
+//! (llama.cpp's tinyBLAS); `W` is read once, one tile of its rows at a time through all rows of
+//! `x`. Above it (prefill, compute-bound), panels of `W` are packed `k`-major and multiplied as
+//! outer products, with no horizontal sums. Either way the output is cut into rectangles that run
+//! on the rayon pool ([`kernel`]). The instruction set is picked at run time: AVX-512F, else
+//! AVX2 + FMA, else a portable path the compiler vectorises (streaming only).
+//!
+//! Anything other than a 2-D f32 input and a contiguous 2-D f32 weight on the CPU goes through
+//! candle's matmul instead.
+
+// The one module of the crate allowed `unsafe`: vector loads and the shared output pointer.
+#[allow(unsafe_code)]
+mod kernel;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use crate::error::{Error, Result};
+use kernel::Rect;
+
+/// Which vector instructions the CPU linear kernel uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Isa {
+    /// Plain Rust, vectorised by the compiler for the build target.
+    Portable,
+    /// x86-64 AVX2 and FMA, 8 lanes, 4 × 3 tiles.
+    Avx2,
+    /// x86-64 AVX-512F, 16 lanes, 4 × 6 tiles.
+    Avx512,
+}
+
+impl Isa {
+    /// The fastest instruction set this CPU has.
+    pub fn best() -> Isa {
+        [Isa::Avx512, Isa::Avx2].into_iter().find(|i| i.available()).unwrap_or(Isa::Portable)
+    }
+
+    /// Whether this CPU can run it.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every instruction set this CPU can run, the portable one first.
+    pub fn all_available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.available()).collect()
+    }
+}
+
+/// `x: [m, k]` · `weight: [n, k]`ᵀ → `[m, n]`, with the best kernel of this CPU.
+pub fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    linear_with(x, weight, Isa::best())
+}
+
+/// [`linear`] with a chosen instruction set (for tests and benchmarks); an error when the CPU
+/// lacks it.
+pub fn linear_with(x: &Tensor, weight: &Tensor, isa: Isa) -> Result<Tensor> {
+    if !isa.available() {
+        return Err(Error::InvalidLayer {
+            module: "linear".to_string(),
+            reason: format!("this cpu cannot run {isa:?}"),
+        });
+    }
+    let fast = x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && weight.dtype() == DType::F32
+        && x.rank() == 2
+        && weight.rank() == 2
+        && weight.is_contiguous();
+    if !fast {
+        return Ok(x.matmul(&weight.t()?)?);
+    }
+    Ok(x.contiguous()?.apply_op2_no_bwd(weight, &LinearOp { isa })?)
+}
+
+/// `y[i·ldy + j] = Σ_{p<k} x[i·ldx + p] · w[j·ldw + p]` for `i < m`, `j < n`, on this thread with
+/// the streaming kernel: the small products of LoRA segments, which run side by side on the pool.
+///
+/// # Panics
+/// When a row reaches outside its slice.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_t_into(
+    x: &[f32],
+    ldx: usize,
+    w: &[f32],
+    ldw: usize,
+    (m, n, k): (usize, usize, usize),
+    y: &mut [f32],
+    ldy: usize,
+) {
+    let o = kernel::Operands { x, ldx, w, ldw, k };
+    let isa = Isa::best();
+    // A short `k` (a LoRA expand, `k` = rank) over many rows spends the streaming kernel's time in
+    // horizontal sums, one per output; the packed kernel has none.
+    let packed = m >= 8 && k <= 64 && isa != Isa::Portable;
+    kernel::fill(isa, o, y, ldy, &[Rect { m0: 0, m1: m, n0: 0, n1: n }], 1, false, packed);
+}
+
+/// The candle op around the kernel: lhs `x`, rhs `W`, both contiguous f32.
+#[derive(Debug)]
+struct LinearOp {
+    isa: Isa,
+}
+
+impl CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "multilora-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(xs), CpuStorage::F32(ws)) = (s1, s2) else {
+            candle_core::bail!("multilora-linear: f32 operands only, got {:?} and {:?}", s1.dtype(), s2.dtype());
+        };
+        let (m, k) = l1.shape().dims2()?;
+        let (n, k2) = l2.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("multilora-linear: x is [{m}, {k}] but the weight is [{n}, {k2}]");
+        }
+        let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("multilora-linear: operands must be contiguous");
+        };
+        let mut y = vec![0f32; m * n];
+        let threads = rayon::current_num_threads();
+        let packed = m > DECODE_ROWS && self.isa != Isa::Portable;
+        let plan = Plan::new(m, n, k, threads, packed);
+        let o = kernel::Operands { x: &xs[x0..x1], ldx: k, w: &ws[w0..w1], ldw: k, k };
+        kernel::fill(self.isa, o, &mut y, n, &plan.rects, plan.panel, plan.parallel, packed);
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+}
+
+/// How one product is cut into rectangles of the output.
+#[derive(Debug)]
+struct Plan {
+    rects: Vec<Rect>,
+    /// Rows of `W` a rectangle works through at a time (about 256 KiB of them, so they stay in L2).
+    panel: usize,
+    parallel: bool,
+}
+
+/// Up to this many rows (decode steps) the product streams `W` in place; above it (prefill),
+/// panels of `W` are packed and multiplied as outer products.
+const DECODE_ROWS: usize = 64;
+
+/// Below this many multiply-adds, threads cost more than they save.
+const PARALLEL_WORK: usize = 1 << 20;
+
+/// Bytes of `x` one rectangle's rows may take, so they stay in L2 while `W` streams past.
+const X_BLOCK_BYTES: usize = 1 << 20;
+
+/// Bytes of `W` in one panel.
+const PANEL_BYTES: usize = 256 << 10;
+
+/// Columns of a rectangle are a multiple of this (a multiple of every tile width).
+const COL_ALIGN: usize = 96;
+
+impl Plan {
+    fn new(m: usize, n: usize, k: usize, threads: usize, packed: bool) -> Plan {
+        let row_bytes = 4 * k.max(1);
+        let parallel = threads > 1 && m * n * k >= PARALLEL_WORK;
+        // Small batches (decode) keep all rows in one block, so `W` is read from memory once;
+        // so does the packed kernel, which packs each panel of `W` once (cutting the rows into
+        // L2-sized blocks instead, with each panel packed and read once per block, measured
+        // slower: `W` then comes from memory several times); large unpacked ones (the portable
+        // path) cut rows into blocks of `x` that fit in L2, in whole tiles.
+        let mb = if m <= DECODE_ROWS || packed { m.max(1) } else { (X_BLOCK_BYTES / row_bytes).clamp(16, m) / 4 * 4 };
+        let m_blocks = m.div_ceil(mb).max(1);
+        // Several rectangles per thread, so a thread slowed by another process is caught up on.
+        let wanted = if parallel { threads * 8 } else { 1 };
+        let n_chunks = wanted.div_ceil(m_blocks).clamp(1, n.div_ceil(2 * COL_ALIGN).max(1));
+        let nc = n.div_ceil(n_chunks).div_ceil(COL_ALIGN) * COL_ALIGN;
+        let mut rects = Vec::new();
+        for m0 in (0..m).step_by(mb) {
+            for n0 in (0..n).step_by(nc.max(1)) {
+                rects.push(Rect { m0, m1: (m0 + mb).min(m), n0, n1: (n0 + nc).min(n) });
+            }
+        }
+        // A decode step takes one tile of `W` rows at a time through all its rows, so each
+        // row of `W` is read from memory once and the stream never pauses for a second pass.
+        let panel = if m <= DECODE_ROWS { 1 } else { (PANEL_BYTES / row_bytes).max(COL_ALIGN) / COL_ALIGN * COL_ALIGN };
+        Plan { rects, panel, parallel }
+    }
+}
