@@ -13,11 +13,11 @@ use crate::error::{Error, Result};
 use crate::protocol::{LoadLoraRequest, UnloadLoraRequest, parse_body};
 use crate::state::AppState;
 
-/// `GET /health`: 200 while the engine runs, 503 once it has stopped.
+/// `GET /health`: 200 while the engine loop runs, 503 once it has stopped.
 pub(crate) async fn health(State(state): State<AppState>) -> StatusCode {
     let engine = state.engine.clone();
-    match blocking(move || Ok(engine.metrics().kv_blocks)).await {
-        Ok(blocks) if blocks > 0 => StatusCode::OK,
+    match blocking(move || Ok(engine.is_running())).await {
+        Ok(true) => StatusCode::OK,
         _ => StatusCode::SERVICE_UNAVAILABLE,
     }
 }

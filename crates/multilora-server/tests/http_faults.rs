@@ -1,6 +1,7 @@
 //! Every error status the server answers (404 model_not_found, 400 with the field named, 400
 //! prompt too long, 401, 429, the adapter endpoints' 404 when updating is off), runtime adapter
-//! load / reload / unload while other streams run, and a client disconnect that frees its request.
+//! load / reload / unload while other streams run, a client disconnect that frees its request, and
+//! `/health` (503) and requests (503 `shutdown`) once the engine has stopped.
 
 mod common;
 
@@ -223,5 +224,17 @@ async fn a_disconnect_cancels_the_request_and_frees_everything() -> Result<()> {
     let s = server.wait_idle().await?;
     assert_eq!(value(&s, "vllm:request_success", &[("finished_reason", "abort")]), 3.0);
     assert_eq!(value(&s, "vllm:request_success", &[("finished_reason", "length")]), 0.0);
+    server.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_requests_once_the_engine_stops() -> Result<()> {
+    let mut server = Server::start(builder(), ServerConfig::default()).await?;
+    assert_eq!(server.get("/health").await?.0, 200);
+    let engine = server.engine.take().expect("engine");
+    tokio::task::spawn_blocking(move || engine.shutdown()).await?;
+    assert_eq!(server.get("/health").await?.0, 503);
+    let (status, body) = server.post("/v1/completions", &json!({"model": BASE, "prompt": "hi"})).await?;
+    assert_eq!((status, code(&body)), (503, "shutdown"), "{body}");
     server.stop().await
 }

@@ -229,6 +229,13 @@ impl EngineHandle {
         self.shared.last_metrics.lock().clone().unwrap_or_default()
     }
 
+    /// Whether the engine loop still runs (it answers between steps); false after shutdown or a
+    /// loop that died. A health check.
+    pub fn is_running(&self) -> bool {
+        let (reply, rx) = std::sync::mpsc::sync_channel(1);
+        self.shared.tx.send(Command::Metrics(reply)).is_ok() && rx.recv().is_ok()
+    }
+
     /// The base model first, then every registered adapter with its tier.
     pub fn models(&self) -> Vec<ModelInfo> {
         let config = &self.shared.config;
