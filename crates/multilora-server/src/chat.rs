@@ -2,16 +2,15 @@
 //! `--chat-template`, else the model's; a clear 400 when there is none), tokenized without adding
 //! special tokens (the template writes them, as in vLLM), then generated like a completion.
 
-use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use multilora::{FinishReason, Prompt};
 use serde_json::{Value, json};
 
-use crate::completions::{Meta, TokenNames};
+use crate::completions::TokenNames;
 use crate::error::{Error, Result};
-use crate::generation::{self, Render, TokenOut};
+use crate::generation::{self, Meta, Output, Render, TokenOut};
 use crate::protocol::{ChatRequest, fan_out};
 use crate::state::{AppState, unix_now};
 
@@ -39,30 +38,8 @@ pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes)
     let started = generation::start(&state, requests, n).await?;
     let meta = Meta { id: state.response_id("chatcmpl"), created: unix_now(), model: req.model.clone() };
     let names = TokenNames::new(&state.engine, req.sampling.return_tokens_as_token_ids);
-    let render = ChatRender { meta, names: names.clone() };
-    if req.sampling.stream {
-        return Ok(started.sse(render, req.sampling.include_usage()).into_response());
-    }
-    let outputs = started.collect().await?;
-    let usage = generation::total_usage(&outputs, n);
-    let choices: Vec<Value> = outputs
-        .iter()
-        .enumerate()
-        .map(|(i, o)| {
-            json!({
-                "index": i,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": logprobs.map(|_| json!({"content": o.tokens.iter().map(|t| token_logprob(&names, t)).collect::<Vec<_>>()})),
-                "finish_reason": o.finish_reason.as_str(),
-            })
-        })
-        .collect();
-    let m = &render.meta;
-    let body = json!({
-        "id": m.id, "object": "chat.completion", "created": m.created, "model": m.model,
-        "choices": choices, "usage": usage,
-    });
-    Ok(Json(body).into_response())
+    let render = ChatRender { meta, names, logprobs: logprobs.is_some() };
+    started.respond(render, req.sampling.stream, req.sampling.include_usage()).await
 }
 
 /// One entry of chat logprobs: `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`.
@@ -79,6 +56,7 @@ fn token_logprob(names: &TokenNames, t: &TokenOut) -> Value {
 struct ChatRender {
     meta: Meta,
     names: TokenNames,
+    logprobs: bool,
 }
 
 impl ChatRender {
@@ -89,6 +67,26 @@ impl ChatRender {
 }
 
 impl Render for ChatRender {
+    fn meta(&self) -> &Meta {
+        &self.meta
+    }
+
+    fn object(&self) -> &'static str {
+        "chat.completion"
+    }
+
+    fn choice(&self, index: usize, o: &Output) -> Value {
+        let logprobs = self
+            .logprobs
+            .then(|| json!({"content": o.tokens.iter().map(|t| token_logprob(&self.names, t)).collect::<Vec<_>>()}));
+        json!({
+            "index": index,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": logprobs,
+            "finish_reason": o.finish_reason.as_str(),
+        })
+    }
+
     fn opening(&self, n_choices: usize) -> Vec<Value> {
         (0..n_choices)
             .map(|i| {

@@ -2,15 +2,14 @@
 //! `logprobs` (tokens, token_logprobs, top_logprobs as `{token: logprob}`, text_offset), and
 //! streaming.
 
-use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use multilora::{EngineHandle, FinishReason};
 use serde_json::{Map, Value, json};
 
 use crate::error::Result;
-use crate::generation::{self, Render, TokenOut};
+use crate::generation::{self, Meta, Output, Render, TokenOut};
 use crate::protocol::{CompletionRequest, fan_out};
 use crate::state::{AppState, unix_now};
 
@@ -23,39 +22,8 @@ pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> R
     let started = generation::start(&state, requests, n).await?;
     let meta = Meta { id: state.response_id("cmpl"), created: unix_now(), model: req.model.clone() };
     let names = TokenNames::new(&state.engine, req.sampling.return_tokens_as_token_ids);
-    let render = CompletionRender { meta, names: names.clone(), offsets: Vec::new() };
-    if req.sampling.stream {
-        return Ok(started.sse(render, req.sampling.include_usage()).into_response());
-    }
-    let outputs = started.collect().await?;
-    let usage = generation::total_usage(&outputs, n);
-    let choices: Vec<Value> = outputs
-        .iter()
-        .enumerate()
-        .map(|(i, o)| {
-            json!({
-                "index": i,
-                "text": o.text,
-                "logprobs": req.logprobs.map(|_| logprobs_json(&names, &o.tokens, 0)),
-                "finish_reason": o.finish_reason.as_str(),
-                "stop_reason": Value::Null,
-            })
-        })
-        .collect();
-    let m = &render.meta;
-    let body = json!({
-        "id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
-        "choices": choices, "usage": usage,
-    });
-    Ok(Json(body).into_response())
-}
-
-/// What every chunk of a response repeats.
-#[derive(Clone, Debug)]
-pub(crate) struct Meta {
-    pub(crate) id: String,
-    pub(crate) created: u64,
-    pub(crate) model: String,
+    let render = CompletionRender { meta, names, logprobs: req.logprobs.is_some(), offsets: Vec::new() };
+    started.respond(render, req.sampling.stream, req.sampling.include_usage()).await
 }
 
 /// Legacy completions logprobs of `tokens`, text offsets counted from `offset` (characters).
@@ -105,6 +73,7 @@ impl TokenNames {
 struct CompletionRender {
     meta: Meta,
     names: TokenNames,
+    logprobs: bool,
     /// Characters streamed so far per choice, for `text_offset`.
     offsets: Vec<usize>,
 }
@@ -117,6 +86,24 @@ impl CompletionRender {
 }
 
 impl Render for CompletionRender {
+    fn meta(&self) -> &Meta {
+        &self.meta
+    }
+
+    fn object(&self) -> &'static str {
+        "text_completion"
+    }
+
+    fn choice(&self, index: usize, o: &Output) -> Value {
+        json!({
+            "index": index,
+            "text": o.text,
+            "logprobs": self.logprobs.then(|| logprobs_json(&self.names, &o.tokens, 0)),
+            "finish_reason": o.finish_reason.as_str(),
+            "stop_reason": Value::Null,
+        })
+    }
+
     fn opening(&self, _n_choices: usize) -> Vec<Value> {
         Vec::new()
     }

@@ -7,7 +7,9 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 
+use axum::Json;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
 use multilora::{EngineError, Event, FinishReason, GenerateRequest, RequestStream, Usage};
 use serde_json::{Value, json};
@@ -69,7 +71,32 @@ pub(crate) async fn start(state: &AppState, requests: Vec<GenerateRequest>, n: u
     Ok(Started { choices, admission, n })
 }
 
+/// What every chunk and body of a response repeats.
+#[derive(Clone, Debug)]
+pub(crate) struct Meta {
+    pub(crate) id: String,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+}
+
 impl Started {
+    /// The endpoint's response: an SSE stream when `stream`, else the collected body
+    /// `{id, object, created, model, choices, usage}`.
+    pub(crate) async fn respond<R: Render>(self, render: R, stream: bool, include_usage: bool) -> Result<Response> {
+        if stream {
+            return Ok(self.sse(render, include_usage).into_response());
+        }
+        let n = self.n;
+        let outputs = self.collect().await?;
+        let choices: Vec<Value> = outputs.iter().enumerate().map(|(i, o)| render.choice(i, o)).collect();
+        let m = render.meta();
+        let body = json!({
+            "id": m.id, "object": render.object(), "created": m.created, "model": m.model,
+            "choices": choices, "usage": total_usage(&outputs, n),
+        });
+        Ok(Json(body).into_response())
+    }
+
     /// Waits for every choice's whole output; a choice that fails fails the request.
     pub(crate) async fn collect(self) -> Result<Vec<Output>> {
         let mut outs = Vec::with_capacity(self.choices.len());
@@ -143,8 +170,14 @@ impl Started {
     }
 }
 
-/// How an endpoint writes its stream chunks.
+/// How an endpoint writes its stream chunks and its collected body.
 pub(crate) trait Render: Send + 'static {
+    /// The response's id, creation time and model.
+    fn meta(&self) -> &Meta;
+    /// `object` of the collected body.
+    fn object(&self) -> &'static str;
+    /// Choice `index` of the collected body.
+    fn choice(&self, index: usize, output: &Output) -> Value;
     /// Chunks before any token (chat's assistant role deltas).
     fn opening(&self, n_choices: usize) -> Vec<Value>;
     /// A token of choice `index`.
@@ -219,7 +252,7 @@ impl<R: Render> SseState<R> {
 }
 
 /// OpenAI's `usage` object.
-pub(crate) fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> Value {
+fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> Value {
     json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -228,7 +261,7 @@ pub(crate) fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> Valu
 }
 
 /// Usage of a collected response: prompt tokens once per prompt, completion tokens of all choices.
-pub(crate) fn total_usage(outputs: &[Output], n: usize) -> Value {
+fn total_usage(outputs: &[Output], n: usize) -> Value {
     let prompt: usize = outputs.chunks(n.max(1)).map(|c| c[0].usage.prompt_tokens).sum();
     let completion: usize = outputs.iter().map(|o| o.usage.completion_tokens).sum();
     usage_json(prompt, completion)
