@@ -8,24 +8,21 @@
 //! `bias_all` one: small enough that the figures measure the server and the engine's scheduling,
 //! not matrix multiplies.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use multilora::Engine;
 use multilora_server::ServerConfig;
 use serde_json::json;
 
-const ADAPTERS: [(&str, &str); 8] = [
-    ("qv_r8", "adapters/qv_r8"),
-    ("all_r16", "adapters/all_r16"),
-    ("rslora_r4", "adapters/rslora_r4"),
-    ("pattern_r8", "adapters/pattern_r8"),
-    ("regex_layers", "adapters/regex_layers"),
-    ("layers_subset", "adapters/layers_subset"),
-    ("rank32", "adapters/rank32"),
-    ("bias_all", "invalid_adapters/bias_all"),
-];
+// The integration tests' harness: the fixture adapters, the engine builder and a server on a
+// loopback port with graceful stop.
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+/// The adapters clients pick from: the seven fixture adapters and `bias_all`.
+fn adapters() -> Vec<&'static str> {
+    common::ADAPTERS.iter().map(|(name, _)| *name).chain(["bias_all"]).collect()
+}
 
 #[derive(Debug)]
 struct Args {
@@ -64,12 +61,12 @@ struct Tally {
     errors: Vec<String>,
 }
 
-async fn client(id: usize, url: String, deadline: Instant, max_tokens: usize) -> Tally {
+async fn client(id: usize, url: String, deadline: Instant, max_tokens: usize, adapters: Vec<&'static str>) -> Tally {
     let http = reqwest::Client::new();
     let mut t = Tally::default();
     let mut n = 0;
     while Instant::now() < deadline {
-        let model = ADAPTERS[(id + n) % ADAPTERS.len()].0;
+        let model = adapters[(id + n) % adapters.len()];
         let body = json!({
             "model": model, "prompt": format!("client {id} request {n}: once upon a time"),
             "max_tokens": max_tokens, "ignore_eos": true, "stream": true,
@@ -134,35 +131,18 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 fn main() -> Result<()> {
     let a = args()?;
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny");
-    let mut b = Engine::builder(fixtures.join("base").display().to_string())
-        .served_model_name("base")
-        .max_loras(8)
-        .max_lora_rank(32)
+    let builder = common::builder()
+        .lora("bias_all", common::path("invalid_adapters/bias_all"))
         .max_num_seqs(64)
         .kv_cache_bytes(64 << 20);
-    for (name, rel) in ADAPTERS {
-        b = b.lora(name, fixtures.join(rel).display().to_string());
-    }
-    let engine = b.build()?;
-    let app = multilora_server::router(engine.handle(), ServerConfig::default())?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let (tally, elapsed) = rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}/v1/completions", listener.local_addr()?);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(multilora_server::serve(
-            listener,
-            app,
-            async move {
-                let _ = stopped.await;
-            },
-            Duration::from_secs(5),
-        ));
+        let server = common::Server::start(builder, ServerConfig::default()).await?;
+        let url = format!("{}/v1/completions", server.url);
         let start = Instant::now();
         let deadline = start + Duration::from_secs(a.seconds);
         let clients: Vec<_> =
-            (0..a.clients).map(|i| tokio::spawn(client(i, url.clone(), deadline, a.max_tokens))).collect();
+            (0..a.clients).map(|i| tokio::spawn(client(i, url.clone(), deadline, a.max_tokens, adapters()))).collect();
         let mut all = Tally::default();
         for c in clients {
             let t = c.await?;
@@ -173,18 +153,16 @@ fn main() -> Result<()> {
             all.errors.extend(t.errors);
         }
         let elapsed = start.elapsed();
-        let _ = stop.send(());
-        server.await??;
+        server.stop().await?;
         anyhow::Ok((all, elapsed))
     })?;
-    engine.shutdown();
     let mut ttft = tally.ttft.clone();
     ttft.sort();
     let secs = elapsed.as_secs_f64();
     println!(
         "load test: {} clients over {} adapters, {:.1} s, max_tokens {}",
         a.clients,
-        ADAPTERS.len(),
+        adapters().len(),
         secs,
         a.max_tokens
     );
