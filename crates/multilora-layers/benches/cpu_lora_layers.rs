@@ -124,8 +124,7 @@ fn bench_step(c: &mut Criterion) {
     g.sample_size(20);
     let big = layer(&mut rng, ModuleId::layer(0, ModuleKind::QProj), 4096, 4096, 16, 16);
     let x = rng.tensor(&[TOKENS, 4096], 1.0);
-    g.bench_function("4096/base", |b| b.iter(|| black_box(x.matmul(&big.weight().t().expect("t")).expect("mm"))));
-    g.bench_function("4096/lora_no_lora_mapping", |b| b.iter(|| black_box(big.forward(&x, &none).expect("fwd"))));
+    g.bench_function("4096/base", |b| b.iter(|| black_box(big.forward(&x, &none).expect("fwd"))));
     g.bench_function("4096/lora_mixed", |b| b.iter(|| black_box(big.forward(&x, &mixed).expect("fwd"))));
     g.bench_function("4096/lora_sorted", |b| b.iter(|| black_box(big.forward(&x, &sorted).expect("fwd"))));
 
@@ -147,7 +146,7 @@ fn bench_step(c: &mut Criterion) {
     g.bench_function("llama2048x7/base", |b| {
         b.iter(|| {
             for (l, x) in &layers {
-                black_box(x.matmul(&l.weight().t().expect("t")).expect("mm"));
+                black_box(l.forward(x, &none).expect("fwd"));
             }
         })
     });
@@ -224,7 +223,7 @@ fn bench_step(c: &mut Criterion) {
 
     // The same comparisons as alternating pairs, the figures to quote.
     let base = |l: &LoraLinear, x: &Tensor| {
-        black_box(x.matmul(&l.weight().t().expect("t")).expect("mm"));
+        black_box(l.forward(x, &none).expect("fwd"));
     };
     paired("a 4096: base -> lora_mixed", 30, || base(&big, &x), || drop(black_box(big.forward(&x, &mixed))));
     paired("a 4096: base -> lora_sorted", 30, || base(&big, &x), || drop(black_box(big.forward(&x, &sorted))));

@@ -49,7 +49,7 @@ pub use multilora_adapter::{
     Result as AdapterResult, SlotSink, embedding_digest, with_embedding_digest,
 };
 pub use ops::expand::lora_expand;
-pub use ops::gemm::{Isa, linear, linear_with};
+pub use ops::gemm::{Isa, PackedWeight, linear, linear_with};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
 pub use slots::{LoraSlots, SlotConfig};

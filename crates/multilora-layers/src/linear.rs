@@ -1,8 +1,9 @@
 //! `LoraLinear`: a base linear layer (plain or fused, e.g. qkv or gate_up) plus the LoRA slot
 //! buffers of each module it holds.
 //!
-//! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row (with
-//! [`crate::linear`], the crate's CPU kernel, for f32 on the CPU), then adds each LoRA
+//! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row (for f32 on the CPU
+//! with the crate's kernel over the weight packed at construction, [`PackedWeight`]; otherwise
+//! candle's matmul), then adds each LoRA
 //! row's own `B_k · A_k · x` with the segmented ops; rows with slot -1 keep the base output bit for
 //! bit. `merge(slot)` folds one adapter into the weight for deployments where one tenant carries
 //! nearly all the traffic.
@@ -14,18 +15,54 @@ use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
 use crate::ops::expand::cpu::shrink_expand_in_place;
 use crate::ops::expand::lora_expand;
+use crate::ops::gemm::PackedWeight;
 use crate::ops::shrink::lora_shrink;
 use crate::slots::{LoraSlots, SlotConfig};
 
 /// A linear layer with per-slot LoRA deltas.
 #[derive(Clone, Debug)]
 pub struct LoraLinear {
-    weight: Tensor,
+    base: Base,
     bias: Option<Tensor>,
     slices: Vec<(ModuleId, usize)>,
     /// One per slice; `None` when the layer has no slots.
     lora: Option<Vec<LoraSlots>>,
     merged: Option<Merged>,
+}
+
+/// The base weight: packed for the CPU kernel (f32 on the CPU), or the tensor as given.
+#[derive(Clone, Debug)]
+enum Base {
+    Dense(Tensor),
+    Packed(PackedWeight),
+}
+
+impl Base {
+    /// Packs `w` when the CPU kernel can use it; keeps it as given otherwise, or when `shared`
+    /// (its storage is someone else's too, e.g. a tied embedding, and packing would copy it).
+    fn new(w: Tensor, shared: bool) -> Result<Base> {
+        if shared {
+            return Ok(Base::Dense(w));
+        }
+        Ok(match PackedWeight::pack(&w)? {
+            Some(p) => Base::Packed(p),
+            None => Base::Dense(w),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Base::Dense(w) => crate::ops::gemm::linear(x, w),
+            Base::Packed(p) => p.forward(x),
+        }
+    }
+
+    fn dense(&self) -> Result<Tensor> {
+        match self {
+            Base::Dense(w) => Ok(w.clone()),
+            Base::Packed(p) => p.unpack(),
+        }
+    }
 }
 
 /// The adapter folded into the weight: the slot and a copy of each slice's `(A, B)` at its rank,
@@ -41,11 +78,36 @@ impl LoraLinear {
     /// weight holds, in output order, with their output widths (they must sum to `out`): one for a
     /// plain projection, e.g. `[(q, 4096), (k, 1024), (v, 1024)]` for a fused qkv. `lora: None`
     /// means no slot buffers (the module is not a LoRA target, or `max_loras` is 0).
+    ///
+    /// An f32 weight on the CPU is packed for the crate's kernel (the layer keeps the packed
+    /// copy, not the tensor).
     pub fn new(
         weight: Tensor,
         bias: Option<Tensor>,
         slices: Vec<(ModuleId, usize)>,
         lora: Option<&SlotConfig>,
+    ) -> Result<LoraLinear> {
+        Self::build(weight, bias, slices, lora, false)
+    }
+
+    /// [`LoraLinear::new`] over a weight whose storage is shared (an `lm_head` tied to the input
+    /// embedding): kept as given, never packed, so no second copy of it is made. Its product
+    /// runs with [`crate::linear`], reading the weight in place.
+    pub fn new_shared(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        slices: Vec<(ModuleId, usize)>,
+        lora: Option<&SlotConfig>,
+    ) -> Result<LoraLinear> {
+        Self::build(weight, bias, slices, lora, true)
+    }
+
+    fn build(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        slices: Vec<(ModuleId, usize)>,
+        lora: Option<&SlotConfig>,
+        shared: bool,
     ) -> Result<LoraLinear> {
         let name = slices.first().map(|s| s.0.to_string()).unwrap_or_else(|| "linear".to_string());
         let (out, inp) = weight.dims2().map_err(|_| Error::shape(&name, "weight", weight.dims(), &[0, 0]))?;
@@ -73,7 +135,7 @@ impl LoraLinear {
             }
             _ => None,
         };
-        Ok(LoraLinear { weight, bias, slices, lora, merged: None })
+        Ok(LoraLinear { base: Base::new(weight, shared)?, bias, slices, lora, merged: None })
     }
 
     /// Wraps a `candle_nn::Linear` as one slice named `module`.
@@ -86,7 +148,7 @@ impl LoraLinear {
     pub fn forward(&self, x: &Tensor, mapping: &LoraMapping) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let x2 = if dims.len() == 2 { x.clone() } else { x.flatten_to(dims.len().saturating_sub(2))? };
-        let mut y = crate::ops::gemm::linear(&x2, &self.weight)?;
+        let mut y = self.base.forward(&x2)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
@@ -106,7 +168,7 @@ impl LoraLinear {
         }
         let mut out_dims = dims;
         if let Some(last) = out_dims.last_mut() {
-            *last = self.weight.dim(0)?;
+            *last = self.out_features();
         }
         Ok(y.reshape(out_dims)?)
     }
@@ -147,9 +209,15 @@ impl LoraLinear {
         self.lora.is_some()
     }
 
-    /// The base weight `[out, in]` (with the merged adapter folded in, while merged).
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    /// The base weight `[out, in]` (with the merged adapter folded in, while merged): the
+    /// tensor itself, or a copy unpacked from the kernel's layout.
+    pub fn weight(&self) -> Result<Tensor> {
+        self.base.dense()
+    }
+
+    /// Output features (the slices' widths summed).
+    pub fn out_features(&self) -> usize {
+        self.slices.iter().map(|s| s.1).sum()
     }
 
     /// The base bias, if any.
@@ -245,14 +313,16 @@ impl LoraLinear {
             .iter()
             .map(|s| {
                 Ok(match s.slot_ab(slot)? {
-                    Some((a, b)) => Some((a.to_dtype(DType::F32)?.copy()?, b.to_dtype(DType::F32)?.copy()?)),
+                    Some((a, b)) => {
+                        Some((a.to_dtype(DType::F32)?.force_contiguous()?, b.to_dtype(DType::F32)?.force_contiguous()?))
+                    }
                     None => None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         self.unmerge()?;
         let merged = Merged { slot, parts };
-        self.weight = self.apply_delta(&merged, 1.0)?;
+        self.base = self.apply_delta(&merged, 1.0)?;
         self.merged = Some(merged);
         Ok(())
     }
@@ -261,14 +331,15 @@ impl LoraLinear {
     /// weight up to rounding). A no-op when nothing is merged.
     pub fn unmerge(&mut self) -> Result<()> {
         if let Some(m) = self.merged.take() {
-            self.weight = self.apply_delta(&m, -1.0)?;
+            self.base = self.apply_delta(&m, -1.0)?;
         }
         Ok(())
     }
 
-    fn apply_delta(&self, m: &Merged, sign: f64) -> Result<Tensor> {
-        let inp = self.weight.dim(1)?;
-        let device = self.weight.device();
+    fn apply_delta(&self, m: &Merged, sign: f64) -> Result<Base> {
+        let weight = self.base.dense()?;
+        let inp = weight.dim(1)?;
+        let device = weight.device();
         let mut parts = Vec::with_capacity(self.slices.len());
         for (part, &(_, width)) in m.parts.iter().zip(&self.slices) {
             parts.push(match part {
@@ -277,7 +348,8 @@ impl LoraLinear {
             });
         }
         let delta = (Tensor::cat(&parts, 0)? * sign)?;
-        Ok((self.weight.to_dtype(DType::F32)? + delta)?.to_dtype(self.weight.dtype())?)
+        let w = (weight.to_dtype(DType::F32)? + delta)?.to_dtype(weight.dtype())?;
+        Base::new(w, matches!(self.base, Base::Dense(_)))
     }
 }
 

@@ -1,5 +1,5 @@
 //! Slot buffers: for one adapted module, the stacked `A[max_loras, max_rank, in]` and
-//! `B[max_loras, out, max_rank]` of every adapter the device holds, and the real rank of each slot.
+//! `Bᵀ[max_loras, max_rank, out]` of every adapter the device holds, and the real rank of each slot.
 //!
 //! Writing a slot copies an adapter's (already scaled) matrices into the slot's region in place
 //! (`slice_set` on a view of the stacked buffer, never a rebuild of the whole buffer), converting
@@ -33,9 +33,11 @@ impl SlotConfig {
 
 /// The slot buffers of one adapted module (one slice of a possibly fused layer).
 ///
-/// `a` is `[max_loras, max_rank, in]` and `b` is `[max_loras, out, max_rank]`: PEFT's own
-/// `lora_A: [r, in]` and `lora_B: [out, r]` stacked, so that a slot's A at its real rank is a
-/// contiguous view and writing an adapter at full rank is a plain copy. For the embedding, `a` is
+/// `a` is `[max_loras, max_rank, in]`, PEFT's own `lora_A: [r, in]` stacked, and `b` is
+/// `[max_loras, max_rank, out]`, PEFT's `lora_B: [out, r]` transposed and stacked, so that a
+/// slot's A and B at its real rank are both contiguous blocks: the shrink reads rows of A along
+/// the input, and the expand adds `s_j · Bᵀ[j, :]` row by row (an outer product, no horizontal
+/// sums, the whole block one stream). For the embedding, `a` is
 /// stored transposed, `[max_loras, vocab, max_rank]`, so a token's column of `lora_embedding_A` is
 /// one contiguous row to gather.
 #[derive(Clone, Debug)]
@@ -74,7 +76,7 @@ impl LoraSlots {
         Ok(LoraSlots {
             module,
             a: Tensor::zeros(a_shape, cfg.dtype, &cfg.device)?,
-            b: Tensor::zeros((l, o, r), cfg.dtype, &cfg.device)?,
+            b: Tensor::zeros((l, r, o), cfg.dtype, &cfg.device)?,
             ranks: vec![0; l],
             clean_from: vec![0; l],
             in_features: i,
@@ -85,7 +87,7 @@ impl LoraSlots {
     }
 
     /// Slots from ready buffers (tests and benchmarks): `a: [max_loras, max_rank, in]`,
-    /// `b: [max_loras, out, max_rank]`, `ranks[slot]` ≤ `max_rank`. The columns of a slot past its
+    /// `b: [max_loras, out, max_rank]` (PEFT's layout, stored transposed), `ranks[slot]` ≤ `max_rank`. The columns of a slot past its
     /// rank must be zero for the slow reference to agree with the segmented ops.
     pub fn from_parts(module: ModuleId, a: Tensor, b: Tensor, ranks: Vec<usize>) -> Result<LoraSlots> {
         let (l, r, i) = a.dims3().map_err(|_| Error::shape(module, "slot A", a.dims(), &[ranks.len(), 0, 0]))?;
@@ -108,7 +110,7 @@ impl LoraSlots {
                 reason: "slot A and B differ in dtype or device".to_string(),
             });
         }
-        let (a, b) = (a.contiguous()?, b.contiguous()?);
+        let (a, b) = (a.contiguous()?, b.transpose(1, 2)?.contiguous()?);
         let clean_from = ranks.clone();
         Ok(LoraSlots {
             module,
@@ -133,7 +135,7 @@ impl LoraSlots {
         &self.a
     }
 
-    /// `[max_loras, out, max_rank]`.
+    /// `[max_loras, max_rank, out]`: each slot's B transposed.
     pub fn b(&self) -> &Tensor {
         &self.b
     }
@@ -234,7 +236,7 @@ impl LoraSlots {
         } else {
             a_slot.slice_set(&a.contiguous()?.unsqueeze(0)?, 1, 0)?;
         }
-        b_slot.slice_set(&b.unsqueeze(0)?, 2, 0)?;
+        b_slot.slice_set(&b.t()?.contiguous()?.unsqueeze(0)?, 1, 0)?;
         // Padding must be zero (the slow reference and `merge` read whole slots), but only what a
         // larger earlier adapter left behind needs zeroing: a fresh slot's padding already is.
         self.zero_ranks(slot, r, self.clean_from[slot])?;
@@ -266,12 +268,12 @@ impl LoraSlots {
         } else {
             a_slot.slice_set(&Tensor::zeros((1, pad, i), dtype, device)?, 1, from)?;
         }
-        self.b.narrow(0, slot, 1)?.slice_set(&Tensor::zeros((1, o, pad), dtype, device)?, 2, from)?;
+        self.b.narrow(0, slot, 1)?.slice_set(&Tensor::zeros((1, pad, o), dtype, device)?, 1, from)?;
         Ok(())
     }
 
-    /// Slot `slot`'s `(A [r, in], B [out, r])` at its real rank, as views (A as `[r, vocab]` views
-    /// are not available for the embedding; use the transposed buffer there).
+    /// Slot `slot`'s `(A [r, in], B [out, r])` at its real rank, as views (B, and the embedding's
+    /// A, transposed views of their buffers).
     pub(crate) fn slot_ab(&self, slot: usize) -> Result<Option<(Tensor, Tensor)>> {
         let r = self.rank(slot);
         if r == 0 {
@@ -282,7 +284,7 @@ impl LoraSlots {
         } else {
             self.a.get(slot)?.narrow(0, 0, r)?
         };
-        let b = self.b.get(slot)?.narrow(1, 0, r)?;
+        let b = self.b.get(slot)?.narrow(0, 0, r)?.t()?;
         Ok(Some((a, b)))
     }
 }

@@ -242,7 +242,13 @@ impl Model {
         // A tied head shares the embedding's storage; a checkpoint that also stores `lm_head`
         // for a tied model is read from the embedding all the same, as transformers does.
         let head_w = if cfg.tie_word_embeddings { embed_w.clone() } else { w.get("lm_head.weight", &[v, h])? };
-        let lm_head = LoraLinear::new(head_w, None, vec![(ModuleId::lm_head(), v)], lora_for(&[ModuleKind::LmHead]))?;
+        let head_slices = vec![(ModuleId::lm_head(), v)];
+        let head_lora = lora_for(&[ModuleKind::LmHead]);
+        let lm_head = if cfg.tie_word_embeddings {
+            LoraLinear::new_shared(head_w, None, head_slices, head_lora)?
+        } else {
+            LoraLinear::new(head_w, None, head_slices, head_lora)?
+        };
         let rope = Rope::new(&cfg, opts.dtype, &opts.device)?;
         Ok(Model {
             cfg,

@@ -82,7 +82,7 @@ pub(crate) fn check_output(
 }
 
 /// Below this many multiply-adds in one op call, threads cost more than they save.
-const PARALLEL_WORK: usize = 1 << 18;
+pub(crate) const PARALLEL_WORK: usize = 1 << 18;
 
 /// Runs `f` over `tasks`, on the rayon pool when `work` (multiply-adds in all) pays for it.
 pub(crate) fn run_tasks<T: Sync, R: Send>(

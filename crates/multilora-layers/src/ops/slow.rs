@@ -47,9 +47,9 @@ pub fn lora_expand_slow(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping
     let mut deltas = Vec::with_capacity(slices.len());
     for (t, sl) in s.iter().zip(slices) {
         let t = t.narrow(1, 0, sl.max_rank())?.to_dtype(DType::F32)?.unsqueeze(1)?;
-        // [rows, out, max_rank]: each row's own B.
+        // [rows, max_rank, out]: each row's own Bᵀ.
         let b = sl.b().index_select(&idx, 0)?.to_dtype(DType::F32)?;
-        deltas.push(t.matmul(&b.transpose(1, 2)?)?.squeeze(1)?.broadcast_mul(&mask)?);
+        deltas.push(t.matmul(&b)?.squeeze(1)?.broadcast_mul(&mask)?);
     }
     let delta = Tensor::cat(&deltas, 1)?;
     Ok((y.to_dtype(DType::F32)? + delta)?.to_dtype(y.dtype())?)

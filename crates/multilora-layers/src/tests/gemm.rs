@@ -6,7 +6,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use proptest::prelude::*;
 
 use super::{Rng, bits, rel_err};
-use crate::{Isa, linear, linear_with};
+use crate::{Isa, PackedWeight, linear, linear_with};
 
 /// Checks `linear_with` on `x: [m, k]`, `w: [n, k]` for every available ISA.
 fn check(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
@@ -19,6 +19,15 @@ fn check(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
         anyhow::ensure!(got.dims() == [m, n], "{isa:?}: shape {:?}", got.dims());
         let e = rel_err(&got, &want)?;
         anyhow::ensure!(e < 1e-5, "{isa:?} m={m} n={n} k={k}: relative error {e}");
+    }
+    let packed = PackedWeight::pack(&w)?.ok_or_else(|| anyhow::anyhow!("an f32 cpu weight packs"))?;
+    anyhow::ensure!(packed.dims() == (n, k));
+    anyhow::ensure!(bits(&packed.unpack()?)? == bits(&w)?, "unpack gives the weight back");
+    for isa in Isa::all_available() {
+        let got = packed.forward_with(&x, isa)?;
+        anyhow::ensure!(got.dims() == [m, n], "packed {isa:?}: shape {:?}", got.dims());
+        let e = rel_err(&got, &want)?;
+        anyhow::ensure!(e < 1e-5, "packed {isa:?} m={m} n={n} k={k}: relative error {e}");
     }
     Ok(())
 }
@@ -87,11 +96,68 @@ fn rows_do_not_depend_on_the_batch() -> anyhow::Result<()> {
 }
 
 #[test]
+fn packed_rows_do_not_depend_on_the_batch() -> anyhow::Result<()> {
+    // One kernel for every batch size: a row gives the same bits alone, in a decode-sized batch
+    // and in a prefill-sized one, whatever the tile heights it falls in.
+    let mut rng = Rng::new(12);
+    let x = rng.tensor(&[150, 300], 1.0, DType::F32, &Device::Cpu)?;
+    let w = rng.tensor(&[107, 300], 1.0, DType::F32, &Device::Cpu)?;
+    let packed = PackedWeight::pack(&w)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
+    for isa in Isa::all_available() {
+        let all = packed.forward_with(&x, isa)?;
+        for (lo, hi) in [(0, 1), (5, 6), (3, 10), (60, 64), (1, 64), (0, 65), (7, 80), (70, 150), (149, 150)] {
+            let part = packed.forward_with(&x.i(lo..hi)?, isa)?;
+            anyhow::ensure!(bits(&part)? == bits(&all.i(lo..hi)?)?, "{isa:?}: rows {lo}..{hi} differ");
+        }
+    }
+    // Other dtypes are not packed.
+    anyhow::ensure!(PackedWeight::pack(&w.to_dtype(DType::BF16)?)?.is_none());
+    Ok(())
+}
+
+#[test]
 fn empty_shapes() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let w = Tensor::ones((5, 8), DType::F32, &dev)?;
     anyhow::ensure!(linear(&Tensor::zeros((0, 8), DType::F32, &dev)?, &w)?.dims() == [0, 5]);
     let y = linear(&Tensor::ones((3, 0), DType::F32, &dev)?, &Tensor::ones((5, 0), DType::F32, &dev)?)?;
     anyhow::ensure!(y.dims() == [3, 5] && y.sum_all()?.to_scalar::<f32>()? == 0.0);
+    let p = PackedWeight::pack(&w)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
+    anyhow::ensure!(p.forward(&Tensor::zeros((0, 8), DType::F32, &dev)?)?.dims() == [0, 5]);
+    let p = PackedWeight::pack(&Tensor::ones((5, 0), DType::F32, &dev)?)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
+    let y = p.forward(&Tensor::ones((3, 0), DType::F32, &dev)?)?;
+    anyhow::ensure!(y.dims() == [3, 5] && y.sum_all()?.to_scalar::<f32>()? == 0.0);
+    anyhow::ensure!(p.forward(&Tensor::ones((3, 2), DType::F32, &dev)?).is_err(), "a k mismatch is an error");
     Ok(())
+}
+
+/// `matmul_into` (the LoRA expand over a `k`-major `Bᵀ`) against an f64 sum, with strided rows
+/// and widths that leave a tail of columns past the last full vector pair.
+fn check_outer(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
+    let mut rng = Rng::new(seed);
+    let (ldx, ldw, ldy) = (k + 3, n + 5, n + 2);
+    let x: Vec<f32> = rng.tensor(&[m * ldx], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
+    let wt: Vec<f32> = rng.tensor(&[k.max(1) * ldw], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
+    let mut y = vec![f32::NAN; m * ldy];
+    crate::ops::gemm::matmul_into(&x, ldx, &wt, ldw, (m, n, k), &mut y, ldy);
+    for i in 0..m {
+        for j in 0..n {
+            let want: f64 = (0..k).map(|p| x[i * ldx + p] as f64 * wt[p * ldw + j] as f64).sum();
+            let got = y[i * ldy + j] as f64;
+            anyhow::ensure!(
+                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "({i}, {j}) of [{m}, {n}, {k}]: {got} vs {want}"
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn outer_product_matches_a_plain_sum(m in 1usize..30, n in 1usize..100, k in 0usize..40, seed in any::<u64>()) {
+        check_outer(m, n, k, seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
 }

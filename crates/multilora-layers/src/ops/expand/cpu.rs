@@ -8,9 +8,10 @@ use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Te
 
 use crate::error::Result;
 use crate::mapping::LoraMapping;
-use crate::ops::gemm::matmul_t_into;
+use crate::ops::gemm::{matmul_into, matmul_t_into};
 use crate::ops::run_tasks;
 use crate::slots::LoraSlots;
+use rayon::prelude::*;
 
 pub(super) fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
     let lora_rows = mapping.lora_rows();
@@ -77,11 +78,13 @@ pub(crate) fn shrink_expand_in_place(
     Ok(())
 }
 
-/// The f32 case of [`shrink_expand_in_place`] on plain slices: each (slice, segment) task runs
-/// both products with the crate's kernel ([`matmul_t_into`]) straight on the slot buffers at the
-/// true rank, and one in-place op then adds every delta into `y`. No candle op runs per segment,
-/// which at one or two rows per adapter (a decode step) cost more than the arithmetic. Returns
-/// `false`, doing nothing, when an operand is not f32.
+/// The f32 case of [`shrink_expand_in_place`] on plain slices, as one in-place op on `y`: each
+/// (slice, segment) task owns its rows' columns of that slice in `y` and runs both products with
+/// the crate's kernel straight on the slot buffers at the true rank (`x_seg · Aᵀ`, then `· Bᵀ`
+/// as outer products over the rank-major `Bᵀ`), [`DELTA_ROWS`] rows at a time through a small
+/// scratch block it adds into its rows. No candle op runs per segment, and no delta as large as
+/// the output is allocated and added in a second pass. Returns `false`, doing nothing, when an
+/// operand is not f32.
 fn shrink_expand_f32(xs: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
     let f32s = xs.dtype() == DType::F32
         && y.dtype() == DType::F32
@@ -99,43 +102,127 @@ fn shrink_expand_f32(xs: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &L
         let (Some(a), Some(b)) = (cpu_f32(a, al), cpu_f32(b, bl)) else { return Ok(false) };
         ab.push((a, b));
     }
-    // (slice, slot, packed start, len, column offset) for every segment with a non-zero rank.
     let mut tasks = Vec::new();
     let mut work = 0;
-    let mut offset = 0;
     for (i, sl) in slices.iter().enumerate() {
         for seg in mapping.lora_segments() {
             let r = sl.rank(seg.slot as usize);
             if r > 0 {
                 work += seg.len * r * (in_features + sl.out_features());
-                tasks.push((i, seg.slot as usize, mapping.packed_start(seg), seg.len, offset));
+                tasks.push(Task { slice: i, slot: seg.slot as usize, start: mapping.packed_start(seg), len: seg.len });
             }
         }
-        offset += sl.out_features();
     }
-    let deltas = run_tasks(&tasks, work, |&(i, slot, p, len, _)| {
-        let sl = slices[i];
-        let (a, b) = ab[i];
-        let (r, max_r, out) = (sl.rank(slot), sl.max_rank(), sl.out_features());
-        // A[slot, 0..r, :] is `r` rows of `in`; B[slot, :, 0..r] is `out` rows `max_r` apart.
-        let a = &a[slot * max_r * in_features..][..r * in_features];
-        let b = &b[slot * out * max_r..][..out * max_r];
-        let mut s = vec![0f32; len * r];
-        matmul_t_into(&x[p * in_features..], in_features, a, in_features, (len, r, in_features), &mut s, r);
-        let mut d = vec![0f32; len * out];
-        matmul_t_into(&s, r, b, max_r, (len, out, r), &mut d, out);
-        Ok(d)
-    })?;
+    let op = AddDeltas { x, in_features, ab, slices, tasks, rows: mapping.lora_rows(), work };
+    y.inplace_op1(&op)?;
+    drop(op);
     drop(guards);
     drop(x_guard);
-    let lora_rows = mapping.lora_rows();
-    let adds: Vec<(&[u32], usize, &[f32])> = tasks
-        .iter()
-        .zip(&deltas)
-        .map(|(&(_, _, p, len, col), d)| (&lora_rows[p..p + len], col, d.as_slice()))
-        .collect();
-    y.inplace_op1(&AddAll { adds })?;
     Ok(true)
+}
+
+/// Rows of a segment whose delta is computed at a time into a task's scratch block (which stays
+/// in L2 for the widest projections) before it is added into `y`.
+const DELTA_ROWS: usize = 24;
+
+/// One (slice, segment) product: the segment's rows `start..start + len` of the gathered LoRA
+/// rows, through slot `slot` of slice `slice`.
+#[derive(Clone, Copy, Debug)]
+struct Task {
+    slice: usize,
+    slot: usize,
+    start: usize,
+    len: usize,
+}
+
+/// The in-place op of [`shrink_expand_f32`]: `y[rows[start + j], offset + c] += (x_j · Aᵀ · Bᵀ)[c]`
+/// for every task.
+struct AddDeltas<'a> {
+    x: &'a [f32],
+    in_features: usize,
+    ab: Vec<(&'a [f32], &'a [f32])>,
+    slices: &'a [&'a LoraSlots],
+    tasks: Vec<Task>,
+    rows: &'a [u32],
+    work: usize,
+}
+
+impl AddDeltas<'_> {
+    /// Runs one task into its cells of `y` (one per row of the segment, in order).
+    fn run(&self, t: &Task, mut cells: Vec<&mut [f32]>) {
+        let sl = self.slices[t.slice];
+        let (a, b) = self.ab[t.slice];
+        let (k, r, max_r, out) = (self.in_features, sl.rank(t.slot), sl.max_rank(), sl.out_features());
+        // A[slot, 0..r, :] is `r` rows of `in`; Bᵀ[slot, 0..r, :] is `r` rows of `out`.
+        let a = &a[t.slot * max_r * k..][..r * k];
+        let bt = &b[t.slot * max_r * out..][..r * out];
+        let mut s = vec![0f32; t.len * r];
+        matmul_t_into(&self.x[t.start * k..], k, a, k, (t.len, r, k), &mut s, r);
+        let mut d = vec![0f32; t.len.min(DELTA_ROWS) * out];
+        for (j0, chunk) in (0..t.len).step_by(DELTA_ROWS).zip(cells.chunks_mut(DELTA_ROWS)) {
+            let n = chunk.len();
+            matmul_into(&s[j0 * r..], r, bt, out, (n, out, r), &mut d, out);
+            for (cell, delta) in chunk.iter_mut().zip(d.chunks_exact(out)) {
+                // Two plain slices of equal length: the compiler vectorises the add.
+                for (o, &v) in cell.iter_mut().zip(delta) {
+                    *o += v;
+                }
+            }
+        }
+    }
+}
+
+impl InplaceOp1 for AddDeltas<'_> {
+    fn name(&self) -> &'static str {
+        "lora-add-deltas"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(dst) = storage else {
+            candle_core::bail!("lora deltas: the output must be f32, got {:?}", storage.dtype());
+        };
+        let (n, width) = layout.shape().dims2()?;
+        let total: usize = self.slices.iter().map(|s| s.out_features()).sum();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("lora deltas: the output must be contiguous");
+        };
+        if total != width || end - start != n * width {
+            candle_core::bail!("lora deltas: output [{n}, {width}] for slices {total} wide");
+        }
+        // Each row cut at the slices' offsets: cells[row][slice], each handed to one task.
+        let mut cells: Vec<Vec<Option<&mut [f32]>>> = dst[start..end]
+            .chunks_exact_mut(width.max(1))
+            .map(|mut row| {
+                let mut parts = Vec::with_capacity(self.slices.len());
+                for s in self.slices {
+                    let (cell, rest) = row.split_at_mut(s.out_features());
+                    parts.push(Some(cell));
+                    row = rest;
+                }
+                parts
+            })
+            .collect();
+        let mut jobs = Vec::with_capacity(self.tasks.len());
+        for t in &self.tasks {
+            let mut mine = Vec::with_capacity(t.len);
+            for &row in self.rows.get(t.start..t.start + t.len).unwrap_or(&[]) {
+                let Some(cell) = cells.get_mut(row as usize).and_then(|c| c[t.slice].take()) else {
+                    candle_core::bail!("lora deltas: row {row} of {n} missing or in two segments");
+                };
+                mine.push(cell);
+            }
+            if mine.len() != t.len {
+                candle_core::bail!("lora deltas: a segment of {} rows past the mapping's {}", t.len, self.rows.len());
+            }
+            jobs.push((t, mine));
+        }
+        if self.work < crate::ops::PARALLEL_WORK || jobs.len() < 2 {
+            jobs.into_iter().for_each(|(t, mine)| self.run(t, mine));
+        } else {
+            jobs.into_par_iter().for_each(|(t, mine)| self.run(t, mine));
+        }
+        Ok(())
+    }
 }
 
 /// The contiguous f32 values of a CPU tensor from its layout's start, if it is one.
@@ -143,43 +230,6 @@ fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Option<&'a [f32]> {
     match storage {
         Storage::Cpu(CpuStorage::F32(v)) if layout.is_contiguous() => v.get(layout.start_offset()..),
         _ => None,
-    }
-}
-
-/// For each `(rows, col_offset, delta)`: `dst[rows[j], col_offset + c] += delta[j · w + c]`,
-/// with `w = delta.len() / rows.len()`, on a contiguous f32 `dst`.
-#[derive(Debug)]
-struct AddAll<'a> {
-    adds: Vec<(&'a [u32], usize, &'a [f32])>,
-}
-
-impl InplaceOp1 for AddAll<'_> {
-    fn name(&self) -> &'static str {
-        "lora-add-all"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(dst) = storage else {
-            candle_core::bail!("add_all: the output must be f32, got {:?}", storage.dtype());
-        };
-        let (n, width) = layout.shape().dims2()?;
-        if !layout.is_contiguous() {
-            candle_core::bail!("add_all: the output must be contiguous");
-        }
-        let dst = &mut dst[layout.start_offset()..];
-        for &(rows, col, delta) in &self.adds {
-            let w = if rows.is_empty() { 0 } else { delta.len() / rows.len() };
-            if col + w > width || rows.iter().any(|&r| r as usize >= n) {
-                candle_core::bail!("add_all: a delta of width {w} at column {col} does not fit [{n}, {width}]");
-            }
-            for (&row, src) in rows.iter().zip(delta.chunks_exact(w.max(1))) {
-                let start = row as usize * width + col;
-                for (o, &v) in dst[start..start + w].iter_mut().zip(src) {
-                    *o += v;
-                }
-            }
-        }
-        Ok(())
     }
 }
 

@@ -28,6 +28,9 @@ use rayon::prelude::*;
 
 use super::Isa;
 
+mod prepacked;
+pub(super) use prepacked::{PANEL, fill_prepacked, outer};
+
 /// A rectangle of the output: rows `m0..m1`, columns `n0..n1`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Rect {
@@ -100,13 +103,13 @@ macro_rules! tiles {
         #[inline(always)]
         unsafe fn packed_full(x: *const f32, ldx: usize, wp: *const f32, k: usize, y: *mut f32, ldy: usize) {
             // SAFETY: forwarded from the caller.
-            unsafe { packed_tile::<Self, $prm>(x, ldx, wp, k, y, ldy) }
+            unsafe { packed_tile::<Self, $prm, false>(x, ldx, wp, 2 * Self::LANES, k, y, ldy, false) }
         }
 
         #[inline(always)]
         unsafe fn packed_row(x: *const f32, ldx: usize, wp: *const f32, k: usize, y: *mut f32, ldy: usize) {
             // SAFETY: forwarded from the caller.
-            unsafe { packed_tile::<Self, 1>(x, ldx, wp, k, y, ldy) }
+            unsafe { packed_tile::<Self, 1, false>(x, ldx, wp, 2 * Self::LANES, k, y, ldy, false) }
         }
 
         #[inline(always)]
@@ -436,26 +439,43 @@ unsafe fn dispatch<S: Simd>(
 }
 
 /// One `MR × 2·LANES` tile of the packed kernel (an outer product per step along `k`, no
-/// horizontal sums): `MR` rows of `x` (row stride `ldx`) against a panel of `w` packed `k`-major,
-/// `2·LANES` columns per `k` ([`pack`]), written at `y` with row stride `ldy`.
+/// horizontal sums): `MR` rows of `x` (row stride `ldx`) against `2·LANES` columns of a panel
+/// packed `k`-major (`ldp` values per `k`, [`pack`]), written at `y` with row stride `ldy`; with
+/// `accumulate`, the chains start from the values at `y` instead of zero, so a product cut into
+/// steps along `k` is the same chain of FMAs, in order, as one uncut. Each output is one chain of
+/// FMAs over `k` in order, whatever `MR`.
 ///
 /// # Safety
-/// `MR` rows of `k` f32 from `x`, `k · 2·LANES` f32 from `wp` readable; `MR` rows of `2·LANES`
-/// outputs writable and nobody else's; `S`'s instruction set available.
+/// `MR` rows of `k` f32 from `x`, `2·LANES` f32 at each `wp + p·ldp` (`p < k`) readable; `MR` rows
+/// of `2·LANES` outputs writable and nobody else's; `S`'s instruction set available.
 #[inline(always)]
-unsafe fn packed_tile<S: Simd, const MR: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn packed_tile<S: Simd, const MR: usize, const PREFETCH: bool>(
     x: *const f32,
     ldx: usize,
     wp: *const f32,
+    ldp: usize,
     k: usize,
     y: *mut f32,
     ldy: usize,
+    accumulate: bool,
 ) {
-    let nr = 2 * S::LANES;
     let mut acc = [[S::zero(); 2]; MR];
+    if accumulate {
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: row `r < MR` of the tile, `2·LANES` outputs, the caller's to read and write.
+            unsafe { *a = [S::load(y.add(r * ldy)), S::load(y.add(r * ldy + S::LANES))] };
+        }
+    }
     for p in 0..k {
         // SAFETY: `p < k`, inside the packed panel.
-        let (w0, w1) = unsafe { (S::load(wp.add(p * nr)), S::load(wp.add(p * nr + S::LANES))) };
+        let (w0, w1) = unsafe { (S::load(wp.add(p * ldp)), S::load(wp.add(p * ldp + S::LANES))) };
+        // A panel read once from memory (a decode step) streams ahead of its use; past the end
+        // of the panel this asks for the next one, which is where a pre-packed weight goes on.
+        if PREFETCH {
+            S::prefetch(wp.wrapping_add((p + PREFETCH_AHEAD) * ldp));
+            S::prefetch(wp.wrapping_add((p + PREFETCH_AHEAD) * ldp + S::LANES));
+        }
         for (r, a) in acc.iter_mut().enumerate() {
             // SAFETY: `p < k`, inside row `r < MR` of `x`; the instruction set is the caller's.
             unsafe {
@@ -473,6 +493,9 @@ unsafe fn packed_tile<S: Simd, const MR: usize>(
         }
     }
 }
+
+/// Steps along `k` that [`packed_tile`] prefetches its panel ahead (4 KiB of a pre-packed panel).
+const PREFETCH_AHEAD: usize = 32;
 
 /// Copies rows `j0..j0 + cols` of `w` (`[.., k]`) into `buf` `k`-major, `width` columns per `k`,
 /// zero past `cols`.

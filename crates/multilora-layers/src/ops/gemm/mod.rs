@@ -20,8 +20,11 @@
 #[allow(unsafe_code)]
 mod kernel;
 
+use std::sync::Arc;
+
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use kernel::Rect;
@@ -112,6 +115,145 @@ pub(crate) fn matmul_t_into(
     kernel::fill(isa, o, y, ldy, &[Rect { m0: 0, m1: m, n0: 0, n1: n }], 1, false, packed);
 }
 
+/// A weight `W: [n, k]` packed once for the CPU kernel: panels of 32 output columns, each stored
+/// `k`-major, so that every product with it, whatever the number of rows, runs as outer products
+/// (no horizontal sums, nothing packed during a step) and reads `W` as one sequential stream.
+/// Layers hold their f32 CPU weights this way instead of as a tensor: the same bytes (plus the
+/// zero padding of the last panel), not a second copy.
+///
+/// Each output is one chain of FMAs over `k` in order, so a row's result is bit for bit the same
+/// whatever the other rows of the batch are: batch invariance holds across decode and prefill.
+#[derive(Clone)]
+pub struct PackedWeight {
+    panels: Arc<[f32]>,
+    n: usize,
+    k: usize,
+}
+
+impl std::fmt::Debug for PackedWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PackedWeight[{}, {}]", self.n, self.k)
+    }
+}
+
+impl PackedWeight {
+    /// Packs a 2-D f32 weight on the CPU; `None` for any other dtype, rank or device (those run
+    /// through candle's matmul).
+    pub fn pack(w: &Tensor) -> Result<Option<PackedWeight>> {
+        if !w.device().is_cpu() || w.dtype() != DType::F32 || w.rank() != 2 {
+            return Ok(None);
+        }
+        let (n, k) = w.dims2()?;
+        let w = w.contiguous()?;
+        let (guard, layout) = w.storage_and_layout();
+        let Storage::Cpu(CpuStorage::F32(values)) = &*guard else { return Ok(None) };
+        let Some(src) = values.get(layout.start_offset()..layout.start_offset() + n * k) else { return Ok(None) };
+        let mut panels = vec![0f32; n.div_ceil(kernel::PANEL) * k * kernel::PANEL];
+        panels.par_chunks_mut((k * kernel::PANEL).max(1)).enumerate().for_each(|(p, dst)| {
+            let j0 = p * kernel::PANEL;
+            for c in 0..kernel::PANEL.min(n.saturating_sub(j0)) {
+                let row = &src[(j0 + c) * k..][..k];
+                for (d, &v) in dst[c..].iter_mut().step_by(kernel::PANEL).zip(row) {
+                    *d = v;
+                }
+            }
+        });
+        Ok(Some(PackedWeight { panels: panels.into(), n, k }))
+    }
+
+    /// `(n, k)`: output and input features.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The weight as a `[n, k]` tensor again (a copy).
+    pub fn unpack(&self) -> Result<Tensor> {
+        let (n, k) = (self.n, self.k);
+        let mut w = vec![0f32; n * k];
+        w.par_chunks_mut(k.max(1)).enumerate().for_each(|(j, row)| {
+            let panel = &self.panels[(j / kernel::PANEL) * k * kernel::PANEL..];
+            for (d, &v) in row.iter_mut().zip(panel[j % kernel::PANEL..].iter().step_by(kernel::PANEL)) {
+                *d = v;
+            }
+        });
+        Ok(Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?)
+    }
+
+    /// `x: [m, k]` · `Wᵀ` → `[m, n]` with the best kernel of this CPU; `x` is made contiguous f32.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, Isa::best())
+    }
+
+    /// [`PackedWeight::forward`] with a chosen instruction set (for tests and benchmarks); an
+    /// error when the CPU lacks it.
+    pub fn forward_with(&self, x: &Tensor, isa: Isa) -> Result<Tensor> {
+        if !isa.available() {
+            return Err(Error::InvalidLayer {
+                module: "linear".to_string(),
+                reason: format!("this cpu cannot run {isa:?}"),
+            });
+        }
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        Ok(x.apply_op1_no_bwd(&PackedOp { w: self, isa })?)
+    }
+}
+
+/// The candle op around the pre-packed kernel: `x` contiguous f32 against a [`PackedWeight`].
+struct PackedOp<'a> {
+    w: &'a PackedWeight,
+    isa: Isa,
+}
+
+impl CustomOp1 for PackedOp<'_> {
+    fn name(&self) -> &'static str {
+        "multilora-linear-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(xs) = s else {
+            candle_core::bail!("multilora-linear: f32 input only, got {:?}", s.dtype());
+        };
+        let (m, k) = l.shape().dims2()?;
+        let (n, kw) = self.w.dims();
+        if k != kw {
+            candle_core::bail!("multilora-linear: x is [{m}, {k}] but the weight is [{n}, {kw}]");
+        }
+        let Some((x0, x1)) = l.contiguous_offsets() else {
+            candle_core::bail!("multilora-linear: the input must be contiguous");
+        };
+        let mut y = vec![0f32; m * n];
+        let plan = Plan::new(m, n, k, rayon::current_num_threads(), true, kernel::PANEL);
+        kernel::fill_prepacked(
+            self.isa,
+            (&xs[x0..x1], k),
+            (&self.w.panels, n, k),
+            &mut y,
+            n,
+            &plan.rects,
+            plan.parallel,
+        );
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+}
+
+/// `y[i·ldy + j] = Σ_{p<k} x[i·ldx + p] · wt[p·ldw + j]` for `i < m`, `j < n`, on this thread:
+/// `wt` is stored `k`-major (`[k, n]`), as a LoRA slot's `Bᵀ` is, so the product is a sum of
+/// outer products with no horizontal sums (the LoRA expand).
+///
+/// # Panics
+/// When a row reaches outside its slice.
+pub(crate) fn matmul_into(
+    x: &[f32],
+    ldx: usize,
+    wt: &[f32],
+    ldw: usize,
+    mnk: (usize, usize, usize),
+    y: &mut [f32],
+    ldy: usize,
+) {
+    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy);
+}
+
 /// The candle op around the kernel: lhs `x`, rhs `W`, both contiguous f32.
 #[derive(Debug)]
 struct LinearOp {
@@ -144,7 +286,7 @@ impl CustomOp2 for LinearOp {
         let mut y = vec![0f32; m * n];
         let threads = rayon::current_num_threads();
         let packed = m > DECODE_ROWS && self.isa != Isa::Portable;
-        let plan = Plan::new(m, n, k, threads, packed);
+        let plan = Plan::new(m, n, k, threads, packed, COL_ALIGN);
         let o = kernel::Operands { x: &xs[x0..x1], ldx: k, w: &ws[w0..w1], ldw: k, k };
         kernel::fill(self.isa, o, &mut y, n, &plan.rects, plan.panel, plan.parallel, packed);
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
@@ -177,7 +319,8 @@ const PANEL_BYTES: usize = 256 << 10;
 const COL_ALIGN: usize = 96;
 
 impl Plan {
-    fn new(m: usize, n: usize, k: usize, threads: usize, packed: bool) -> Plan {
+    /// `align`: rectangles start on multiples of it (the tile widths, or the packed panels).
+    fn new(m: usize, n: usize, k: usize, threads: usize, packed: bool, align: usize) -> Plan {
         let row_bytes = 4 * k.max(1);
         let parallel = threads > 1 && m * n * k >= PARALLEL_WORK;
         // Small batches (decode) keep all rows in one block, so `W` is read from memory once;
@@ -189,8 +332,8 @@ impl Plan {
         let m_blocks = m.div_ceil(mb).max(1);
         // Several rectangles per thread, so a thread slowed by another process is caught up on.
         let wanted = if parallel { threads * 8 } else { 1 };
-        let n_chunks = wanted.div_ceil(m_blocks).clamp(1, n.div_ceil(2 * COL_ALIGN).max(1));
-        let nc = n.div_ceil(n_chunks).div_ceil(COL_ALIGN) * COL_ALIGN;
+        let n_chunks = wanted.div_ceil(m_blocks).clamp(1, n.div_ceil(2 * align).max(1));
+        let nc = n.div_ceil(n_chunks).div_ceil(align) * align;
         let mut rects = Vec::new();
         for m0 in (0..m).step_by(mb) {
             for n0 in (0..n).step_by(nc.max(1)) {
