@@ -13,7 +13,7 @@ use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
 
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
-use crate::ops::expand::cpu::shrink_expand_in_place;
+use crate::ops::expand::cpu::{shrink_expand_f32, shrink_expand_in_place};
 use crate::ops::expand::lora_expand;
 use crate::ops::gemm::PackedWeight;
 use crate::ops::shrink::lora_shrink;
@@ -357,6 +357,9 @@ impl LoraLinear {
 fn apply_lora(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
     if x.device().is_cpu() && y.is_contiguous() {
         crate::ops::check_input("lora_linear", x, slices, mapping)?;
+        if shrink_expand_f32(x, &y, slices, mapping)? {
+            return Ok(y);
+        }
         if let Some(xs) = mapping.gather_lora_rows(x)? {
             shrink_expand_in_place(&xs.to_dtype(DType::F32)?, &y, slices, mapping)?;
         }

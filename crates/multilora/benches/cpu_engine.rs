@@ -2,7 +2,8 @@
 //! intermediate 2816, 8 layers, 16 heads / 8 KV heads, vocab 32000, f32; random weights written
 //! to a temp dir): 16 requests of 64-token prompts and 32 greedy new tokens, (1) base only,
 //! (2) over 8 rank-16 adapters on all seven projections, (3) the same with `max_loras 1`.
-//! After criterion, a summary measured in the same run prints new tokens/s and the ratios.
+//! After criterion, a summary prints new tokens/s and the ratios to the base run from rounds that
+//! run every scenario in turn (medians), so that the machine's drift falls on all of them alike.
 //!
 //! `cargo bench -p multilora --bench cpu_engine -- --warm-up-time 1 --measurement-time 10`
 
@@ -85,26 +86,52 @@ fn run(engine: &Engine, mixed: bool) -> usize {
     streams.into_iter().map(|s| s.collect_blocking().expect("request").token_ids.len()).sum()
 }
 
+/// Rounds of the alternating summary: each round runs every scenario once, in turn.
+const ROUNDS: usize = 7;
+
 fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     write_model(tmp.path())?;
     let mut criterion = Criterion::default().configure_from_args().sample_size(10);
     let scenarios =
         [("base only", 8, false), ("16 over 8 adapters", 8, true), ("16 over 8 adapters, max_loras 1", 1, true)];
-    let mut summary = Vec::new();
-    for (name, max_loras, mixed) in scenarios {
-        let engine = engine(tmp.path(), max_loras)?;
-        run(&engine, mixed);
-        criterion.bench_function(&format!("cpu_engine/{name}"), |b| b.iter(|| run(&engine, mixed)));
-        let start = Instant::now();
-        let tokens = run(&engine, mixed);
-        summary.push((name, tokens as f64 / start.elapsed().as_secs_f64()));
+    let engines =
+        scenarios.iter().map(|&(_, max_loras, _)| engine(tmp.path(), max_loras)).collect::<Result<Vec<_>, _>>()?;
+    for ((name, _, mixed), engine) in scenarios.iter().zip(&engines) {
+        run(engine, *mixed);
+        criterion.bench_function(&format!("cpu_engine/{name}"), |b| b.iter(|| run(engine, *mixed)));
     }
     criterion.final_summary();
-    let base = summary[0].1;
-    println!("\nend-to-end new tokens/s (16 requests, 64-token prompts, 32 new tokens; PEFT mixed: 131):");
-    for (name, tps) in &summary {
-        println!("  {name:<34} {tps:8.1} tok/s   {:.2}x base   {:.2}x PEFT mixed", tps / base, tps / 131.0);
+    // The scenarios one after another, round after round, so that a slower or faster spell of a
+    // shared machine falls on all of them: medians of the times and of the per-round ratios.
+    let mut times = vec![Vec::new(); scenarios.len()];
+    let mut ratios = vec![Vec::new(); scenarios.len()];
+    let mut tokens = 0;
+    for _ in 0..ROUNDS {
+        let mut t = Vec::new();
+        for ((_, _, mixed), engine) in scenarios.iter().zip(&engines) {
+            let start = Instant::now();
+            tokens = run(engine, *mixed);
+            t.push(start.elapsed().as_secs_f64());
+        }
+        for (i, &ti) in t.iter().enumerate() {
+            times[i].push(ti);
+            ratios[i].push(t[0] / ti);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("\nend-to-end new tokens/s (16 requests, 64-token prompts, 32 new tokens; PEFT mixed: 131),");
+    println!("medians of {ROUNDS} alternating rounds:");
+    for (i, (name, _, _)) in scenarios.iter().enumerate() {
+        let tps = tokens as f64 / median(&mut times[i]);
+        println!(
+            "  {name:<34} {tps:8.1} tok/s   {:.3}x base (per-round median)   {:.2}x PEFT mixed",
+            median(&mut ratios[i]),
+            tps / 131.0
+        );
     }
     Ok(())
 }

@@ -3,6 +3,12 @@
 //! adapter generations into slots → one forward over the flat batch → sample → update → stream.
 //! When there is nothing to run it blocks on the command channel (the store's load notifications
 //! arrive there too), so an idle engine costs nothing.
+//!
+//! Each step runs inside the engine's own rayon pool (`install`): the step's serial parts and its
+//! parallel kernels then share the pool's threads, so the dozens of parallel regions of a step
+//! (every GEMM, attention, the LoRA segments) start on threads that are already awake instead of
+//! being handed over from this thread one by one, and an embedding application's own rayon work
+//! never competes with a step for the global pool.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -78,6 +84,7 @@ pub(crate) struct EngineLoop {
     pub(crate) tokenizer: Option<Arc<Tokenizer>>,
     pub(crate) rx: Receiver<Command>,
     pub(crate) last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+    pool: Arc<rayon::ThreadPool>,
     live: HashMap<u64, Live>,
     deferred: VecDeque<u64>,
     counters: Counters,
@@ -95,8 +102,10 @@ impl EngineLoop {
         tokenizer: Option<Arc<Tokenizer>>,
         rx: Receiver<Command>,
         last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+        pool: rayon::ThreadPool,
     ) -> EngineLoop {
         EngineLoop {
+            pool: Arc::new(pool),
             config,
             model,
             kv,
@@ -138,7 +147,8 @@ impl EngineLoop {
             }
             self.admit_deferred();
             self.reap_closed();
-            if self.scheduler.has_unfinished() && !self.step() {
+            let pool = Arc::clone(&self.pool);
+            if self.scheduler.has_unfinished() && !pool.install(|| self.step()) {
                 // Nothing could be scheduled (should not happen): wait a little rather than spin.
                 match self.rx.recv_timeout(Duration::from_millis(5)) {
                     Ok(cmd) => {

@@ -96,6 +96,12 @@ impl Engine {
         let store = Arc::new(store);
         let tokenizer = tokenizer.map(Arc::new);
         let last_metrics = Arc::new(Mutex::new(None));
+        // As many compute threads as the global pool would use (`RAYON_NUM_THREADS` or the cores).
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads())
+            .thread_name(|i| format!("multilora-compute-{i}"))
+            .build()
+            .map_err(|e| EngineError::Internal(format!("starting the engine's compute threads: {e}")))?;
         let lp = EngineLoop::new(
             config.clone(),
             model,
@@ -105,6 +111,7 @@ impl Engine {
             tokenizer.clone(),
             rx,
             Arc::clone(&last_metrics),
+            pool,
         );
         let thread = std::thread::Builder::new()
             .name("multilora-engine".into())

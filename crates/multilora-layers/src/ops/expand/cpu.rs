@@ -50,9 +50,6 @@ pub(crate) fn shrink_expand_in_place(
     slices: &[&LoraSlots],
     mapping: &LoraMapping,
 ) -> Result<()> {
-    if shrink_expand_f32(xs, y, slices, mapping)? {
-        return Ok(());
-    }
     let lora_rows = mapping.lora_rows();
     let in_features = xs.dim(1)?;
     let mut tasks = Vec::new();
@@ -78,24 +75,29 @@ pub(crate) fn shrink_expand_in_place(
     Ok(())
 }
 
-/// The f32 case of [`shrink_expand_in_place`] on plain slices, as one in-place op on `y`: each
+/// The f32 case of [`shrink_expand_in_place`] on plain slices, as one in-place op on `y`, reading
+/// the LoRA rows of `x` (`[rows, in]`, not gathered) in place, a run of consecutive rows at a time
+/// (a prefill sequence is one run): each
 /// (slice, segment) task owns its rows' columns of that slice in `y` and runs both products with
 /// the crate's kernel straight on the slot buffers at the true rank (`x_seg · Aᵀ`, then `· Bᵀ`
 /// as outer products over the rank-major `Bᵀ`), [`DELTA_ROWS`] rows at a time through a small
 /// scratch block it adds into its rows. No candle op runs per segment, and no delta as large as
 /// the output is allocated and added in a second pass. Returns `false`, doing nothing, when an
 /// operand is not f32.
-fn shrink_expand_f32(xs: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
-    let f32s = xs.dtype() == DType::F32
+pub(crate) fn shrink_expand_f32(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
+    let f32s = x.dtype() == DType::F32
         && y.dtype() == DType::F32
         && slices.iter().all(|s| s.a().dtype() == DType::F32 && s.b().dtype() == DType::F32);
     if !f32s {
         return Ok(false);
     }
-    let xs = xs.contiguous()?;
-    let in_features = xs.dim(1)?;
+    let xs = x.contiguous()?;
+    let (rows, in_features) = xs.dims2()?;
     let (x_guard, x_layout) = xs.storage_and_layout();
-    let Some(x) = cpu_f32(&x_guard, x_layout) else { return Ok(false) };
+    let Some(x) = cpu_f32(&x_guard, x_layout).and_then(|v| v.get(..rows * in_features)) else { return Ok(false) };
+    if rows != mapping.num_rows() {
+        return Ok(false);
+    }
     let guards: Vec<_> = slices.iter().map(|s| (s.a().storage_and_layout(), s.b().storage_and_layout())).collect();
     let mut ab = Vec::with_capacity(slices.len());
     for ((a, al), (b, bl)) in &guards {
@@ -121,12 +123,18 @@ fn shrink_expand_f32(xs: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &L
     Ok(true)
 }
 
+thread_local! {
+    /// Each compute thread's shrink output and delta block, reused from task to task (fresh
+    /// allocations of a prefill's blocks would each cost page faults).
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Rows of a segment whose delta is computed at a time into a task's scratch block (which stays
 /// in L2 for the widest projections) before it is added into `y`.
 const DELTA_ROWS: usize = 24;
 
-/// One (slice, segment) product: the segment's rows `start..start + len` of the gathered LoRA
-/// rows, through slot `slot` of slice `slice`.
+/// One (slice, segment) product: the segment's entries `start..start + len` of the mapping's
+/// LoRA rows, through slot `slot` of slice `slice`.
 #[derive(Clone, Copy, Debug)]
 struct Task {
     slice: usize,
@@ -135,8 +143,8 @@ struct Task {
     len: usize,
 }
 
-/// The in-place op of [`shrink_expand_f32`]: `y[rows[start + j], offset + c] += (x_j · Aᵀ · Bᵀ)[c]`
-/// for every task.
+/// The in-place op of [`shrink_expand_f32`]: `y[rows[start + j], offset + c] += (x[rows[start + j]]
+/// · Aᵀ · Bᵀ)[c]` for every task (`x` all rows, `[rows, in]`).
 struct AddDeltas<'a> {
     x: &'a [f32],
     in_features: usize,
@@ -156,19 +164,29 @@ impl AddDeltas<'_> {
         // A[slot, 0..r, :] is `r` rows of `in`; Bᵀ[slot, 0..r, :] is `r` rows of `out`.
         let a = &a[t.slot * max_r * k..][..r * k];
         let bt = &b[t.slot * max_r * out..][..r * out];
-        let mut s = vec![0f32; t.len * r];
-        matmul_t_into(&self.x[t.start * k..], k, a, k, (t.len, r, k), &mut s, r);
-        let mut d = vec![0f32; t.len.min(DELTA_ROWS) * out];
-        for (j0, chunk) in (0..t.len).step_by(DELTA_ROWS).zip(cells.chunks_mut(DELTA_ROWS)) {
-            let n = chunk.len();
-            matmul_into(&s[j0 * r..], r, bt, out, (n, out, r), &mut d, out);
-            for (cell, delta) in chunk.iter_mut().zip(d.chunks_exact(out)) {
-                // Two plain slices of equal length: the compiler vectorises the add.
-                for (o, &v) in cell.iter_mut().zip(delta) {
-                    *o += v;
+        let rows = &self.rows[t.start..t.start + t.len];
+        SCRATCH.with_borrow_mut(|(s, d)| {
+            s.resize(t.len * r, 0.0);
+            d.resize(t.len.min(DELTA_ROWS) * out, 0.0);
+            // x · Aᵀ, one run of consecutive rows at a time.
+            let mut j = 0;
+            while j < rows.len() {
+                let r0 = rows[j] as usize;
+                let run = rows[j..].iter().enumerate().take_while(|&(q, &row)| row as usize == r0 + q).count();
+                matmul_t_into(&self.x[r0 * k..], k, a, k, (run, r, k), &mut s[j * r..], r);
+                j += run;
+            }
+            for (j0, chunk) in (0..t.len).step_by(DELTA_ROWS).zip(cells.chunks_mut(DELTA_ROWS)) {
+                let n = chunk.len();
+                matmul_into(&s[j0 * r..], r, bt, out, (n, out, r), d, out);
+                for (cell, delta) in chunk.iter_mut().zip(d.chunks_exact(out)) {
+                    // Two plain slices of equal length: the compiler vectorises the add.
+                    for (o, &v) in cell.iter_mut().zip(delta) {
+                        *o += v;
+                    }
                 }
             }
-        }
+        });
     }
 }
 
