@@ -228,7 +228,7 @@ impl LoraSlots {
         let (dtype, device) = (self.a.dtype(), self.a.device().clone());
         // Convert on the host side first: a narrower LoRA dtype means fewer bytes to move.
         let a = m.a.to_dtype(dtype)?.to_device(&device)?;
-        let b = m.b.to_dtype(dtype)?.to_device(&device)?.contiguous()?;
+        let bt = transposed(&m.b.to_dtype(dtype)?)?.to_device(&device)?;
         let a_slot = self.a.narrow(0, slot, 1)?;
         let b_slot = self.b.narrow(0, slot, 1)?;
         if self.a_transposed {
@@ -236,7 +236,7 @@ impl LoraSlots {
         } else {
             a_slot.slice_set(&a.contiguous()?.unsqueeze(0)?, 1, 0)?;
         }
-        b_slot.slice_set(&b.t()?.contiguous()?.unsqueeze(0)?, 1, 0)?;
+        b_slot.slice_set(&bt.unsqueeze(0)?, 1, 0)?;
         // Padding must be zero (the slow reference and `merge` read whole slots), but only what a
         // larger earlier adapter left behind needs zeroing: a fresh slot's padding already is.
         self.zero_ranks(slot, r, self.clean_from[slot])?;
@@ -287,4 +287,33 @@ impl LoraSlots {
         let b = self.b.get(slot)?.narrow(0, 0, r)?.t()?;
         Ok(Some((a, b)))
     }
+}
+
+/// `b: [rows, cols]` → a contiguous `[cols, rows]` copy. For f32 on the CPU, a blocked transpose
+/// (a slot write is inside a step, and candle's strided copy of a transposed view moves one
+/// element at a time); otherwise candle's.
+fn transposed(b: &Tensor) -> Result<Tensor> {
+    const BLOCK: usize = 32;
+    let (rows, cols) = b.dims2()?;
+    if b.dtype() != DType::F32 || !b.device().is_cpu() {
+        return Ok(b.t()?.contiguous()?);
+    }
+    let b = b.contiguous()?;
+    let (guard, layout) = b.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)) = &*guard else {
+        return Ok(b.t()?.contiguous()?);
+    };
+    let src = &values[layout.start_offset()..layout.start_offset() + rows * cols];
+    let mut dst = vec![0f32; rows * cols];
+    for i0 in (0..rows).step_by(BLOCK) {
+        let i1 = (i0 + BLOCK).min(rows);
+        for j in 0..cols {
+            let out = &mut dst[j * rows + i0..j * rows + i1];
+            for (o, i) in out.iter_mut().zip(i0..i1) {
+                *o = src[i * cols + j];
+            }
+        }
+    }
+    drop(guard);
+    Ok(Tensor::from_vec(dst, (cols, rows), b.device())?)
 }
