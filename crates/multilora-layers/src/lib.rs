@@ -7,8 +7,10 @@
 //! [`lora_expand`], Punica's SGMV); [`lora_shrink_slow`] / [`lora_expand_slow`] gather each row's
 //! matrices instead (BGMV) and are the oracle the segmented ops are tested against.
 //!
-//! - [`LoraSlots`]: the stacked `A[max_loras, max_rank, in]`, `B[max_loras, out, max_rank]` of one
-//!   module and the real rank of each slot; [`SlotConfig`] says how many, how big, where;
+//! - [`LoraSlots`]: the stacked `A[max_loras, max_rank, in]` and `Bᵀ[max_loras, max_rank, out]` of
+//!   one module and the real rank of each slot; [`SlotConfig`] says how many, how big, where;
+//! - [`PackedWeight`]: an f32 base weight packed once for the CPU kernel, which every layer's
+//!   base product runs on, whatever the batch size;
 //! - [`LoraLinear`]: a plain or fused (qkv, gate_up) linear with one set of slots per module, and
 //!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
 //!   driven by a mapping over logit rows;
