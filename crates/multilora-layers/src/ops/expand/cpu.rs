@@ -207,6 +207,9 @@ impl InplaceOp1 for AddDeltas<'_> {
         if total != width || end - start != n * width {
             candle_core::bail!("lora deltas: output [{n}, {width}] for slices {total} wide");
         }
+        if self.x.len() < n * self.in_features {
+            candle_core::bail!("lora deltas: {} input values for {n} rows of {}", self.x.len(), self.in_features);
+        }
         // Each row cut at the slices' offsets: cells[row][slice], each handed to one task.
         let mut cells: Vec<Vec<Option<&mut [f32]>>> = dst[start..end]
             .chunks_exact_mut(width.max(1))
