@@ -41,12 +41,16 @@ impl fmt::Display for Fingerprint {
 }
 
 /// One adapted module: `delta(x) = b · (a · x)` with PEFT's scaling already folded into `b`.
+///
+/// `b` is held transposed, rank-major (`b_t`), the layout the slot buffers and the CPU expand
+/// read, so that placing an adapter in a slot inside a model step is a plain copy: the transpose
+/// is done once, when the adapter is loaded.
 #[derive(Clone, Debug)]
 pub struct LoraModule {
     /// `[rank, in_features]` (for `embed_tokens`: `[rank, vocab]`).
     pub a: Tensor,
-    /// `[out_features, rank]`, multiplied by `scaling` at load.
-    pub b: Tensor,
+    /// `Bᵀ`: `[rank, out_features]`, multiplied by `scaling` at load, contiguous.
+    pub b_t: Tensor,
     /// This module's rank (after `rank_pattern`).
     pub rank: usize,
     /// This module's alpha (after `alpha_pattern`).
@@ -56,12 +60,50 @@ pub struct LoraModule {
 }
 
 impl LoraModule {
+    /// A module from PEFT's `a: [rank, in]` and `b: [out, rank]` (`scaling` already folded in);
+    /// `b` is stored transposed.
+    pub fn new(a: Tensor, b: &Tensor, rank: usize, alpha: f64, scaling: f64) -> candle_core::Result<LoraModule> {
+        Ok(LoraModule { a, b_t: transposed(b)?, rank, alpha, scaling })
+    }
+
+    /// `B` as PEFT lays it out, `[out_features, rank]`: a transposed view of `b_t`.
+    pub fn b(&self) -> candle_core::Result<Tensor> {
+        self.b_t.t()
+    }
+
     /// `(in_features, out_features)` of the module, read off the tensors.
     pub fn in_out(&self) -> (usize, usize) {
         let (_, i) = self.a.dims2().unwrap_or((0, 0));
-        let (o, _) = self.b.dims2().unwrap_or((0, 0));
+        let (_, o) = self.b_t.dims2().unwrap_or((0, 0));
         (i, o)
     }
+}
+
+/// `b: [rows, cols]` → a contiguous `[cols, rows]` copy: for f32 on the CPU a blocked transpose
+/// (candle's strided copy of a transposed view moves one element at a time), otherwise candle's.
+fn transposed(b: &Tensor) -> candle_core::Result<Tensor> {
+    const BLOCK: usize = 32;
+    let (rows, cols) = b.dims2()?;
+    if b.dtype() != DType::F32 || !b.device().is_cpu() {
+        return b.t()?.contiguous();
+    }
+    let b = b.contiguous()?;
+    let (guard, layout) = b.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)) = &*guard else {
+        return b.t()?.contiguous();
+    };
+    let src = &values[layout.start_offset()..layout.start_offset() + rows * cols];
+    let mut dst = vec![0f32; rows * cols];
+    for i0 in (0..rows).step_by(BLOCK) {
+        let i1 = (i0 + BLOCK).min(rows);
+        for j in 0..cols {
+            for (o, i) in dst[j * rows + i0..j * rows + i1].iter_mut().zip(i0..i1) {
+                *o = src[i * cols + j];
+            }
+        }
+    }
+    drop(guard);
+    Tensor::from_vec(dst, (cols, rows), b.device())
 }
 
 /// A validated LoRA adapter held in memory (on the CPU, in the LoRA dtype).

@@ -245,7 +245,9 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
             .and_then(|b| b.affine(plan.scaling, 0.0))
             .and_then(|b| b.to_dtype(opts.dtype))
             .map_err(|e| ctx.candle("fold scaling into lora_B", e))?;
-        modules.insert(*id, LoraModule { a, b, rank: plan.rank, alpha: plan.alpha, scaling: plan.scaling });
+        let module = LoraModule::new(a, &b, plan.rank, plan.alpha, plan.scaling)
+            .map_err(|e| ctx.candle("transpose lora_B", e))?;
+        modules.insert(*id, module);
     }
     if let Some(key) = saved_embedding {
         check_saved_embedding(&ctx, &st, &key, shapes)?;

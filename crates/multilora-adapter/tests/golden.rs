@@ -48,7 +48,7 @@ fn check(name: &str, rel: &str, record: &serde_json::Value) {
             format!("base_model.model.{}.lora_B.weight", id.peft_name())
         };
         let expected = raw[&key].affine(m.scaling, 0.0).unwrap();
-        let diff = (&m.b - &expected).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let diff = (&m.b().unwrap() - &expected).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(diff < 1e-6, "{name} {id}: folded B differs by {diff}");
         assert_eq!(m.a.dtype(), DType::F32);
     }
@@ -95,7 +95,7 @@ fn lora_dtype_is_honoured_and_fingerprint_is_dtype_independent() {
     assert_eq!(bf16.dtype(), DType::BF16);
     assert_eq!(f32_.fingerprint(), bf16.fingerprint());
     let id = ModuleId::layer(0, multilora_adapter::ModuleKind::KProj);
-    assert_eq!(bf16.module(&id).unwrap().b.dims(), &[64, 16]);
+    assert_eq!(bf16.module(&id).unwrap().b().unwrap().dims(), &[64, 16]);
     // Memory accounting: f32 at own rank; in rank-32 slots twice that.
     assert_eq!(f32_.nbytes(), 4 * 16 * 4 * ((128 + 128) * 2 + (128 + 64) * 2 + (128 + 352) * 3) as u64);
     assert_eq!(f32_.nbytes_at_rank(32, 4), 2 * f32_.nbytes());

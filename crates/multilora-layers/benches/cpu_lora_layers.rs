@@ -70,7 +70,7 @@ fn fused_layer(rng: &mut Rng, slices: &[(ModuleId, usize)], inp: usize, rank: us
         let mut modules = BTreeMap::new();
         for &(id, o) in slices {
             let (a, b) = (rng.tensor(&[rank, inp], 0.05), rng.tensor(&[o, rank], 0.05));
-            modules.insert(id, LoraModule { a, b, rank, alpha: rank as f64, scaling: 1.0 });
+            modules.insert(id, LoraModule::new(a, &b, rank, rank as f64, 1.0).expect("module"));
         }
         let config = AdapterConfig::parse(r#"{"target_modules": ["q_proj"]}"#).expect("config");
         let adapter = LoraAdapter::new(format!("bench{k}"), config, modules, Fingerprint([k as u8; 32]));

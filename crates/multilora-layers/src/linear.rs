@@ -38,10 +38,11 @@ enum Base {
 }
 
 impl Base {
-    /// Packs `w` when the CPU kernel can use it; keeps it as given otherwise, or when `shared`
-    /// (its storage is someone else's too, e.g. a tied embedding, and packing would copy it).
-    fn new(w: Tensor, shared: bool) -> Result<Base> {
-        if shared {
+    /// Packs `w` when the CPU kernel can use it; keeps it as given otherwise, or when
+    /// `keep_as_given` (its storage is someone else's too, e.g. a tied embedding, and packing
+    /// would copy it).
+    fn new(w: Tensor, keep_as_given: bool) -> Result<Base> {
+        if keep_as_given {
             return Ok(Base::Dense(w));
         }
         Ok(match PackedWeight::pack(&w)? {

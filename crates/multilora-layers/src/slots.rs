@@ -212,8 +212,10 @@ impl LoraSlots {
         if m.a.dims() != [m.rank, self.in_features] {
             return Err(Error::shape(name, tensor_a, m.a.dims(), &[m.rank, self.in_features]));
         }
-        if m.b.dims() != [self.out_features, m.rank] {
-            return Err(Error::shape(name, tensor_b, m.b.dims(), &[self.out_features, m.rank]));
+        if m.b_t.dims() != [m.rank, self.out_features] {
+            // Reported in PEFT's layout, as the file holds it.
+            let got: Vec<usize> = m.b_t.dims().iter().rev().copied().collect();
+            return Err(Error::shape(name, tensor_b, &got, &[self.out_features, m.rank]));
         }
         Ok(())
     }
@@ -228,7 +230,7 @@ impl LoraSlots {
         let (dtype, device) = (self.a.dtype(), self.a.device().clone());
         // Convert on the host side first: a narrower LoRA dtype means fewer bytes to move.
         let a = m.a.to_dtype(dtype)?.to_device(&device)?;
-        let bt = transposed(&m.b.to_dtype(dtype)?)?.to_device(&device)?;
+        let bt = m.b_t.to_dtype(dtype)?.to_device(&device)?.contiguous()?;
         let a_slot = self.a.narrow(0, slot, 1)?;
         let b_slot = self.b.narrow(0, slot, 1)?;
         if self.a_transposed {
@@ -287,33 +289,4 @@ impl LoraSlots {
         let b = self.b.get(slot)?.narrow(0, 0, r)?.t()?;
         Ok(Some((a, b)))
     }
-}
-
-/// `b: [rows, cols]` → a contiguous `[cols, rows]` copy. For f32 on the CPU, a blocked transpose
-/// (a slot write is inside a step, and candle's strided copy of a transposed view moves one
-/// element at a time); otherwise candle's.
-fn transposed(b: &Tensor) -> Result<Tensor> {
-    const BLOCK: usize = 32;
-    let (rows, cols) = b.dims2()?;
-    if b.dtype() != DType::F32 || !b.device().is_cpu() {
-        return Ok(b.t()?.contiguous()?);
-    }
-    let b = b.contiguous()?;
-    let (guard, layout) = b.storage_and_layout();
-    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)) = &*guard else {
-        return Ok(b.t()?.contiguous()?);
-    };
-    let src = &values[layout.start_offset()..layout.start_offset() + rows * cols];
-    let mut dst = vec![0f32; rows * cols];
-    for i0 in (0..rows).step_by(BLOCK) {
-        let i1 = (i0 + BLOCK).min(rows);
-        for j in 0..cols {
-            let out = &mut dst[j * rows + i0..j * rows + i1];
-            for (o, i) in out.iter_mut().zip(i0..i1) {
-                *o = src[i * cols + j];
-            }
-        }
-    }
-    drop(guard);
-    Ok(Tensor::from_vec(dst, (cols, rows), b.device())?)
 }

@@ -22,7 +22,7 @@ async fn models_lists_the_base_and_every_adapter() -> Result<()> {
     let data = body["data"].as_array().unwrap();
     assert_eq!(data.len(), 1 + common::ADAPTERS.len());
     assert_eq!((data[0]["id"].as_str(), &data[0]["parent"]), (Some(BASE), &Value::Null));
-    for (name, rel) in common::ADAPTERS {
+    for &(name, rel) in common::ADAPTERS {
         let m = data.iter().find(|m| m["id"] == name).unwrap_or_else(|| panic!("{name} not listed"));
         assert_eq!(m["object"], "model");
         assert_eq!(m["parent"], BASE);

@@ -18,7 +18,7 @@ pub(crate) fn adapter(name: &str, fp: u8, rank: usize) -> LoraAdapter {
     let config = AdapterConfig::parse(r#"{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}"#).unwrap();
     let a = Tensor::zeros((rank, 8), DType::F32, &Device::Cpu).unwrap();
     let b = Tensor::zeros((8, rank), DType::F32, &Device::Cpu).unwrap();
-    let module = LoraModule { a, b, rank, alpha: 8.0, scaling: 8.0 / rank as f64 };
+    let module = LoraModule::new(a, &b, rank, 8.0, 8.0 / rank as f64).unwrap();
     let modules = BTreeMap::from([(ModuleId::layer(0, ModuleKind::QProj), module)]);
     LoraAdapter::new(name, config, modules, Fingerprint([fp; 32]))
 }

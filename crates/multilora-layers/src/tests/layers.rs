@@ -14,7 +14,7 @@ fn q() -> ModuleId {
 fn merged_row(x: &Tensor, w: &Tensor, a: &LoraAdapter, id: ModuleId) -> anyhow::Result<Tensor> {
     let w = w.to_dtype(DType::F64)?;
     let w = match a.module(&id) {
-        Some(m) => (w + m.b.to_dtype(DType::F64)?.matmul(&m.a.to_dtype(DType::F64)?)?.to_device(x.device())?)?,
+        Some(m) => (w + m.b()?.to_dtype(DType::F64)?.matmul(&m.a.to_dtype(DType::F64)?)?.to_device(x.device())?)?,
         None => w,
     };
     Ok(x.to_dtype(DType::F64)?.matmul(&w.t()?)?)
@@ -217,7 +217,7 @@ fn embedding_matches_reference(dev: &Device) -> anyhow::Result<()> {
             0 | 2 => {
                 let m = adapters[s as usize / 2].module(&id).ok_or_else(|| anyhow::anyhow!("module"))?;
                 let col = m.a.i((.., t as usize))?.to_device(dev)?;
-                (base + m.b.to_device(dev)?.matmul(&col.unsqueeze(1)?)?.squeeze(1)?)?
+                (base + m.b()?.to_device(dev)?.matmul(&col.unsqueeze(1)?)?.squeeze(1)?)?
             }
             _ => base,
         };

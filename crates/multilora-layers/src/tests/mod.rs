@@ -76,7 +76,7 @@ pub(crate) fn adapter(
     for &(id, rank, i, o) in modules {
         let a = rng.tensor(&[rank, i], 0.3, DType::F32, &Device::Cpu)?;
         let b = rng.tensor(&[o, rank], 0.3, DType::F32, &Device::Cpu)?;
-        map.insert(id, LoraModule { a, b, rank, alpha: rank as f64, scaling: 1.0 });
+        map.insert(id, LoraModule::new(a, &b, rank, rank as f64, 1.0)?);
     }
     let config = AdapterConfig::parse(r#"{"target_modules": ["q_proj"]}"#).map_err(anyhow::Error::msg)?;
     Ok(LoraAdapter::new(name, config, map, Fingerprint([seed as u8; 32])))

@@ -2,7 +2,6 @@
 //! loopback port (port 0), and small HTTP helpers over `reqwest`.
 #![allow(dead_code, unreachable_pub)]
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
@@ -13,37 +12,24 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// The served base model's name in these tests.
-pub const BASE: &str = "base";
+/// The engine tests' fixture helpers, shared rather than copied: the fixture paths, `cases.json`
+/// and the list of fixture adapters.
+#[path = "../../../multilora/tests/common/mod.rs"]
+mod engine_common;
 
-/// The fixture adapters served from the start.
-pub const ADAPTERS: [(&str, &str); 7] = [
-    ("qv_r8", "adapters/qv_r8"),
-    ("all_r16", "adapters/all_r16"),
-    ("rslora_r4", "adapters/rslora_r4"),
-    ("pattern_r8", "adapters/pattern_r8"),
-    ("regex_layers", "adapters/regex_layers"),
-    ("layers_subset", "adapters/layers_subset"),
-    ("rank32", "adapters/rank32"),
-];
+// Each test binary uses its own part of them.
+#[allow(unused_imports)]
+pub use engine_common::{BASE, cases, fixtures, path};
 
-pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
-}
-
-pub fn path(rel: &str) -> String {
-    fixtures().join(rel).display().to_string()
-}
-
-pub fn cases() -> Result<Value> {
-    Ok(serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json"))?)?)
-}
+/// The fixture adapters served from the start: the seven of `adapters/` (the engine tests' list
+/// also holds the two of `invalid_adapters/`).
+pub const ADAPTERS: &[(&str, &str)] = engine_common::ADAPTERS.split_at(7).0;
 
 /// The fixture base model with every fixture adapter registered at start.
 pub fn builder() -> EngineBuilder {
     let mut b =
         Engine::builder(path("base")).served_model_name(BASE).max_loras(8).max_lora_rank(32).kv_cache_bytes(16 << 20);
-    for (name, rel) in ADAPTERS {
+    for &(name, rel) in ADAPTERS {
         b = b.lora(name, path(rel));
     }
     b

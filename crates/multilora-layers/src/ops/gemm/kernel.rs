@@ -594,16 +594,7 @@ pub(super) fn fill(
     parallel: bool,
     packed: bool,
 ) {
-    for (t, r) in rects.iter().enumerate() {
-        let inside = r.m0 <= r.m1
-            && r.n0 <= r.n1
-            && o.holds(r.m1, r.n1)
-            && r.n1 <= ldy
-            && r.m1.saturating_sub(1) * ldy + r.n1 <= y.len();
-        assert!(inside, "gemm: rectangle {r:?} outside the operands");
-        let overlaps = |q: &Rect| r.m0 < q.m1 && q.m0 < r.m1 && r.n0 < q.n1 && q.n0 < r.n1;
-        assert!(!rects[..t].iter().any(overlaps), "gemm: rectangle {r:?} overlaps another");
-    }
+    check_rects(rects, y.len(), ldy, |r| o.holds(r.m1, r.n1));
     let isa = if isa.available() { isa } else { Isa::Portable };
     let out = Out { ptr: y.as_mut_ptr(), ldy };
     let panel = panel.max(1);
@@ -624,6 +615,27 @@ pub(super) fn fill(
         // SAFETY: no instruction set needed; bounds and disjointness as above.
         _ => unsafe { rect::<Portable>(o, out, *r, panel) },
     };
+    run_rects(rects, parallel, run);
+}
+
+/// Checks that every rectangle is well formed, inside an output of `len` values with row stride
+/// `ldy` and inside the operands (`operands`), and that no two overlap: what makes writing them
+/// from several threads through one pointer sound.
+///
+/// # Panics
+/// When one is not.
+fn check_rects(rects: &[Rect], len: usize, ldy: usize, operands: impl Fn(&Rect) -> bool) {
+    for (t, r) in rects.iter().enumerate() {
+        let inside =
+            r.m0 <= r.m1 && r.n0 <= r.n1 && operands(r) && r.n1 <= ldy && r.m1.saturating_sub(1) * ldy + r.n1 <= len;
+        assert!(inside, "gemm: rectangle {r:?} outside the operands");
+        let overlaps = |q: &Rect| r.m0 < q.m1 && q.m0 < r.m1 && r.n0 < q.n1 && q.n0 < r.n1;
+        assert!(!rects[..t].iter().any(overlaps), "gemm: rectangle {r:?} overlaps another");
+    }
+}
+
+/// Runs `run` on every rectangle, side by side on the rayon pool when `parallel`.
+fn run_rects(rects: &[Rect], parallel: bool, run: impl Fn(&Rect) + Sync + Send) {
     if parallel && rects.len() > 1 {
         rects.par_iter().for_each(run);
     } else {

@@ -93,7 +93,8 @@ pub fn linear_with(x: &Tensor, weight: &Tensor, isa: Isa) -> Result<Tensor> {
 }
 
 /// `y[i·ldy + j] = Σ_{p<k} x[i·ldx + p] · w[j·ldw + p]` for `i < m`, `j < n`, on this thread with
-/// the streaming kernel: the small products of LoRA segments, which run side by side on the pool.
+/// the streaming kernel, whatever `m` (so a row's result does not depend on its segment's size):
+/// the LoRA shrink `x · Aᵀ` of a segment, segments side by side on the pool.
 ///
 /// # Panics
 /// When a row reaches outside its slice.
@@ -108,11 +109,7 @@ pub(crate) fn matmul_t_into(
     ldy: usize,
 ) {
     let o = kernel::Operands { x, ldx, w, ldw, k };
-    let isa = Isa::best();
-    // A short `k` (a LoRA expand, `k` = rank) over many rows spends the streaming kernel's time in
-    // horizontal sums, one per output; the packed kernel has none.
-    let packed = m >= 8 && k <= 64 && isa != Isa::Portable;
-    kernel::fill(isa, o, y, ldy, &[Rect { m0: 0, m1: m, n0: 0, n1: n }], 1, false, packed);
+    kernel::fill(Isa::best(), o, y, ldy, &[Rect { m0: 0, m1: m, n0: 0, n1: n }], 1, false, false);
 }
 
 /// A weight `W: [n, k]` packed once for the CPU kernel: panels of 32 output columns, each stored

@@ -7,11 +7,9 @@
 //! register budget); each output is the same chain of FMAs over `k` in order whatever tile it
 //! falls in, so a row's result is bit for bit the same whatever else is in the batch.
 
-use rayon::prelude::*;
-
 #[cfg(target_arch = "x86_64")]
 use super::{Avx2, Avx512};
-use super::{Isa, Out, Portable, Rect, Simd, packed_tile};
+use super::{Isa, Out, Portable, Rect, Simd, check_rects, packed_tile, run_rects};
 
 /// Output columns per packed panel: two AVX-512 vectors (four AVX2 or portable ones).
 pub(in crate::ops::gemm) const PANEL: usize = 32;
@@ -164,19 +162,10 @@ pub(in crate::ops::gemm) fn fill_prepacked(
     parallel: bool,
 ) {
     assert!(panels.len() >= n.div_ceil(PANEL) * k * PANEL, "gemm: {} packed values for [{n}, {k}]", panels.len());
-    for (t, r) in rects.iter().enumerate() {
-        let rows_in = r.m1 == r.m0 || (k <= ldx && (r.m1 - 1) * ldx + k <= x.len());
-        let inside = r.m0 <= r.m1
-            && r.n0 <= r.n1
-            && r.n0 % PANEL == 0
-            && r.n1 <= n
-            && rows_in
-            && r.n1 <= ldy
-            && r.m1.saturating_sub(1) * ldy + r.n1 <= y.len();
-        assert!(inside, "gemm: rectangle {r:?} outside the operands");
-        let overlaps = |q: &Rect| r.m0 < q.m1 && q.m0 < r.m1 && r.n0 < q.n1 && q.n0 < r.n1;
-        assert!(!rects[..t].iter().any(overlaps), "gemm: rectangle {r:?} overlaps another");
-    }
+    check_rects(rects, y.len(), ldy, |r| {
+        let rows_in = r.m1 <= r.m0 || (k <= ldx && (r.m1 - 1) * ldx + k <= x.len());
+        r.n0 % PANEL == 0 && r.n1 <= n && rows_in
+    });
     let isa = if isa.available() { isa } else { Isa::Portable };
     let out = Out { ptr: y.as_mut_ptr(), ldy };
     let run = |r: &Rect| {
@@ -195,11 +184,7 @@ pub(in crate::ops::gemm) fn fill_prepacked(
             _ => unsafe { rect::<Portable>(x, ldx, panels, k, out, *r) },
         }
     };
-    if parallel && rects.len() > 1 {
-        rects.par_iter().for_each(run);
-    } else {
-        rects.iter().for_each(run);
-    }
+    run_rects(rects, parallel, run);
 }
 
 /// # Safety
