@@ -33,10 +33,13 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
     ("multilora-server", &["multilora"]),
     ("multilora-cli", &["multilora", "multilora-server"]),
+    // The GPU check binary: a tool, like xtask, but it reads the layers and the model directly.
+    ("multilora-device-check", &["multilora", "multilora-adapter", "multilora-layers", "multilora-models"]),
 ];
 
-/// Crates that must stay free of tensors and devices.
-const PURE: &[&str] = &["multilora-prefix-cache", "multilora-scheduler"];
+/// Crates that must stay free of tensors and devices (the kernels crate is sources, a build
+/// script and plain parameter structs: the candle glue lives in `multilora-layers`).
+const PURE: &[&str] = &["multilora-prefix-cache", "multilora-scheduler", "multilora-kernels"];
 
 pub(crate) fn run() -> Result<()> {
     let root = workspace_root()?;

@@ -215,8 +215,13 @@ pub trait SlotSink {
 pub fn embedding_digest(embedding: &Tensor) -> candle_core::Result<[u8; 32]> {
     let values = embedding.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let mut hasher = blake3::Hasher::new();
-    for v in &values {
-        hasher.update(&v.to_le_bytes());
+    // The little-endian bytes of every value in order, hashed a few thousand values at a time
+    // (one `update` per value costs more than the hashing of a large embedding).
+    let mut buf = Vec::with_capacity(4 * 4096);
+    for chunk in values.chunks(4096) {
+        buf.clear();
+        buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+        hasher.update(&buf);
     }
     Ok(*hasher.finalize().as_bytes())
 }

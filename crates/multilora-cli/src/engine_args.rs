@@ -1,7 +1,7 @@
 //! The engine's flags, shared by `generate` and `serve` (vLLM's names), and building the engine
 //! from them with errors that name the flag to blame.
 
-use anyhow::{Context, anyhow};
+use anyhow::anyhow;
 use clap::Args;
 use multilora::{DType, Device, Engine, EngineBuilder};
 use serde::Deserialize;
@@ -39,15 +39,38 @@ pub(crate) struct EngineArgs {
     /// Context length (default: the model's).
     #[arg(long)]
     pub(crate) max_model_len: Option<usize>,
-    /// Bytes for the KV cache and the adapter slots together (default 256 MiB).
+    /// Bytes for the KV cache and the adapter slots together (default: 256 MiB on the CPU; on a
+    /// GPU what `--gpu-memory-utilization` leaves).
     #[arg(long)]
     pub(crate) kv_cache_bytes: Option<u64>,
-    /// `cpu` or `cuda:N`.
+    /// Share of the GPU's memory for weights, slots, activations and KV (vLLM's; default 0.9).
+    #[arg(long)]
+    pub(crate) gpu_memory_utilization: Option<f64>,
+    /// `cpu` or `cuda:N` (`cuda` = `cuda:0`; needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
-    /// Model dtype.
-    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
-    pub(crate) dtype: Option<String>,
+    /// Model dtype, in vLLM's spellings: `auto` (the checkpoint's own on CUDA, f32 on the CPU),
+    /// `bfloat16`/`bf16`, `half`/`float16`/`f16`, `float`/`float32`/`f32`.
+    #[arg(long, default_value = "auto", value_parser = parse_dtype)]
+    pub(crate) dtype: Dtype,
+}
+
+/// `--dtype`: `None` is `auto`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dtype(pub(crate) Option<DType>);
+
+pub(crate) fn parse_dtype(s: &str) -> Result<Dtype, String> {
+    Ok(Dtype(match s {
+        "auto" => None,
+        "bfloat16" | "bf16" => Some(DType::BF16),
+        "half" | "float16" | "f16" => Some(DType::F16),
+        "float" | "float32" | "f32" => Some(DType::F32),
+        other => {
+            return Err(format!(
+                "{other:?} is not one of auto, bfloat16, bf16, half, float16, f16, float, float32, f32"
+            ));
+        }
+    }))
 }
 
 /// A builder setter taking a count.
@@ -71,14 +94,33 @@ pub(crate) fn parse_lora(s: &str) -> Result<(String, String), String> {
     }
 }
 
-fn parse_device(s: &str) -> anyhow::Result<Device> {
+pub(crate) fn parse_device(s: &str) -> anyhow::Result<Device> {
     if s == "cpu" {
         return Ok(Device::Cpu);
     }
     let n = s.strip_prefix("cuda:").or((s == "cuda").then_some("0"));
     let n: usize =
         n.and_then(|n| n.parse().ok()).ok_or_else(|| anyhow!("--device must be cpu or cuda:N, got {s:?}"))?;
-    Device::new_cuda(n).with_context(|| format!("--device {s}"))
+    cuda_device(n, s)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_: usize, flag: &str) -> anyhow::Result<Device> {
+    Err(anyhow!(
+        "--device {flag}: this multilora was built without CUDA support; rebuild with \
+         `cargo build --release -p multilora-cli --features cuda`"
+    ))
+}
+
+/// The GPU on its own stream: the builder's uploads and the engine loop's steps (on other
+/// threads) are then ordered by the stream itself.
+#[cfg(feature = "cuda")]
+fn cuda_device(n: usize, flag: &str) -> anyhow::Result<Device> {
+    // candle's error may carry a backtrace on further lines; the first says what failed.
+    Device::new_cuda_with_stream(n).map_err(|e| {
+        let e = e.to_string();
+        anyhow!("--device {flag}: no CUDA device found ({})", e.lines().next().unwrap_or_default().trim())
+    })
 }
 
 impl EngineArgs {
@@ -87,12 +129,11 @@ impl EngineArgs {
         let mut b = Engine::builder(self.model.clone())
             .served_model_name(self.served_model_name.clone().unwrap_or_else(|| self.model.clone()))
             .device(parse_device(&self.device).map_err(Failure::input)?);
-        if let Some(d) = &self.dtype {
-            b = b.dtype(match d.as_str() {
-                "bf16" => DType::BF16,
-                "f16" => DType::F16,
-                _ => DType::F32,
-            });
+        if let Some(d) = self.dtype.0 {
+            b = b.dtype(d);
+        }
+        if let Some(u) = self.gpu_memory_utilization {
+            b = b.gpu_memory_utilization(u);
         }
         for (name, src) in &self.loras {
             b = b.lora(name, src);
@@ -137,5 +178,24 @@ mod tests {
         );
         assert!(parse_lora("sql").is_err());
         assert!(parse_lora("{\"name\": 1}").is_err());
+    }
+
+    #[test]
+    fn dtype_takes_vllms_spellings() {
+        for (s, want) in [
+            ("auto", None),
+            ("bfloat16", Some(DType::BF16)),
+            ("bf16", Some(DType::BF16)),
+            ("half", Some(DType::F16)),
+            ("float16", Some(DType::F16)),
+            ("f16", Some(DType::F16)),
+            ("float", Some(DType::F32)),
+            ("float32", Some(DType::F32)),
+            ("f32", Some(DType::F32)),
+        ] {
+            assert_eq!(parse_dtype(s).unwrap().0, want, "{s}");
+        }
+        let e = parse_dtype("fp8").unwrap_err();
+        assert!(e.contains("fp8") && e.contains("bfloat16"), "{e}");
     }
 }

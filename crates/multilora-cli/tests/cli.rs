@@ -178,6 +178,47 @@ fn each_invalid_adapter_stops_the_command_naming_it() {
     }
 }
 
+/// `--device cuda:0` for `generate` and `serve` on the fixture model, with a valid input.
+fn run_on_cuda_device() -> Vec<Output> {
+    let dir = tempfile::tempdir().unwrap();
+    let base = fixtures().join("base");
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(&input, "{\"input_ids\": [1]}\n").unwrap();
+    let output = dir.path().join("out.jsonl");
+    let (base, input, output) = (base.to_str().unwrap(), input.to_str().unwrap(), output.to_str().unwrap());
+    vec![
+        multilora(&["generate", "--model", base, "--input", input, "--output", output, "--device", "cuda:0"]),
+        multilora(&["serve", "--model", base, "--port", "0", "--device", "cuda:0"]),
+    ]
+}
+
+/// A build without the `cuda` feature says in one line how to get one, and exits 2.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_device_without_the_feature_says_how_to_rebuild() {
+    for out in run_on_cuda_device() {
+        assert_one_clean_line(&out);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--device cuda:0") && err.contains("built without CUDA support"), "{err}");
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+}
+
+/// A `cuda` build on a machine without a GPU says no device was found, in one line, and exits 2.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_device_without_a_gpu_says_none_was_found() {
+    if candle_core::Device::new_cuda(0).is_ok() {
+        println!("SKIPPED cuda_device_without_a_gpu_says_none_was_found: this machine has a CUDA device");
+        return;
+    }
+    for out in run_on_cuda_device() {
+        assert_one_clean_line(&out);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--device cuda:0: no CUDA device found"), "{err}");
+    }
+}
+
 #[test]
 fn bad_input_is_one_line_and_status_two() {
     let dir = tempfile::tempdir().unwrap();

@@ -40,6 +40,10 @@ impl LoraEmbedding {
         if mapping.no_lora() {
             return Ok(y);
         }
+        #[cfg(feature = "cuda")]
+        if ids.device().is_cuda() {
+            return crate::ops::lora_cuda::embed_lora(&ids, y, slots, mapping);
+        }
         let s = self.shrink(&ids, slots, mapping)?;
         lora_expand(y, &[s], &[slots], mapping)
     }

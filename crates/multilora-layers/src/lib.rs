@@ -41,20 +41,23 @@ mod linear;
 mod mapping;
 mod ops;
 mod slots;
+mod staging;
 
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
-pub use linear::LoraLinear;
+pub use linear::{LoraLinear, lora_apply};
 pub use mapping::{LoraMapping, Segment};
 pub use multilora_adapter::{
     Error as AdapterError, Fingerprint, HubConfig, LoraAdapter, LoraModule, ModelShapes, ModuleId, ModuleKind,
     Result as AdapterResult, SlotSink, embedding_digest, with_embedding_digest,
 };
+pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::expand::lora_expand;
 pub use ops::gemm::{Isa, PackedWeight, linear, linear_with};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
 pub use slots::{LoraSlots, SlotConfig};
+pub use staging::stage as stage_adapter;
 
 #[cfg(test)]
 mod tests;

@@ -354,6 +354,19 @@ impl LoraLinear {
     }
 }
 
+/// `y` plus every LoRA row's delta through `slices` (one layer's modules, their outputs side by
+/// side in `y`'s columns): the path [`LoraLinear::forward`] takes after the base product. On the
+/// CPU the shrink and expand run fused per segment; on CUDA the shrink splits K as the step needs
+/// and the expand sums the partials. `y`'s storage is updated in place where the device allows,
+/// so pass a tensor nothing else reads (such as a fresh base output).
+pub fn lora_apply(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
+    if mapping.no_lora() {
+        return Ok(y);
+    }
+    crate::ops::check_input("lora_apply", x, slices, mapping)?;
+    apply_lora(x, y, slices, mapping)
+}
+
 /// `y + Σ deltas`: shrink and expand, fused per segment on the CPU (the output updated in place).
 fn apply_lora(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
     if x.device().is_cpu() && y.is_contiguous() {
@@ -365,6 +378,11 @@ fn apply_lora(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMappin
             shrink_expand_in_place(&xs.to_dtype(DType::F32)?, &y, slices, mapping)?;
         }
         return Ok(y);
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        crate::ops::check_input("lora_linear", x, slices, mapping)?;
+        return crate::ops::lora_cuda::apply_lora(x, y, slices, mapping);
     }
     let s = lora_shrink(x, slices, mapping)?;
     lora_expand(y, &s, slices, mapping)

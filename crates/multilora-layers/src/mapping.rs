@@ -3,10 +3,12 @@
 //! Built once per step from a slot list (`-1` = base model only) and shared by every layer of the
 //! step, it holds what vLLM's `LoRAKernelMeta` holds: a stable sort of the row indices by slot,
 //! the segments of that order (one per distinct slot, `-1` first), and a "no LoRA at all" flag.
-//! The index tensor the ops gather and scatter with is put on the device here, once, so no layer
-//! copies anything between host and device.
+//! The LoRA segments are also cut into [`Tile`]s of at most [`TILE_ROWS`] rows, the unit of work
+//! of the CUDA kernels. The index the ops gather and scatter with and the tiles are put on the
+//! device here, once per step, in one copy, so no layer copies anything between host and device.
 
 use candle_core::{Device, Tensor};
+use multilora_kernels::params::{TILE_ROWS, Tile};
 
 use crate::error::{Error, Result};
 
@@ -35,8 +37,12 @@ pub struct LoraMapping {
     identity: bool,
     max_loras: usize,
     device: Device,
+    /// The LoRA segments cut into tiles of at most [`TILE_ROWS`] rows, in sorted order.
+    tiles: Vec<Tile>,
     /// `sorted[num_base..]` on `device`; `None` when there are no LoRA rows.
     lora_index: Option<Tensor>,
+    /// The tiles' fields as `u32`s on `device` (uploaded with `lora_index`, in the same copy).
+    tile_index: Option<Tensor>,
 }
 
 impl LoraMapping {
@@ -70,11 +76,17 @@ impl LoraMapping {
         }
         let num_base = counts[0];
         let identity = sorted.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let lora_index = if num_base < slots.len() {
+        let tiles = tiles_of(&segments, num_base);
+        let (lora_index, tile_index) = if num_base < slots.len() {
+            // One host-to-device copy for the step: the LoRA rows, then the tiles.
             let lora = &sorted[num_base..];
-            Some(Tensor::from_slice(lora, lora.len(), device)?)
+            let mut meta = Vec::with_capacity(lora.len() + 4 * tiles.len());
+            meta.extend_from_slice(lora);
+            meta.extend(tiles.iter().flat_map(|t| [t.slot, t.seg, t.start, t.len]));
+            let meta = Tensor::from_vec(meta, lora.len() + 4 * tiles.len(), device)?;
+            (Some(meta.narrow(0, 0, lora.len())?), Some(meta.narrow(0, lora.len(), 4 * tiles.len())?))
         } else {
-            None
+            (None, None)
         };
         Ok(LoraMapping {
             slots: slots.to_vec(),
@@ -84,8 +96,21 @@ impl LoraMapping {
             identity,
             max_loras,
             device: device.clone(),
+            tiles,
             lora_index,
+            tile_index,
         })
+    }
+
+    /// The LoRA segments cut into [`Tile`]s (at most [`TILE_ROWS`] rows each), in sorted order;
+    /// `Tile::seg` counts LoRA segments from 0 and `Tile::start` is a packed position.
+    pub fn tiles(&self) -> &[Tile] {
+        &self.tiles
+    }
+
+    /// [`LoraMapping::tiles`] on the mapping's device, four `u32`s per tile.
+    pub fn tile_index(&self) -> Option<&Tensor> {
+        self.tile_index.as_ref()
     }
 
     /// Number of rows (tokens, or logit rows for `lm_head`).
@@ -180,6 +205,23 @@ impl LoraMapping {
     }
 }
 
+/// The LoRA segments (slot ≥ 0) cut into tiles of at most [`TILE_ROWS`] rows, in order.
+fn tiles_of(segments: &[Segment], num_base: usize) -> Vec<Tile> {
+    let mut tiles = Vec::new();
+    for (seg, s) in segments.iter().filter(|s| s.slot >= 0).enumerate() {
+        let start = s.start - num_base;
+        for at in (0..s.len).step_by(TILE_ROWS) {
+            tiles.push(Tile {
+                slot: s.slot as u32,
+                seg: seg as u32,
+                start: (start + at) as u32,
+                len: TILE_ROWS.min(s.len - at) as u32,
+            });
+        }
+    }
+    tiles
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +235,24 @@ mod tests {
         assert_eq!(m.lora_rows(), &[1, 5, 0, 3, 4]);
         assert!(!m.no_lora() && !m.is_sorted());
         assert!(m.same_slots(&[2, 0, -1, 2, 3, 0]) && !m.same_slots(&[2, 0, -1, 2, 3, 1]));
+        let tiles: Vec<[u32; 4]> = m.tiles().iter().map(|t| [t.slot, t.seg, t.start, t.len]).collect();
+        assert_eq!(tiles, vec![[0, 0, 0, 2], [2, 1, 2, 2], [3, 2, 4, 1]]);
+        // The device copy holds the rows, then the tiles.
+        assert_eq!(m.lora_index().unwrap().to_vec1::<u32>().unwrap(), vec![1, 5, 0, 3, 4]);
+        assert_eq!(m.tile_index().unwrap().to_vec1::<u32>().unwrap(), vec![0, 0, 0, 2, 2, 1, 2, 2, 3, 2, 4, 1]);
+    }
+
+    #[test]
+    fn long_segments_are_cut_into_tiles() {
+        // 3 base rows, 19 rows of slot 1, 8 of slot 0: tiles of at most TILE_ROWS (8) rows.
+        let mut slots = vec![-1; 3];
+        slots.extend([1; 19]);
+        slots.extend([0; 8]);
+        let m = LoraMapping::new(&slots, 2, &Device::Cpu).unwrap();
+        let tiles: Vec<[u32; 4]> = m.tiles().iter().map(|t| [t.slot, t.seg, t.start, t.len]).collect();
+        assert_eq!(tiles, vec![[0, 0, 0, 8], [1, 1, 8, 8], [1, 1, 16, 8], [1, 1, 24, 3]]);
+        let covered: u32 = m.tiles().iter().map(|t| t.len).sum();
+        assert_eq!(covered as usize, m.num_lora_rows());
     }
 
     #[test]

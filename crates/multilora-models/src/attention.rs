@@ -8,7 +8,9 @@
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::batch::{DecodeGroup, StepPlan};
+use multilora_layers::{PagedDecodeDims, paged_decode_attention};
+
+use crate::batch::{DecodeGroup, DecodeReads, StepPlan};
 use crate::error::Result;
 
 /// Shapes of the attention.
@@ -17,6 +19,7 @@ pub(crate) struct AttnDims {
     pub(crate) heads: usize,
     pub(crate) kv_heads: usize,
     pub(crate) head_dim: usize,
+    pub(crate) block_size: usize,
 }
 
 /// Writes the step's new `k`, `v` (`[tokens, kv_heads · head_dim]`) into the layer's cache rows.
@@ -44,9 +47,20 @@ pub(crate) fn paged_attention(
             Some(rows) => q.index_select(rows, 0)?,
             None => q.narrow(0, 0, g.n)?,
         };
-        match decode_f32(&qd, cache_k, cache_v, g, d)? {
-            Some(o) => outs.push(o),
-            None => outs.push(decode_tensor_ops(&qd, cache_k, cache_v, g, d)?),
+        match &g.reads {
+            DecodeReads::Paged { block_tables, ctx_lens } => {
+                let pd = PagedDecodeDims {
+                    heads: d.heads,
+                    kv_heads: d.kv_heads,
+                    head_dim: d.head_dim,
+                    block_size: d.block_size,
+                };
+                outs.push(paged_decode_attention(&qd, cache_k, cache_v, block_tables, ctx_lens, pd)?);
+            }
+            DecodeReads::Gathered { ctx_rows, mask } => match decode_f32(&qd, cache_k, cache_v, g, d)? {
+                Some(o) => outs.push(o),
+                None => outs.push(decode_tensor_ops(&qd, cache_k, cache_v, g, ctx_rows, mask.as_ref(), d)?),
+            },
         }
     }
     for s in &plan.seqs {
@@ -82,18 +96,26 @@ pub(crate) fn paged_attention(
 
 /// The decode group with candle ops: contexts gathered from the cache, padded and transposed to
 /// `[n, kv_heads, max_ctx, d]`, then two batched matmuls. `qd: [n, heads, d]`, already scaled.
-fn decode_tensor_ops(qd: &Tensor, cache_k: &Tensor, cache_v: &Tensor, g: &DecodeGroup, d: AttnDims) -> Result<Tensor> {
+fn decode_tensor_ops(
+    qd: &Tensor,
+    cache_k: &Tensor,
+    cache_v: &Tensor,
+    g: &DecodeGroup,
+    ctx_rows: &Tensor,
+    mask: Option<&Tensor>,
+    d: AttnDims,
+) -> Result<Tensor> {
     let group = d.heads / d.kv_heads;
     let qd = qd.reshape((g.n, d.kv_heads, group, d.head_dim))?;
     let gather = |c: &Tensor| -> Result<Tensor> {
-        Ok(c.index_select(&g.ctx_rows, 0)?
+        Ok(c.index_select(ctx_rows, 0)?
             .reshape((g.n, g.max_ctx, d.kv_heads, d.head_dim))?
             .transpose(1, 2)?
             .contiguous()?)
     };
     let (k, v) = (gather(cache_k)?, gather(cache_v)?);
     let mut scores = qd.matmul(&k.transpose(2, 3)?)?.to_dtype(DType::F32)?;
-    if let Some(mask) = &g.mask {
+    if let Some(mask) = mask {
         scores = scores.broadcast_add(mask)?;
     }
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(qd.dtype())?;

@@ -91,6 +91,9 @@ pub(crate) struct Limits {
     pub(crate) num_blocks: usize,
     pub(crate) block_size: usize,
     pub(crate) kv_width: usize,
+    /// Decode rows read the cache through their block tables on the device (the CUDA kernel);
+    /// otherwise their context rows are listed (and, off the CPU, gathered).
+    pub(crate) paged_decode: bool,
 }
 
 /// One sequence's attention inputs.
@@ -106,9 +109,7 @@ pub(crate) struct SeqPlan {
     pub(crate) mask: Tensor,
 }
 
-/// The one-token sequences of a step (decode rows), attended together: contexts are padded to
-/// the longest one and the padding masked, so a decode batch costs a handful of ops per layer
-/// instead of a handful per sequence.
+/// The one-token sequences of a step (decode rows), attended together.
 #[derive(Debug)]
 pub(crate) struct DecodeGroup {
     /// Number of sequences.
@@ -117,13 +118,31 @@ pub(crate) struct DecodeGroup {
     pub(crate) max_ctx: usize,
     /// Flat batch rows of the decode tokens; `None` when they are rows `0..n` in order.
     pub(crate) rows: Option<Tensor>,
-    /// `[n · max_ctx]` flat cache rows (padding points at a valid row and is masked).
-    pub(crate) ctx_rows: Tensor,
-    /// `[n, 1, 1, max_ctx]` additive f32 mask of the padding; `None` when all contexts are equal.
-    pub(crate) mask: Option<Tensor>,
     /// Each sequence's flat cache rows, unpadded, on the host (the CPU f32 attention reads the
     /// cache through them directly).
     pub(crate) host_ctx: Vec<Vec<u32>>,
+    /// How the device reads the contexts.
+    pub(crate) reads: DecodeReads,
+}
+
+/// What the decode attention reads the cache with, on the model's device.
+#[derive(Debug)]
+pub(crate) enum DecodeReads {
+    /// Contexts padded to the longest one and the padding masked, gathered with tensor ops: a
+    /// handful of ops per layer for the whole group.
+    Gathered {
+        /// `[n · max_ctx]` flat cache rows (padding points at a valid row and is masked).
+        ctx_rows: Tensor,
+        /// `[n, 1, 1, max_ctx]` additive f32 mask of the padding; `None` when all contexts are equal.
+        mask: Option<Tensor>,
+    },
+    /// The paged kernel's inputs (one copy to the device for the step).
+    Paged {
+        /// `u32 [n, max_blocks]`: each sequence's blocks, zero-padded.
+        block_tables: Tensor,
+        /// `u32 [n]`: each sequence's context length.
+        ctx_lens: Tensor,
+    },
 }
 
 /// Everything the layers need about a step, computed once.
@@ -160,7 +179,7 @@ impl StepPlan {
         let mut logit_rows = Vec::new();
         let mut logit_slots = Vec::new();
         let mut seqs = Vec::with_capacity(batch.seqs.len());
-        let mut decode: Vec<(usize, Vec<u32>)> = Vec::new();
+        let mut decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
         let bs = lim.block_size;
         for (i, s) in batch.seqs.iter().enumerate() {
             let len = s.tokens.len();
@@ -201,7 +220,7 @@ impl StepPlan {
             logit_rows.extend(wanted.map(|r| r as u32));
             let ctx_rows: Vec<u32> = (0..ctx).map(row).collect();
             if len == 1 {
-                decode.push((offset, ctx_rows));
+                decode.push((offset, ctx_rows, &s.block_table[..ctx.div_ceil(bs)]));
                 continue;
             }
             // New token j sits at position start_pos + j and sees positions up to it.
@@ -224,7 +243,7 @@ impl StepPlan {
             }
             Some(Tensor::from_vec(inv, order.len(), device)?)
         };
-        let decode = decode_group(decode, device)?;
+        let decode = decode_group(decode, lim.paged_decode, device)?;
         let write_index =
             Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?;
         let all_rows = logit_rows.len() == total;
@@ -244,31 +263,48 @@ impl StepPlan {
     }
 }
 
-fn decode_group(rows: Vec<(usize, Vec<u32>)>, device: &Device) -> Result<Option<DecodeGroup>> {
+fn decode_group(rows: Vec<(usize, Vec<u32>, &[u32])>, paged: bool, device: &Device) -> Result<Option<DecodeGroup>> {
     let n = rows.len();
     if n == 0 {
         return Ok(None);
     }
     let max_ctx = rows.iter().map(|r| r.1.len()).max().unwrap_or(0);
-    let uniform = rows.iter().all(|r| r.1.len() == max_ctx);
     let in_order = rows.iter().enumerate().all(|(i, r)| r.0 == i);
-    let mut ctx_rows = Vec::with_capacity(n * max_ctx);
-    let mut mask = Vec::with_capacity(if uniform { 0 } else { n * max_ctx });
-    for (_, ctx) in &rows {
-        let pad = ctx[0];
-        ctx_rows.extend(ctx.iter().copied().chain(std::iter::repeat_n(pad, max_ctx - ctx.len())));
-        if !uniform {
-            mask.extend((0..max_ctx).map(|p| if p < ctx.len() { 0.0f32 } else { f32::NEG_INFINITY }));
+    let reads = if paged {
+        let max_blocks = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(1);
+        let mut meta = Vec::with_capacity(n * (max_blocks + 1));
+        for (_, _, table) in &rows {
+            meta.extend(table.iter().copied().chain(std::iter::repeat_n(0, max_blocks - table.len())));
         }
-    }
+        meta.extend(rows.iter().map(|r| r.1.len() as u32));
+        let meta = Tensor::from_vec(meta, n * (max_blocks + 1), device)?;
+        DecodeReads::Paged {
+            block_tables: meta.narrow(0, 0, n * max_blocks)?.reshape((n, max_blocks))?,
+            ctx_lens: meta.narrow(0, n * max_blocks, n)?,
+        }
+    } else {
+        let uniform = rows.iter().all(|r| r.1.len() == max_ctx);
+        let mut ctx_rows = Vec::with_capacity(n * max_ctx);
+        let mut mask = Vec::with_capacity(if uniform { 0 } else { n * max_ctx });
+        for (_, ctx, _) in &rows {
+            let pad = ctx[0];
+            ctx_rows.extend(ctx.iter().copied().chain(std::iter::repeat_n(pad, max_ctx - ctx.len())));
+            if !uniform {
+                mask.extend((0..max_ctx).map(|p| if p < ctx.len() { 0.0f32 } else { f32::NEG_INFINITY }));
+            }
+        }
+        DecodeReads::Gathered {
+            ctx_rows: Tensor::from_vec(ctx_rows, n * max_ctx, device)?,
+            mask: if uniform { None } else { Some(Tensor::from_vec(mask, (n, 1, 1, max_ctx), device)?) },
+        }
+    };
     let flat: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
     let host_ctx = rows.into_iter().map(|r| r.1).collect();
     Ok(Some(DecodeGroup {
         n,
         max_ctx,
         rows: if in_order { None } else { Some(Tensor::from_vec(flat, n, device)?) },
-        ctx_rows: Tensor::from_vec(ctx_rows, n * max_ctx, device)?,
-        mask: if uniform { None } else { Some(Tensor::from_vec(mask, (n, 1, 1, max_ctx), device)?) },
         host_ctx,
+        reads,
     }))
 }

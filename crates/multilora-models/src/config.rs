@@ -100,6 +100,9 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// `eos_token_id` (several for Llama 3 instruct models).
     pub eos_token_ids: Vec<u32>,
+    /// The dtype the checkpoint was saved in (`torch_dtype`, or transformers 5's `dtype`), as
+    /// written: `"bfloat16"`, `"float16"`, `"float32"`, …
+    pub torch_dtype: Option<String>,
 }
 
 impl ModelConfig {
@@ -214,6 +217,7 @@ impl ModelConfig {
             sliding_window,
             bos_token_id: int("bos_token_id")?.map(|x| x as u32),
             eos_token_ids,
+            torch_dtype: v.get("torch_dtype").or_else(|| v.get("dtype")).and_then(Value::as_str).map(str::to_string),
         })
     }
 
@@ -223,6 +227,17 @@ impl ModelConfig {
         match self.sliding_window {
             Some(w) if w > 0 => w.min(self.max_position_embeddings),
             _ => self.max_position_embeddings,
+        }
+    }
+
+    /// The checkpoint's own dtype, when the config names one this engine serves in.
+    pub fn checkpoint_dtype(&self) -> Option<candle_core::DType> {
+        use candle_core::DType;
+        match self.torch_dtype.as_deref()? {
+            "bfloat16" | "bf16" => Some(DType::BF16),
+            "float16" | "half" | "f16" => Some(DType::F16),
+            "float32" | "float" | "f32" => Some(DType::F32),
+            _ => None,
         }
     }
 
@@ -336,5 +351,19 @@ mod tests {
         v["model_type"] = json!("mistral");
         let c = ModelConfig::from_json(&v).unwrap();
         assert_eq!((c.attention_bias, c.max_model_len()), (false, 32));
+    }
+
+    #[test]
+    fn checkpoint_dtype_from_either_key() {
+        use candle_core::DType;
+        let mut v = base();
+        assert_eq!(ModelConfig::from_json(&v).unwrap().checkpoint_dtype(), None);
+        v["torch_dtype"] = json!("bfloat16");
+        assert_eq!(ModelConfig::from_json(&v).unwrap().checkpoint_dtype(), Some(DType::BF16));
+        let mut v = base();
+        v["dtype"] = json!("float16");
+        assert_eq!(ModelConfig::from_json(&v).unwrap().checkpoint_dtype(), Some(DType::F16));
+        v["dtype"] = json!("float8_e4m3fn");
+        assert_eq!(ModelConfig::from_json(&v).unwrap().checkpoint_dtype(), None);
     }
 }

@@ -43,6 +43,47 @@ pub fn num_blocks_for_budget(cfg: &ModelConfig, dtype: DType, block_size: usize,
     budget_bytes.checked_div(per_block).unwrap_or(0) as usize
 }
 
+/// A device's memory as its driver reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes free now.
+    pub free: u64,
+    /// Bytes on the device.
+    pub total: u64,
+}
+
+/// The memory of `device` (`None` for the CPU, which has no device memory to measure).
+pub fn device_memory(device: &Device) -> Result<Option<DeviceMemory>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let (free, total) = d
+                .cuda_stream()
+                .context()
+                .mem_get_info()
+                .map_err(|e| Error::KvCache { reason: format!("cannot read the device's memory: {e}") })?;
+            Ok(Some(DeviceMemory { free: free as u64, total: total as u64 }))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// An upper estimate of the device memory one step's activations take beyond the weights, the
+/// slots and the KV cache, for steps of up to `tokens` new tokens over contexts of up to
+/// `max_model_len` positions: the hidden states, the fused projections' outputs, one prefill
+/// sequence's attention scores (f32) and probabilities over its whole context with its gathered
+/// K and V, and f32 logits for every token; plus a quarter for the allocator's slack. The KV
+/// budget on a GPU is what `gpu_memory_utilization` leaves after this.
+pub fn step_activation_bytes(cfg: &ModelConfig, dtype: DType, tokens: usize, max_model_len: usize) -> u64 {
+    let (t, ctx, dt) = (tokens as u64, max_model_len.max(tokens) as u64, dtype.size_in_bytes() as u64);
+    let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let (q, kv, heads) = (cfg.q_size() as u64, cfg.kv_size() as u64, cfg.num_heads as u64);
+    let hidden = t * dt * (4 * h + 2 * (q + 2 * kv) + 2 * q + 4 * i);
+    let attention = heads * t * ctx * (4 + dt) + 4 * ctx * kv * dt;
+    let logits = t * cfg.vocab_size as u64 * (4 + dt);
+    (hidden + attention + logits) * 5 / 4
+}
+
 /// The K/V blocks of every layer. Not `Clone`: a clone would share storage with the original,
 /// and writes through one would show in the other.
 #[derive(Debug)]

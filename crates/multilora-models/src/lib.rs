@@ -40,7 +40,10 @@ mod weights;
 pub use batch::{Batch, LogitsRows, SeqInput};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token, num_blocks_for_budget};
+pub use kv_cache::{
+    DeviceMemory, KvCache, KvCacheConfig, device_memory, kv_bytes_per_token, num_blocks_for_budget,
+    step_activation_bytes,
+};
 pub use llama::{Model, ModelOptions};
 pub use multilora_layers::HubConfig;
 pub use weights::{CheckpointFiles, ModelSource};

@@ -117,6 +117,7 @@ struct Layer {
 pub struct Model {
     cfg: ModelConfig,
     dtype: DType,
+    lora_dtype: DType,
     device: Device,
     max_loras: usize,
     targets: Vec<ModuleKind>,
@@ -253,6 +254,7 @@ impl Model {
         Ok(Model {
             cfg,
             dtype: opts.dtype,
+            lora_dtype: opts.lora_dtype.unwrap_or(opts.dtype),
             device: opts.device.clone(),
             max_loras: opts.max_loras,
             targets,
@@ -311,6 +313,28 @@ impl Model {
         total
     }
 
+    /// Whether decode rows attend with the paged CUDA kernel (on CUDA, for the head sizes and
+    /// dtypes it is built for); otherwise the CPU reads the cache in place (f32) or the contexts
+    /// are gathered with tensor ops.
+    pub fn paged_decode(&self) -> bool {
+        let dims = multilora_layers::PagedDecodeDims {
+            heads: self.cfg.num_heads,
+            kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            block_size: 1,
+        };
+        self.device.is_cuda() && dims.kernel_supported(self.dtype)
+    }
+
+    /// How decode attention runs, in words (for the start-up log).
+    pub fn decode_attention(&self) -> &'static str {
+        match (self.paged_decode(), self.device.is_cpu(), self.dtype) {
+            (true, _, _) => "paged CUDA kernel (block tables read on the device)",
+            (false, true, DType::F32) => "CPU, reading the paged cache in place",
+            _ => "contexts gathered with tensor ops",
+        }
+    }
+
     /// A zeroed KV cache for this model.
     pub fn new_kv_cache(&self, config: KvCacheConfig) -> Result<KvCache> {
         KvCache::new(&self.cfg, config, self.dtype, &self.device)
@@ -328,11 +352,17 @@ impl Model {
             num_blocks: kc.num_blocks,
             block_size: kc.block_size,
             kv_width: self.cfg.kv_size(),
+            paged_decode: self.paged_decode(),
         };
         let plan = StepPlan::new(batch, lim, &self.device)?;
         let tokens = batch.num_tokens();
         let (qs, kvs) = (self.cfg.q_size(), self.cfg.kv_size());
-        let dims = AttnDims { heads: self.cfg.num_heads, kv_heads: self.cfg.num_kv_heads, head_dim: self.cfg.head_dim };
+        let dims = AttnDims {
+            heads: self.cfg.num_heads,
+            kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            block_size: kc.block_size,
+        };
         let eps = self.cfg.rms_norm_eps as f32;
         let map = &plan.token_mapping;
         let (cos, sin) = self.rope.gather(&plan.positions)?;
@@ -373,7 +403,9 @@ impl Model {
         if let Some(id) = adapter.modules().keys().find(|id| !self.targets.contains(&id.kind) || self.max_loras == 0) {
             return Err(Error::NotATarget { adapter: adapter.name().to_string(), module: id.peft_name() });
         }
-        let written = self.for_each_site(|site| site.write(slot, adapter));
+        // Off the CPU, the adapter goes to the device in one copy; the sites copy from there.
+        let staged = multilora_layers::stage_adapter(adapter, self.lora_dtype, &self.device)?;
+        let written = self.for_each_site(|site| site.write(slot, &staged));
         if written.is_err() {
             // Best effort: the write error is the one worth reporting.
             let _ = self.clear_slot(slot);

@@ -183,9 +183,23 @@ impl Weights {
         }
     }
 
-    /// The tensor `name`, checked against `shape`, in the model dtype on the model device.
+    /// The tensor `name`, checked against `shape`, in the model dtype on the model device: a
+    /// tensor handed over on the device stays there; one read from disk is converted on the host
+    /// for the CPU, and on the device after its upload otherwise.
     pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        Ok(self.get_as_stored(name, shape)?.to_dtype(self.dtype)?.to_device(&self.device)?)
+        if let Source::Memory(m) = &self.source
+            && let Some(t) = m.get(name)
+            && t.dims() == shape
+            && t.device().same_device(&self.device)
+        {
+            return Ok(t.to_dtype(self.dtype)?);
+        }
+        let t = self.get_as_stored(name, shape)?;
+        Ok(if self.device.is_cpu() {
+            t.to_dtype(self.dtype)?
+        } else {
+            t.to_device(&self.device)?.to_dtype(self.dtype)?
+        })
     }
 
     /// The tensor `name`, checked against `shape`, in the checkpoint's own dtype, on the CPU.

@@ -4,7 +4,7 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use common::*;
 use multilora_models::{
     Batch, HubConfig, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, ModelSource, SeqInput,
@@ -15,13 +15,12 @@ use multilora_models::{
 /// Tolerance, documented: the top token agrees at ≥ 95% of positions, and the largest absolute
 /// logit difference stays under 0.25 for bf16 (8 mantissa bits, logits up to ~5) and under 0.05 for
 /// f16 (11 bits). Observed values are printed.
-#[test]
-fn half_precision_tracks_f32() -> Result<()> {
+fn half_precision_tracks_f32(dev: &Device) -> Result<()> {
     let rows = rows(true)?;
-    let (f32_model, slots) = model_with_adapters(DType::F32)?;
+    let (f32_model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let reference = Tensor::cat(&run_all_positions(&f32_model, &slots, &rows)?, 0)?;
     for (dtype, tol) in [(DType::BF16, 0.25f32), (DType::F16, 0.05)] {
-        let (model, slots) = model_with_adapters(dtype)?;
+        let (model, slots) = model_with_adapters_on(dtype, dev)?;
         let got = Tensor::cat(&run_all_positions(&model, &slots, &rows)?, 0)?;
         let same = got.argmax(1)?.eq(&reference.argmax(1)?)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
         let d = max_abs_diff(&got, &reference)?;
@@ -31,6 +30,7 @@ fn half_precision_tracks_f32() -> Result<()> {
     }
     Ok(())
 }
+test_device!(half_precision_tracks_f32, half_precision_tracks_f32_cpu, half_precision_tracks_f32_cuda);
 
 #[test]
 fn loads_by_hub_id_offline_from_the_cache() -> Result<()> {

@@ -1,13 +1,14 @@
 //! Golden tests against the PEFT + transformers fixtures (`tests/fixtures/peft-tiny`): every row
 //! in one mixed flat batch, one at a time, in other compositions, as chunked prefill + decode, and
-//! greedy generation, all in f32 within 1e-4 of the reference.
+//! greedy generation, all in f32 within 1e-4 of the reference, on the CPU and (feature `cuda`) on
+//! the first GPU.
 
 mod common;
 
 use std::collections::BTreeMap;
 
 use anyhow::Result;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use common::*;
 use multilora_models::{Batch, LogitsRows, SeqInput};
 
@@ -23,17 +24,21 @@ fn check(label: &str, rows: &[Row], got: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn every_row_in_one_mixed_flat_batch() -> Result<()> {
-    let (model, slots) = model_with_adapters(DType::F32)?;
+fn every_row_in_one_mixed_flat_batch(dev: &Device) -> Result<()> {
+    let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let rows = rows(true)?;
     let got = run_all_positions(&model, &slots, &rows)?;
     check("one flat batch", &rows, &got)
 }
 
-#[test]
-fn rows_one_at_a_time_and_in_other_compositions() -> Result<()> {
-    let (model, slots) = model_with_adapters(DType::F32)?;
+test_device!(
+    every_row_in_one_mixed_flat_batch,
+    every_row_in_one_mixed_flat_batch_cpu,
+    every_row_in_one_mixed_flat_batch_cuda
+);
+
+fn rows_one_at_a_time_and_in_other_compositions(dev: &Device) -> Result<()> {
+    let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let rows = rows(true)?;
     let mut got = Vec::new();
     for r in &rows {
@@ -48,11 +53,16 @@ fn rows_one_at_a_time_and_in_other_compositions() -> Result<()> {
     let got = run_all_positions(&model, &slots, &odd_even)?;
     check("odd/even", &odd_even, &got)
 }
+test_device!(
+    rows_one_at_a_time_and_in_other_compositions,
+    rows_one_at_a_time_and_in_other_compositions_cpu,
+    rows_one_at_a_time_and_in_other_compositions_cuda
+);
 
 /// Each row's first half is prefilled in chunks of `chunk` tokens, the rest decoded one token
 /// per step; every sequence advances in the same steps, so prefill and decode rows mix.
-fn chunked(chunk: usize) -> Result<()> {
-    let (model, slots) = model_with_adapters(DType::F32)?;
+fn chunked(chunk: usize, dev: &Device) -> Result<()> {
+    let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let rows = rows(true)?;
     let bs = 4;
     let need: usize = rows.iter().map(|r| r.ids.len().div_ceil(bs)).sum();
@@ -92,24 +102,16 @@ fn chunked(chunk: usize) -> Result<()> {
     check(&format!("prefill chunks of {chunk} + decode"), &rows, &got)
 }
 
-#[test]
-fn prefill_chunks_of_1_then_decode() -> Result<()> {
-    chunked(1)
+fn prefill_chunks_then_decode(dev: &Device) -> Result<()> {
+    for chunk in [1, 3, 7] {
+        chunked(chunk, dev)?;
+    }
+    Ok(())
 }
+test_device!(prefill_chunks_then_decode, prefill_chunks_then_decode_cpu, prefill_chunks_then_decode_cuda);
 
-#[test]
-fn prefill_chunks_of_3_then_decode() -> Result<()> {
-    chunked(3)
-}
-
-#[test]
-fn prefill_chunks_of_7_then_decode() -> Result<()> {
-    chunked(7)
-}
-
-#[test]
-fn greedy_generation_reproduces_exactly() -> Result<()> {
-    let (model, slots) = model_with_adapters(DType::F32)?;
+fn greedy_generation_reproduces_exactly(dev: &Device) -> Result<()> {
+    let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let cases = cases()?;
     let gens: Vec<_> = ["generation", "extra_generation"]
         .iter()
@@ -151,3 +153,8 @@ fn greedy_generation_reproduces_exactly() -> Result<()> {
     }
     Ok(())
 }
+test_device!(
+    greedy_generation_reproduces_exactly,
+    greedy_generation_reproduces_exactly_cpu,
+    greedy_generation_reproduces_exactly_cuda
+);

@@ -4,13 +4,12 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::DType;
+use candle_core::{DType, Device};
 use common::*;
 use multilora_models::{Batch, LogitsRows, SeqInput};
 
-#[test]
-fn reused_full_blocks_give_the_cold_logits() -> Result<()> {
-    let (model, slots) = model_with_adapters(DType::F32)?;
+fn reused_full_blocks_give_the_cold_logits(dev: &Device) -> Result<()> {
+    let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let rows = rows(false)?;
     // shared_prefix rows 7 and 8: all_r16 on 16 and 23 tokens sharing their first 11.
     let find = |t: &str| rows.iter().find(|r| r.batch == "shared_prefix" && r.tensor == t).cloned();
@@ -52,10 +51,14 @@ fn reused_full_blocks_give_the_cold_logits() -> Result<()> {
     assert!(max_abs_diff(&again, &first.expected.narrow(0, 15, 1)?)? <= TOL);
     Ok(())
 }
+test_device!(
+    reused_full_blocks_give_the_cold_logits,
+    reused_full_blocks_give_the_cold_logits_cpu,
+    reused_full_blocks_give_the_cold_logits_cuda
+);
 
-#[test]
-fn skipped_chunks_fill_the_cache_without_logits() -> Result<()> {
-    let (model, slots) = model_with_adapters(DType::F32)?;
+fn skipped_chunks_fill_the_cache_without_logits(dev: &Device) -> Result<()> {
+    let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let row = rows(false)?.into_iter().find(|r| r.batch == "mixed_all" && r.tensor == "row_2").expect("row");
     let slot = slot_of(&slots, &row.adapter);
     let mut kv = cache(&model, 8, 4)?;
@@ -72,3 +75,8 @@ fn skipped_chunks_fill_the_cache_without_logits() -> Result<()> {
     assert!(max_abs_diff(&last, &row.expected.narrow(0, n - 1, 1)?)? <= TOL);
     Ok(())
 }
+test_device!(
+    skipped_chunks_fill_the_cache_without_logits,
+    skipped_chunks_fill_the_cache_without_logits_cpu,
+    skipped_chunks_fill_the_cache_without_logits_cuda
+);

@@ -4,13 +4,14 @@
 mod common;
 
 use anyhow::Result;
+use candle_core::Device;
 use common::*;
 use multilora_adapter::{LoadOptions, ModuleKind, SlotSink};
 use multilora_models::{Batch, LogitsRows, Model, ModelOptions, SeqInput};
 
-#[test]
-fn slots_are_written_rewritten_and_cleared_through_the_trait() -> Result<()> {
-    let opts = ModelOptions::default().max_loras(2).max_lora_rank(16);
+/// On a GPU the slot writes go through the one-copy staging of `multilora_layers::stage_adapter`.
+fn slots_are_written_rewritten_and_cleared_through_the_trait(dev: &Device) -> Result<()> {
+    let opts = ModelOptions::default().max_loras(2).max_lora_rank(16).device(dev.clone());
     let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
     let load = |name: &str, m: &Model| {
         multilora_adapter::load_dir(name, &fixture().join("adapters").join(name), m.shapes(), &LoadOptions::default())
@@ -41,6 +42,11 @@ fn slots_are_written_rewritten_and_cleared_through_the_trait() -> Result<()> {
     assert!(err.to_string().contains("slot"), "{err}");
     Ok(())
 }
+test_device!(
+    slots_are_written_rewritten_and_cleared_through_the_trait,
+    slots_are_written_rewritten_and_cleared_through_the_trait_cpu,
+    slots_are_written_rewritten_and_cleared_through_the_trait_cuda
+);
 
 #[test]
 fn adapters_beyond_the_target_modules_are_refused() -> Result<()> {

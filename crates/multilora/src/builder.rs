@@ -13,9 +13,13 @@ use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
 use crate::error::{EngineError, Result};
 use crate::handle::Engine;
 
-/// Default KV budget: 256 MiB. vLLM sizes KV from `gpu_memory_utilization` (0.9 of the device);
-/// a CPU host has no device memory to measure, so the default is a fixed budget.
+/// Default KV budget on the CPU: 256 MiB. A CPU host has no device memory to measure, so the
+/// default is a fixed budget; on a GPU the budget comes from [`DEFAULT_GPU_MEMORY_UTILIZATION`].
 pub const DEFAULT_KV_CACHE_BYTES: u64 = 256 << 20;
+
+/// vLLM's `gpu_memory_utilization` default: the share of the GPU's memory the engine may use for
+/// weights, slots, activations and KV together.
+pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
 /// The resolved configuration an engine runs with.
 #[derive(Clone, Debug)]
@@ -70,7 +74,9 @@ pub struct EngineConfig {
 /// | `max_lora_rank` | largest startup rank, else 16 | 16 | slots sized to what is served, not wasted |
 /// | `max_cpu_loras` | max(`max_loras`, 32) | `max_loras` | host memory is cheap, reloads from disk are not |
 /// | `lora_target_modules` | 7 projections ∪ startup targets | all supported | slots for what adapters use |
-/// | `kv_cache_bytes` | 256 MiB, slots counted against it | 0.9 of device memory | no device memory to measure on CPU |
+/// | `kv_cache_bytes` | CPU: 256 MiB, slots counted against it; GPU: from `gpu_memory_utilization` | 0.9 of device memory | no device memory to measure on CPU |
+/// | `gpu_memory_utilization` | 0.9 | 0.9 | |
+/// | `dtype` | `auto`: the checkpoint's on CUDA, f32 on the CPU | `auto` | the CPU fast paths are f32 |
 /// | `max_num_seqs` | 256 | 256 | |
 /// | `max_num_batched_tokens` | 8192 | 2048–8192 | |
 /// | `block_size` | 16 | 16 | |
@@ -86,13 +92,14 @@ pub struct EngineBuilder {
     max_lora_rank: Option<usize>,
     lora_target_modules: Option<Vec<ModuleKind>>,
     lora_dtype: Option<DType>,
-    dtype: DType,
+    dtype: Option<DType>,
     device: Device,
     max_model_len: Option<usize>,
     max_num_seqs: usize,
     max_num_batched_tokens: usize,
     block_size: usize,
-    kv_cache_bytes: u64,
+    kv_cache_bytes: Option<u64>,
+    gpu_memory_utilization: f64,
     enable_prefix_caching: bool,
     allow_runtime_lora_updating: bool,
     allowed_lora_roots: Vec<PathBuf>,
@@ -130,13 +137,14 @@ impl EngineBuilder {
             max_lora_rank: None,
             lora_target_modules: None,
             lora_dtype: None,
-            dtype: DType::F32,
+            dtype: None,
             device: Device::Cpu,
             max_model_len: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             block_size: 16,
-            kv_cache_bytes: DEFAULT_KV_CACHE_BYTES,
+            kv_cache_bytes: None,
+            gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             enable_prefix_caching: true,
             allow_runtime_lora_updating: false,
             allowed_lora_roots: Vec::new(),
@@ -159,8 +167,9 @@ impl EngineBuilder {
         max_lora_rank: usize => max_lora_rank = Some);
     setter!(/// Dtype of adapters and slots (default: the model dtype).
         lora_dtype: DType => lora_dtype = Some);
-    setter!(/// Model dtype (default f32).
-        dtype: DType => dtype = |v| v);
+    setter!(/// Model dtype (default `auto`: on CUDA the checkpoint's own `torch_dtype`, bf16 for most;
+        /// on the CPU f32, where the fast paths are).
+        dtype: DType => dtype = Some);
     setter!(/// Where the model runs (default CPU).
         device: Device => device = |v| v);
     setter!(/// Context length (default: the model's).
@@ -171,8 +180,13 @@ impl EngineBuilder {
         max_num_batched_tokens: usize => max_num_batched_tokens = |v| v);
     setter!(/// Tokens per KV block (default 16).
         block_size: usize => block_size = |v| v);
-    setter!(/// Bytes for KV and LoRA slots together (default 256 MiB).
-        kv_cache_bytes: u64 => kv_cache_bytes = |v| v);
+    setter!(/// Bytes for KV and LoRA slots together (default: 256 MiB on the CPU; on a GPU what
+        /// `gpu_memory_utilization` leaves after weights, slots and activations).
+        kv_cache_bytes: u64 => kv_cache_bytes = Some);
+    setter!(/// vLLM's `gpu_memory_utilization` (default 0.9): the share of the GPU's memory the engine
+        /// sizes its KV cache to fill, after weights, slots and one step's activations. Ignored on
+        /// the CPU and when `kv_cache_bytes` is given.
+        gpu_memory_utilization: f64 => gpu_memory_utilization = |v| v);
     setter!(/// Prefix caching (default on).
         enable_prefix_caching: bool => enable_prefix_caching = |v| v);
     setter!(/// Runtime load / unload / reload (default off).
@@ -233,9 +247,16 @@ impl EngineBuilder {
             t.extend(startup_targets.iter().copied().filter(|k| !ModuleKind::PROJECTIONS.contains(k)));
             t
         });
-        let lora_dtype = self.lora_dtype.unwrap_or(self.dtype);
+        let dtype = self.resolve_dtype(&cfg);
+        let lora_dtype = self.lora_dtype.unwrap_or(dtype);
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(EngineError::Config(format!(
+                "gpu_memory_utilization must be in (0, 1], got {}",
+                self.gpu_memory_utilization
+            )));
+        }
         let opts = ModelOptions::default()
-            .dtype(self.dtype)
+            .dtype(dtype)
             .device(self.device.clone())
             .max_loras(self.max_loras)
             .max_lora_rank(max_lora_rank)
@@ -285,8 +306,8 @@ impl EngineBuilder {
 
         let max_model_len = self.max_model_len.unwrap_or(cfg.max_model_len());
         let slot_bytes = model.lora_slot_bytes();
-        let kv_budget = self.kv_cache_bytes.saturating_sub(slot_bytes);
-        let kv_cfg = KvCacheConfig::for_budget(model.config(), self.dtype, self.block_size, kv_budget);
+        let (kv_budget, budget_from) = self.kv_budget(&model, slot_bytes, max_model_len)?;
+        let kv_cfg = KvCacheConfig::for_budget(model.config(), dtype, self.block_size, kv_budget);
         let sched_cfg = SchedulerConfig::default()
             .max_num_seqs(self.max_num_seqs)
             .max_num_batched_tokens(self.max_num_batched_tokens)
@@ -298,16 +319,16 @@ impl EngineBuilder {
                 enable_prefix_caching: self.enable_prefix_caching,
                 ..KvConfig::default()
             });
-        let scheduler = Scheduler::new(sched_cfg).map_err(|e| {
-            EngineError::Config(format!(
-                "{e} (kv_cache_bytes {} minus {slot_bytes} of lora slots)",
-                self.kv_cache_bytes
-            ))
-        })?;
+        let scheduler = Scheduler::new(sched_cfg)
+            .map_err(|e| EngineError::Config(format!("{e} (kv cache of {kv_budget} bytes: {budget_from})")))?;
         let kv = model.new_kv_cache(kv_cfg)?;
         tracing::info!(
             model = %self.model,
-            dtype = ?self.dtype,
+            device = ?self.device.location(),
+            dtype = ?dtype,
+            checkpoint_dtype = cfg.torch_dtype.as_deref().unwrap_or("unknown"),
+            decode_attention = model.decode_attention(),
+            kv_budget = %budget_from,
             max_loras = self.max_loras,
             max_lora_rank,
             lora_slot_bytes = slot_bytes,
@@ -324,7 +345,7 @@ impl EngineBuilder {
             max_lora_rank,
             lora_target_modules: targets,
             lora_dtype,
-            dtype: self.dtype,
+            dtype,
             max_model_len,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -337,6 +358,54 @@ impl EngineBuilder {
             eos_token_ids: cfg.eos_token_ids.clone(),
         };
         Engine::start(config, model, kv, scheduler, store, tokenizer, tx, rx)
+    }
+
+    /// `auto` (no dtype given): the checkpoint's own dtype on CUDA; f32 on the CPU.
+    fn resolve_dtype(&self, cfg: &ModelConfig) -> DType {
+        match self.dtype {
+            Some(d) => d,
+            None if self.device.is_cuda() => cfg.checkpoint_dtype().unwrap_or(DType::F32),
+            None => DType::F32,
+        }
+    }
+
+    /// Bytes for the KV cache, and where the figure came from (for the log and errors): the
+    /// given `kv_cache_bytes` minus the slots; on a GPU without one, `gpu_memory_utilization` of
+    /// the device minus what the weights and slots already hold and one step's activations.
+    fn kv_budget(&self, model: &Model, slot_bytes: u64, max_model_len: usize) -> Result<(u64, String)> {
+        const GIB: f64 = (1u64 << 30) as f64;
+        if let Some(bytes) = self.kv_cache_bytes {
+            return Ok((
+                bytes.saturating_sub(slot_bytes),
+                format!("kv_cache_bytes {bytes} minus {slot_bytes} of lora slots"),
+            ));
+        }
+        let Some(mem) = multilora_models::device_memory(model.device())? else {
+            return Ok((
+                DEFAULT_KV_CACHE_BYTES.saturating_sub(slot_bytes),
+                format!("the default {DEFAULT_KV_CACHE_BYTES} bytes minus {slot_bytes} of lora slots"),
+            ));
+        };
+        let used = mem.total - mem.free;
+        let activations = multilora_models::step_activation_bytes(
+            model.config(),
+            model.dtype(),
+            self.max_num_batched_tokens,
+            max_model_len,
+        );
+        let allowed = (mem.total as f64 * self.gpu_memory_utilization) as u64;
+        let budget = allowed.saturating_sub(used).saturating_sub(activations);
+        let from = format!(
+            "gpu_memory_utilization {} of {:.1} GiB = {:.1} GiB, minus {:.1} GiB in use after weights and {:.2} GiB of slots,              minus {:.1} GiB for a step of {} tokens",
+            self.gpu_memory_utilization,
+            mem.total as f64 / GIB,
+            allowed as f64 / GIB,
+            used as f64 / GIB,
+            slot_bytes as f64 / GIB,
+            activations as f64 / GIB,
+            self.max_num_batched_tokens,
+        );
+        Ok((budget, from))
     }
 
     /// Reads each startup adapter's config (no tensors): the largest rank and the modules

@@ -53,7 +53,7 @@ mod metrics;
 mod request;
 mod sampling;
 
-pub use builder::{DEFAULT_KV_CACHE_BYTES, EngineBuilder, EngineConfig};
+pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, EngineConfig};
 pub use candle_core::{DType, Device};
 pub use error::{EngineError, Result};
 pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};

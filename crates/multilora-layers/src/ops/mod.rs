@@ -2,8 +2,16 @@
 //! segmented form (SGMV: rows grouped by slot, one GEMM pair per adapter) and a slow gathered
 //! form (BGMV: each row's A and B gathered by slot) that serves as the oracle.
 
+pub(crate) mod attention;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 pub(crate) mod expand;
 pub(crate) mod gemm;
+#[cfg(feature = "cuda")]
+pub(crate) mod lora_cuda;
+// The CUDA glue and the emulated kernel tests use the plan; a CPU build only tests it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod plan;
 pub(crate) mod shrink;
 pub(crate) mod slow;
 

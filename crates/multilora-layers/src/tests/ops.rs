@@ -9,7 +9,7 @@ use crate::ops::shrink::shrink_tensor_ops;
 use crate::{LoraMapping, LoraSlots, lora_expand, lora_expand_slow, lora_shrink, lora_shrink_slow};
 
 /// Random slots whose padding past each slot's rank is zero, as a real slot write leaves it.
-fn random_slots(
+pub(super) fn random_slots(
     rng: &mut Rng,
     id: ModuleId,
     (l, r, i, o): (usize, usize, usize, usize),
@@ -80,7 +80,7 @@ fn check_case(rng: &mut Rng, c: &Case, dev: &Device) -> anyhow::Result<()> {
             let err = rel_err(seg, &slow)?;
             anyhow::ensure!(err <= tol, "{what}: shrink relative error {err:e}");
         }
-        // The device-generic path, which a CUDA build runs, agrees as well.
+        // The device-generic tensor-op path (what any device without kernels runs) agrees as well.
         let xs = mapping.gather_lora_rows(&x)?.ok_or_else(|| anyhow::anyhow!("no lora rows"))?;
         let s_ops = shrink_tensor_ops(&xs, &refs, &mapping)?;
         let y_ops = expand_tensor_ops(&y0, &s_ops, &refs, &mapping)?;

@@ -12,6 +12,45 @@ use serde_json::Value;
 
 pub const TOL: f32 = 1e-4;
 
+/// Runs `$body(&Device)` as a CPU test, and as a CUDA test when built with the feature. Without
+/// a GPU the CUDA test prints why it is skipped and passes; `MULTILORA_REQUIRE_CUDA=1` (the
+/// device check sets it) makes it fail instead.
+#[allow(unused_macros)]
+macro_rules! test_device {
+    ($body:ident, $cpu:ident, $cuda:ident) => {
+        #[test]
+        fn $cpu() -> anyhow::Result<()> {
+            $body(&candle_core::Device::Cpu)
+        }
+
+        #[cfg(feature = "cuda")]
+        #[test]
+        fn $cuda() -> anyhow::Result<()> {
+            match common::cuda_device(stringify!($cuda)) {
+                Some(dev) => $body(&dev),
+                None => Ok(()),
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use test_device;
+
+/// The first GPU, or `None` after printing why `name` is skipped.
+#[cfg(feature = "cuda")]
+pub fn cuda_device(name: &str) -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var("MULTILORA_REQUIRE_CUDA").as_deref() == Ok("1") => {
+            panic!("{name}: MULTILORA_REQUIRE_CUDA=1 but no CUDA device: {e}")
+        }
+        Err(e) => {
+            println!("SKIPPED {name}: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
 pub fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
 }
@@ -35,10 +74,19 @@ pub const ADAPTERS: [(&str, &str); 9] = [
 
 /// The base model with every fixture adapter in a slot; returns the model and name → slot.
 pub fn model_with_adapters(dtype: DType) -> Result<(Model, HashMap<String, i32>)> {
+    model_with_adapters_on(dtype, &Device::Cpu)
+}
+
+/// [`model_with_adapters`] on `device`.
+pub fn model_with_adapters_on(dtype: DType, device: &Device) -> Result<(Model, HashMap<String, i32>)> {
     let mut targets = ModuleKind::PROJECTIONS.to_vec();
     targets.push(ModuleKind::EmbedTokens);
-    let opts =
-        ModelOptions::default().dtype(dtype).max_loras(ADAPTERS.len()).max_lora_rank(32).lora_target_modules(&targets);
+    let opts = ModelOptions::default()
+        .dtype(dtype)
+        .device(device.clone())
+        .max_loras(ADAPTERS.len())
+        .max_lora_rank(32)
+        .lora_target_modules(&targets);
     let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
     let mut slots = HashMap::new();
     for (slot, (name, dir)) in ADAPTERS.iter().enumerate() {

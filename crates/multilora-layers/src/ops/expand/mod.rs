@@ -13,11 +13,13 @@
 //! The delta is computed in f32 and rounded once into `y`'s dtype. Rows with slot -1, and slots
 //! whose rank is 0 for a slice, are not touched, so they keep the base output bit for bit.
 //!
-//! On the CPU `y` is updated in place (no copy of the whole output: each segment's `[n, out_i]`
+//! On the CPU and on CUDA `y` is updated in place (no copy of the whole output: each segment's `[n, out_i]`
 //! product is added straight into its rows); elsewhere the deltas are packed and added with one
 //! `index_add`.
 
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 
 use candle_core::{DType, Tensor};
 
@@ -28,7 +30,7 @@ use crate::slots::LoraSlots;
 
 /// Segmented expand: `y` plus every slice's delta, rows and columns as in the module docs.
 ///
-/// `s` is what [`crate::lora_shrink`] returned for the same slices and mapping. On the CPU the
+/// `s` is what [`crate::lora_shrink`] returned for the same slices and mapping. On the CPU and CUDA the
 /// storage of `y` is updated in place and returned, so pass a tensor nothing else reads, such as
 /// the fresh base output of the layer.
 pub fn lora_expand(y: Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
@@ -39,6 +41,10 @@ pub fn lora_expand(y: Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &Lor
     if y.device().is_cpu() && y.is_contiguous() {
         cpu::expand_in_place(&y, s, slices, mapping)?;
         return Ok(y);
+    }
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() {
+        return crate::ops::lora_cuda::expand(y, s, slices, mapping);
     }
     expand_tensor_ops(&y, s, slices, mapping)
 }

@@ -16,6 +16,8 @@
 //! rank 8; the rows are gathered once for all slices, and not at all when already sorted.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 
 use candle_core::{DType, Tensor};
 
@@ -29,6 +31,13 @@ use crate::slots::LoraSlots;
 /// Returns an empty list when the mapping has no LoRA rows.
 pub fn lora_shrink(x: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Vec<Tensor>> {
     check_input("lora_shrink", x, slices, mapping)?;
+    if mapping.no_lora() {
+        return Ok(Vec::new());
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::ops::lora_cuda::shrink(x, slices, mapping);
+    }
     let Some(xs) = mapping.gather_lora_rows(x)? else {
         return Ok(Vec::new());
     };

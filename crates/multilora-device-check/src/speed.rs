@@ -1,0 +1,197 @@
+//! Speed on the GPU, each figure a ratio taken in the same run:
+//! - the LoRA kernels' bandwidth in a decode step (64 rows over 8 rank-16 adapters on
+//!   Llama-3-8B's layers, bf16): adapter bytes read per second, against a device-to-device copy;
+//! - the decode step of a random Llama-3-8B-shaped model in bf16 with 8 rank-16 adapters on all
+//!   seven projections: LoRA rows against base rows at batch 1, 16 and 64.
+
+use std::collections::{BTreeMap, HashMap};
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule};
+use multilora_layers::{LoraMapping, LoraSlots, ModuleId, ModuleKind, lora_apply};
+use multilora_models::{Batch, KvCacheConfig, Model, ModelConfig, ModelOptions, SeqInput};
+
+use crate::kernels::{LLAMA3_8B_LAYERS, random_slots};
+use crate::report::Report;
+use crate::util::{randn, time_per_call};
+
+/// Bytes moved per second by a device-to-device copy of 1 GiB (read once, written once).
+fn copy_rate(dev: &Device) -> Result<f64> {
+    let t = Tensor::zeros(1usize << 29, DType::BF16, dev)?;
+    let secs = time_per_call(dev, 10, || {
+        let _ = t.copy()?;
+        Ok(())
+    })?;
+    Ok((1u64 << 30) as f64 / secs)
+}
+
+pub(crate) fn bandwidth(report: &mut Report, dev: &Device) -> Result<()> {
+    const SECTION: &str = "bandwidth";
+    let (rows, adapters, rank) = (64, 8, 16);
+    let copy = copy_rate(dev)?;
+    report.info(
+        SECTION,
+        "device-to-device copy of 1 GiB",
+        format!("{:.0} GB/s copied ({:.0} GB/s of memory traffic)", copy / 1e9, 2.0 * copy / 1e9),
+    );
+    let slot_list: Vec<i32> = (0..rows).map(|r| (r % adapters) as i32).collect();
+    let mapping = LoraMapping::new(&slot_list, adapters, dev)?;
+    let (mut all_bytes, mut all_secs) = (0f64, 0f64);
+    for (name, inp, outs) in LLAMA3_8B_LAYERS {
+        let kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
+        let slots: Vec<LoraSlots> = outs
+            .iter()
+            .zip(kinds)
+            .map(|(&o, k)| random_slots(ModuleId::layer(0, k), (adapters, rank, inp, o), &[rank; 8], DType::BF16, dev))
+            .collect::<Result<_>>()?;
+        let refs: Vec<&LoraSlots> = slots.iter().collect();
+        let total: usize = outs.iter().sum();
+        let x = randn(&[rows, inp], 1.0, DType::BF16, dev)?;
+        let y = Tensor::zeros((rows, total), DType::BF16, dev)?;
+        let secs = time_per_call(dev, 200, || {
+            // In place: y accumulates, which changes nothing of what is read or written.
+            let _ = lora_apply(&x, y.clone(), &refs, &mapping)?;
+            Ok(())
+        })?;
+        let bytes = (adapters * rank * outs.iter().map(|o| inp + o).sum::<usize>() * 2) as f64;
+        all_bytes += bytes;
+        all_secs += secs;
+        report.info(
+            SECTION,
+            format!("lora decode {name} ({rows} rows, {adapters} adapters, rank {rank})"),
+            format!("{:.1} µs, {:.0} GB/s of adapter bytes ({:.2} MB)", secs * 1e6, bytes / secs / 1e9, bytes / 1e6),
+        );
+    }
+    let rate = all_bytes / all_secs;
+    report.check(
+        SECTION,
+        "lora decode, one layer's four calls: adapter bytes / time vs the copy's memory traffic",
+        format!("{:.0} GB/s = {:.0}%", rate / 1e9, 100.0 * rate / (2.0 * copy)),
+        "≥ 70%",
+        rate >= 0.7 * 2.0 * copy,
+    );
+    Ok(())
+}
+
+/// Llama-3-8B's config (`layers` of its 32).
+fn llama3_8b(layers: usize) -> Result<ModelConfig> {
+    Ok(ModelConfig::from_json(&serde_json::json!({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": layers, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": false, "torch_dtype": "bfloat16"
+    }))?)
+}
+
+/// Random N(0, 0.02²) weights named as in a Hugging Face checkpoint, drawn on the device.
+fn random_weights(cfg: &ModelConfig, dtype: DType, dev: &Device) -> Result<HashMap<String, Tensor>> {
+    let (h, i, v, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size(), cfg.kv_size());
+    let mut w = HashMap::new();
+    w.insert("model.embed_tokens.weight".to_string(), randn(&[v, h], 0.02, dtype, dev)?);
+    w.insert("lm_head.weight".to_string(), randn(&[v, h], 0.02, dtype, dev)?);
+    w.insert("model.norm.weight".to_string(), Tensor::ones(h, dtype, dev)?);
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        for (name, shape) in [
+            ("self_attn.q_proj", [q, h]),
+            ("self_attn.k_proj", [kv, h]),
+            ("self_attn.v_proj", [kv, h]),
+            ("self_attn.o_proj", [h, q]),
+            ("mlp.gate_proj", [i, h]),
+            ("mlp.up_proj", [i, h]),
+            ("mlp.down_proj", [h, i]),
+        ] {
+            w.insert(format!("{p}.{name}.weight"), randn(&shape, 0.02, dtype, dev)?);
+        }
+        for norm in ["input_layernorm", "post_attention_layernorm"] {
+            w.insert(format!("{p}.{norm}.weight"), Tensor::ones(h, dtype, dev)?);
+        }
+    }
+    Ok(w)
+}
+
+/// A rank-`rank` adapter on all seven projections of every layer, drawn on the device.
+fn random_adapter(cfg: &ModelConfig, k: usize, rank: usize, dtype: DType, dev: &Device) -> Result<LoraAdapter> {
+    let (h, i, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_size(), cfg.kv_size());
+    let mut modules = BTreeMap::new();
+    for l in 0..cfg.num_layers {
+        for (kind, inp, out) in [
+            (ModuleKind::QProj, h, q),
+            (ModuleKind::KProj, h, kv),
+            (ModuleKind::VProj, h, kv),
+            (ModuleKind::OProj, q, h),
+            (ModuleKind::GateProj, h, i),
+            (ModuleKind::UpProj, h, i),
+            (ModuleKind::DownProj, i, h),
+        ] {
+            let a = randn(&[rank, inp], 0.02, dtype, dev)?;
+            let b = randn(&[out, rank], 0.02, dtype, dev)?;
+            modules.insert(ModuleId::layer(l, kind), LoraModule::new(a, &b, rank, 2.0 * rank as f64, 2.0)?);
+        }
+    }
+    let config = AdapterConfig::parse(&format!(
+        r#"{{"r": {rank}, "lora_alpha": {}, "target_modules": "all-linear"}}"#,
+        2 * rank
+    ))
+    .map_err(anyhow::Error::msg)?;
+    Ok(LoraAdapter::new(format!("a{k}"), config, modules, Fingerprint([k as u8; 32])))
+}
+
+pub(crate) fn decode(report: &mut Report, dev: &Device, quick: bool) -> Result<()> {
+    const SECTION: &str = "decode step";
+    let (adapters, rank, ctx, bs) = (8, 16, 512, 16);
+    let cfg = llama3_8b(if quick { 4 } else { 32 })?;
+    let dtype = DType::BF16;
+    let opts = ModelOptions::default()
+        .dtype(dtype)
+        .device(dev.clone())
+        .max_loras(adapters)
+        .max_lora_rank(rank)
+        .lora_target_modules(&ModuleKind::PROJECTIONS);
+    let mut model = Model::from_tensors(cfg.clone(), random_weights(&cfg, dtype, dev)?, &opts)?;
+    for k in 0..adapters {
+        model.write_slot(k, &random_adapter(&cfg, k, rank, dtype, dev)?)?;
+    }
+    report.info(
+        SECTION,
+        "model",
+        format!("Llama-3-8B shapes, {} layers, bf16, {adapters} rank-{rank} adapters, context {ctx}", cfg.num_layers),
+    );
+    let blocks_per_seq = ctx / bs;
+    let mut kv = model.new_kv_cache(KvCacheConfig::new(64 * blocks_per_seq, bs))?;
+    let mut ratio_64 = f64::NAN;
+    for batch in [1usize, 16, 64] {
+        let seqs = |lora: bool| -> Batch {
+            Batch::new(
+                (0..batch)
+                    .map(|i| {
+                        let table: Vec<u32> = (0..blocks_per_seq).map(|b| (i * blocks_per_seq + b) as u32).collect();
+                        let slot = if lora { (i % adapters) as i32 } else { -1 };
+                        SeqInput::new(vec![100 + i as u32], ctx - 1, table, slot)
+                    })
+                    .collect(),
+            )
+        };
+        let (base, lora) = (seqs(false), seqs(true));
+        let t_base = time_per_call(dev, 20, || {
+            model.forward(&base, &mut kv)?;
+            Ok(())
+        })?;
+        let t_lora = time_per_call(dev, 20, || {
+            model.forward(&lora, &mut kv)?;
+            Ok(())
+        })?;
+        let ratio = t_lora / t_base;
+        if batch == 64 {
+            ratio_64 = ratio;
+        }
+        report.info(
+            SECTION,
+            format!("batch {batch}"),
+            format!("base {:.2} ms, lora {:.2} ms, lora/base {ratio:.3}", t_base * 1e3, t_lora * 1e3),
+        );
+    }
+    report.check(SECTION, "lora/base at batch 64", format!("{ratio_64:.3}"), "≤ 1.10", ratio_64 <= 1.10);
+    Ok(())
+}

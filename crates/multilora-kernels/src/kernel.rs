@@ -1,0 +1,107 @@
+//! The kernels' entry-point names and the source module each lives in: what the host asks the
+//! driver (or the emulator) for. Names are `<op>_<dtype>…`: `lora_shrink_<tx>_<tw>` and
+//! `lora_expand_<tx>_<tw>` (activations `tx`, slot weights `tw`), `lora_embed_shrink_<tw>`,
+//! `paged_decode_<t>_d<head_dim>`.
+
+/// The element types the kernels are built for (all arithmetic is f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelDtype {
+    /// `float`.
+    F32,
+    /// `__nv_bfloat16`.
+    Bf16,
+    /// `__half`.
+    F16,
+}
+
+impl KernelDtype {
+    /// The suffix used in entry-point names.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            KernelDtype::F32 => "f32",
+            KernelDtype::Bf16 => "bf16",
+            KernelDtype::F16 => "f16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            KernelDtype::F32 => 4,
+            KernelDtype::Bf16 | KernelDtype::F16 => 2,
+        }
+    }
+}
+
+/// A `.cu` source file: one PTX module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Module {
+    /// `lora_shrink.cu`.
+    LoraShrink,
+    /// `lora_expand.cu`.
+    LoraExpand,
+    /// `lora_embed.cu`.
+    LoraEmbed,
+    /// `paged_attention.cu`.
+    PagedAttention,
+}
+
+impl Module {
+    /// A name unique to the module, under which a device caches it once loaded.
+    pub fn name(self) -> &'static str {
+        match self {
+            Module::LoraShrink => "multilora_lora_shrink",
+            Module::LoraExpand => "multilora_lora_expand",
+            Module::LoraEmbed => "multilora_lora_embed",
+            Module::PagedAttention => "multilora_paged_attention",
+        }
+    }
+
+    /// The module's PTX.
+    #[cfg(feature = "cuda")]
+    pub fn ptx(self) -> &'static str {
+        match self {
+            Module::LoraShrink => crate::ptx::LORA_SHRINK,
+            Module::LoraExpand => crate::ptx::LORA_EXPAND,
+            Module::LoraEmbed => crate::ptx::LORA_EMBED,
+            Module::PagedAttention => crate::ptx::PAGED_ATTENTION,
+        }
+    }
+}
+
+/// `lora_shrink_<tx>_<tw>`.
+pub fn lora_shrink(tx: KernelDtype, tw: KernelDtype) -> String {
+    format!("lora_shrink_{}_{}", tx.suffix(), tw.suffix())
+}
+
+/// `lora_expand_<tx>_<tw>`.
+pub fn lora_expand(tx: KernelDtype, tw: KernelDtype) -> String {
+    format!("lora_expand_{}_{}", tx.suffix(), tw.suffix())
+}
+
+/// `lora_embed_shrink_<tw>`.
+pub fn lora_embed_shrink(tw: KernelDtype) -> String {
+    format!("lora_embed_shrink_{}", tw.suffix())
+}
+
+/// Head sizes the decode-attention kernel is built for: the multiples of 32 up to 256.
+pub const DECODE_HEAD_DIMS: [usize; 8] = [32, 64, 96, 128, 160, 192, 224, 256];
+
+/// `paged_decode_<t>_d<head_dim>`, or `None` for a head size it is not built for.
+pub fn paged_decode(t: KernelDtype, head_dim: usize) -> Option<String> {
+    DECODE_HEAD_DIMS.contains(&head_dim).then(|| format!("paged_decode_{}_d{head_dim}", t.suffix()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(lora_shrink(KernelDtype::Bf16, KernelDtype::F32), "lora_shrink_bf16_f32");
+        assert_eq!(lora_expand(KernelDtype::F16, KernelDtype::F16), "lora_expand_f16_f16");
+        assert_eq!(lora_embed_shrink(KernelDtype::Bf16), "lora_embed_shrink_bf16");
+        assert_eq!(paged_decode(KernelDtype::F32, 128).as_deref(), Some("paged_decode_f32_d128"));
+        assert_eq!(paged_decode(KernelDtype::F32, 80), None);
+    }
+}

@@ -1,0 +1,108 @@
+// The launch parameters of every multilora kernel, passed by value (one struct per launch, no
+// device-side metadata beyond the step's tiles and row index). `src/params.rs` mirrors these
+// structs field for field with `#[repr(C)]`; a test compares the two layouts through the host
+// compiler, so the Rust side and the kernels can never disagree on an offset.
+//
+// Pointers are device addresses (`uint64_t`, so the layout is the same for nvcc and the host
+// compiler). Every size is in elements, never in bytes.
+#pragma once
+#include <stdint.h>
+
+// Slices of a fused layer one launch covers (qkv is 3, gate_up 2).
+#define ML_MAX_SLICES 4
+// Segments (distinct adapters) one launch covers; the host splits a step with more into launches.
+#define ML_MAX_SEGS 64
+// Rows of one tile: a segment is cut into tiles of at most this many rows.
+#define ML_TILE_ROWS 8
+// Largest rank the expand kernel stages in shared memory.
+#define ML_MAX_RANK 512
+// Shrink: one warp per rank, this many warps (ranks) per block.
+#define ML_SHRINK_WARPS 8
+// Expand: threads per block, and output columns per thread (strided by the block size).
+#define ML_EXPAND_THREADS 128
+#define ML_EXPAND_COLS_PER_THREAD 8
+// Decode attention: warps per (sequence, head) block.
+#define ML_ATTN_WARPS 4
+
+// One tile of the step's LoRA rows: `len` rows of segment `seg` (slot `slot`), starting at packed
+// position `start` of the mapping's sorted LoRA rows.
+typedef struct {
+    uint32_t slot;
+    uint32_t seg;
+    uint32_t start;
+    uint32_t len;
+} MlTile;
+
+// shrink: s_i[z][p][j] = sum_{k in chunk z} x[rows[p], k] * A_i[slot, j, k] for j < rank_i(seg).
+typedef struct {
+    uint64_t x;                      // TX [.., x_stride]: the layer input
+    uint64_t rows;                   // u32 [n_lora]: packed position -> row of x
+    uint64_t tiles;                  // MlTile [..]
+    uint64_t a[ML_MAX_SLICES];       // TW [max_loras, max_rank, in_features] per slice
+    uint64_t out[ML_MAX_SLICES];     // f32 per slice: [k_split][n_lora][out_stride], zeroed
+    uint32_t x_stride;               // elements between rows of x
+    uint32_t in_features;
+    uint32_t max_rank;               // ranks per slot in A (the slot stride)
+    uint32_t num_slices;             // gridDim.y
+    uint32_t out_stride;             // elements between rows of out
+    uint32_t out_split_stride;       // elements between K-split partials of out
+    uint32_t k_chunk;                // elements of K per split
+    uint32_t rank_groups;            // gridDim.z = rank_groups * k_split
+    uint32_t tile_base;              // first tile of this launch (blockIdx.x is relative)
+    uint32_t seg_base;               // first segment of this launch (rank[][] is relative)
+    uint16_t rank[ML_MAX_SLICES][ML_MAX_SEGS];  // true rank of each segment, per slice
+} MlShrinkParams;
+
+// expand: y[rows[p], col_off_i + c] += sum_{j < rank_i(seg)} (sum_z s_i[z][p][j]) * Bt_i[slot, j, c].
+typedef struct {
+    uint64_t y;                      // TX [.., y_stride]: the layer output, updated in place
+    uint64_t rows;                   // u32 [n_lora]
+    uint64_t tiles;                  // MlTile [..]
+    uint64_t b[ML_MAX_SLICES];       // TW [max_loras, max_rank, width_i]: B transposed, rank-major
+    uint64_t s[ML_MAX_SLICES];       // f32 per slice: [k_split][n_lora][s_stride]
+    uint32_t width[ML_MAX_SLICES];   // output columns of each slice
+    uint32_t col_off[ML_MAX_SLICES]; // first column of each slice in y
+    uint32_t s_stride[ML_MAX_SLICES];       // elements between rows of s_i
+    uint32_t s_split_stride[ML_MAX_SLICES]; // elements between K-split partials of s_i
+    uint32_t y_stride;
+    uint32_t max_rank;
+    uint32_t num_slices;             // gridDim.y
+    uint32_t k_split;                // partials summed, in order, as s is read
+    uint32_t tile_base;
+    uint32_t seg_base;
+    uint16_t rank[ML_MAX_SLICES][ML_MAX_SEGS];
+} MlExpandParams;
+
+// embedding shrink (a gather): s[p][j] = At[slot, ids[rows[p]], j] for j < rank(seg).
+typedef struct {
+    uint64_t ids;                    // u32 [rows]: the step's token ids
+    uint64_t rows;                   // u32 [n_lora]
+    uint64_t tiles;                  // MlTile [..]
+    uint64_t a_t;                    // TW [max_loras, vocab, max_rank]: lora_embedding_A transposed
+    uint64_t out;                    // f32 [n_lora][out_stride], zeroed
+    uint32_t vocab;
+    uint32_t max_rank;
+    uint32_t out_stride;
+    uint32_t tile_base;
+    uint32_t seg_base;
+    uint32_t pad;
+    uint16_t rank[ML_MAX_SEGS];
+} MlEmbedShrinkParams;
+
+// decode attention over the paged cache: one block per (sequence, query head).
+// out[n, h, :] = softmax_t(q[n, h, :] . K[row(n, t), kvh, :]) V[row(n, t), kvh, :], t < ctx_lens[n],
+// row(n, t) = block_tables[n, t / block_size] * block_size + t % block_size, kvh = h / (heads / kv_heads).
+typedef struct {
+    uint64_t q;                      // TX [n, heads, head_dim], already scaled by 1/sqrt(head_dim)
+    uint64_t k_cache;                // TX [num_blocks * block_size, kv_heads * head_dim]
+    uint64_t v_cache;
+    uint64_t block_tables;           // u32 [n, max_blocks]
+    uint64_t ctx_lens;               // u32 [n]
+    uint64_t out;                    // TX [n, heads * head_dim]
+    uint32_t heads;
+    uint32_t kv_heads;
+    uint32_t block_size;
+    uint32_t max_blocks;             // row stride of block_tables
+    uint32_t q_stride;               // elements between sequences of q
+    uint32_t out_stride;             // elements between sequences of out
+} MlDecodeAttnParams;

@@ -1,0 +1,242 @@
+//! The kernels' launch parameters: `#[repr(C)]` mirrors of `params.h`, field for field, and the
+//! constants the host plans launches with. `tests/layout.rs` compares every size and offset with
+//! what the host C++ compiler makes of the header, so the two can never drift apart.
+//!
+//! Pointer fields are device addresses; the host emulator reads them as buffer references
+//! ([`crate::emulate::buffer_ptr`]). Sizes are in elements.
+
+/// Slices of a fused layer one launch covers (`ML_MAX_SLICES`).
+pub const MAX_SLICES: usize = 4;
+/// Segments one launch covers (`ML_MAX_SEGS`); a step with more is split into launches.
+pub const MAX_SEGS: usize = 64;
+/// Rows of one tile (`ML_TILE_ROWS`).
+pub const TILE_ROWS: usize = 8;
+/// Largest rank the expand kernel can stage (`ML_MAX_RANK`).
+pub const MAX_RANK: usize = 512;
+/// Ranks (warps) per shrink block (`ML_SHRINK_WARPS`).
+pub const SHRINK_WARPS: u32 = 8;
+/// Threads per expand block (`ML_EXPAND_THREADS`).
+pub const EXPAND_THREADS: u32 = 128;
+/// Output columns per expand thread (`ML_EXPAND_COLS_PER_THREAD`).
+pub const EXPAND_COLS_PER_THREAD: u32 = 8;
+/// Warps per decode-attention block (`ML_ATTN_WARPS`).
+pub const ATTN_WARPS: u32 = 4;
+
+/// A field type of a parameter struct: little-endian bytes in declaration order, and zero.
+trait Field: Copy {
+    const ZERO: Self;
+    fn put(&self, out: &mut Vec<u8>);
+}
+
+macro_rules! scalar_field {
+    ($($t:ty),*) => {$(
+        impl Field for $t {
+            const ZERO: Self = 0;
+            fn put(&self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+        }
+    )*};
+}
+scalar_field!(u16, u32, u64);
+
+impl<T: Field, const N: usize> Field for [T; N] {
+    const ZERO: Self = [T::ZERO; N];
+    fn put(&self, out: &mut Vec<u8>) {
+        for v in self {
+            v.put(out);
+        }
+    }
+}
+
+/// Declares a `#[repr(C)]` parameter struct with its C name, a zeroed value, its bytes, and its
+/// field offsets (for the layout test).
+macro_rules! params {
+    ($(#[$m:meta])* $name:ident = $cname:literal { $($(#[$fm:meta])* $f:ident : $t:ty,)* }) => {
+        $(#[$m])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub struct $name {
+            $($(#[$fm])* pub $f: $t,)*
+        }
+
+        impl $name {
+            /// The struct's name in `params.h`.
+            pub const C_NAME: &'static str = $cname;
+            /// Every field's name and byte offset, in declaration order.
+            pub const FIELDS: &'static [(&'static str, usize)] =
+                &[$((stringify!($f), std::mem::offset_of!($name, $f)),)*];
+
+            /// All fields zero (null pointers, zero sizes).
+            pub const fn zeroed() -> $name {
+                $name { $($f: <$t as Field>::ZERO,)* }
+            }
+
+            /// The struct's bytes as the kernel reads them (the struct has no padding: every
+            /// field is naturally aligned by the order of declaration).
+            pub fn to_bytes(&self) -> Vec<u8> {
+                let mut out = Vec::with_capacity(std::mem::size_of::<$name>());
+                $(Field::put(&self.$f, &mut out);)*
+                debug_assert_eq!(out.len(), std::mem::size_of::<$name>());
+                out
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> $name {
+                $name::zeroed()
+            }
+        }
+    };
+}
+
+params!(
+    /// One tile of a step's LoRA rows: `len ≤ TILE_ROWS` rows of segment `seg` (slot `slot`),
+    /// from packed position `start` of the mapping's sorted LoRA rows.
+    Tile = "MlTile" {
+        /// The adapter slot.
+        slot: u32,
+        /// Index of the segment in the mapping's LoRA segments.
+        seg: u32,
+        /// First packed position.
+        start: u32,
+        /// Rows.
+        len: u32,
+    }
+);
+
+params!(
+    /// `lora_shrink_<tx>_<tw>`: `s_i[z][p][j] = Σ_{k ∈ chunk z} x[rows[p], k] · A_i[slot, j, k]`.
+    ShrinkParams = "MlShrinkParams" {
+        /// The layer input, `[.., x_stride]`.
+        x: u64,
+        /// `u32 [n_lora]`: packed position → row of `x`.
+        rows: u64,
+        /// The mapping's [`Tile`]s.
+        tiles: u64,
+        /// Per slice: A slots `[max_loras, max_rank, in_features]`.
+        a: [u64; MAX_SLICES],
+        /// Per slice: f32 output `[k_split][n_lora][out_stride]`, zeroed.
+        out: [u64; MAX_SLICES],
+        /// Elements between rows of `x`.
+        x_stride: u32,
+        /// Input width.
+        in_features: u32,
+        /// Rank stride of a slot.
+        max_rank: u32,
+        /// Slices (`gridDim.y`).
+        num_slices: u32,
+        /// Elements between rows of `out`.
+        out_stride: u32,
+        /// Elements between K-split partials of `out`.
+        out_split_stride: u32,
+        /// Elements of K per split.
+        k_chunk: u32,
+        /// Rank groups of [`SHRINK_WARPS`] ranks (`gridDim.z = rank_groups · k_split`).
+        rank_groups: u32,
+        /// First tile of the launch.
+        tile_base: u32,
+        /// First segment of the launch.
+        seg_base: u32,
+        /// True rank per slice and segment of the launch.
+        rank: [[u16; MAX_SEGS]; MAX_SLICES],
+    }
+);
+
+params!(
+    /// `lora_expand_<tx>_<tw>`: `y[rows[p], col_off_i + c] += Σ_j (Σ_z s_i[z][p][j]) · Bᵀ_i[slot, j, c]`.
+    ExpandParams = "MlExpandParams" {
+        /// The layer output, `[.., y_stride]`, updated in place.
+        y: u64,
+        /// `u32 [n_lora]`.
+        rows: u64,
+        /// The mapping's [`Tile`]s.
+        tiles: u64,
+        /// Per slice: Bᵀ slots `[max_loras, max_rank, width_i]`.
+        b: [u64; MAX_SLICES],
+        /// Per slice: f32 shrink output `[k_split][n_lora][s_stride]`.
+        s: [u64; MAX_SLICES],
+        /// Output columns of each slice.
+        width: [u32; MAX_SLICES],
+        /// First column of each slice in `y`.
+        col_off: [u32; MAX_SLICES],
+        /// Per slice: elements between rows of `s_i`.
+        s_stride: [u32; MAX_SLICES],
+        /// Per slice: elements between K-split partials of `s_i`.
+        s_split_stride: [u32; MAX_SLICES],
+        /// Elements between rows of `y`.
+        y_stride: u32,
+        /// Rank stride of a slot.
+        max_rank: u32,
+        /// Slices (`gridDim.y`).
+        num_slices: u32,
+        /// Partials to sum.
+        k_split: u32,
+        /// First tile of the launch.
+        tile_base: u32,
+        /// First segment of the launch.
+        seg_base: u32,
+        /// True rank per slice and segment of the launch.
+        rank: [[u16; MAX_SEGS]; MAX_SLICES],
+    }
+);
+
+params!(
+    /// `lora_embed_shrink_<tw>`: `s[p][j] = Aᵀ[slot, ids[rows[p]], j]`.
+    EmbedShrinkParams = "MlEmbedShrinkParams" {
+        /// `u32 [rows]`: the step's token ids.
+        ids: u64,
+        /// `u32 [n_lora]`.
+        rows: u64,
+        /// The mapping's [`Tile`]s.
+        tiles: u64,
+        /// `lora_embedding_A` slots transposed, `[max_loras, vocab, max_rank]`.
+        a_t: u64,
+        /// f32 output `[n_lora][out_stride]`, zeroed.
+        out: u64,
+        /// Vocabulary size.
+        vocab: u32,
+        /// Rank stride.
+        max_rank: u32,
+        /// Elements between rows of `out`.
+        out_stride: u32,
+        /// First tile of the launch.
+        tile_base: u32,
+        /// First segment of the launch.
+        seg_base: u32,
+        /// Unused; keeps `rank` 8-byte aligned.
+        pad: u32,
+        /// True rank per segment of the launch.
+        rank: [u16; MAX_SEGS],
+    }
+);
+
+params!(
+    /// `paged_decode_<t>_d<head_dim>`: one block per (sequence, query head) over the paged cache.
+    DecodeAttnParams = "MlDecodeAttnParams" {
+        /// `[n, heads, head_dim]`, already scaled by `1/√head_dim`.
+        q: u64,
+        /// `[num_blocks · block_size, kv_heads · head_dim]`.
+        k_cache: u64,
+        /// Same layout as `k_cache`.
+        v_cache: u64,
+        /// `u32 [n, max_blocks]`.
+        block_tables: u64,
+        /// `u32 [n]`: context length of each sequence (≥ 1).
+        ctx_lens: u64,
+        /// `[n, heads · head_dim]`.
+        out: u64,
+        /// Query heads.
+        heads: u32,
+        /// KV heads (divides `heads`).
+        kv_heads: u32,
+        /// Tokens per cache block.
+        block_size: u32,
+        /// Row stride of `block_tables`.
+        max_blocks: u32,
+        /// Elements between sequences of `q`.
+        q_stride: u32,
+        /// Elements between sequences of `out`.
+        out_stride: u32,
+    }
+);

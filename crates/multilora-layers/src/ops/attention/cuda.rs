@@ -1,0 +1,81 @@
+//! CUDA decode attention (feature `cuda`): a candle custom op on `q` whose `cuda_fwd` launches
+//! `paged_decode_<t>_d<head_dim>` over the caches, block tables and context lengths.
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CudaStorage, CustomOp1, Layout, Shape, Tensor};
+use multilora_kernels::{Module, kernel};
+
+use super::{PagedDecodeDims, decode_params};
+use crate::error::Result;
+use crate::ops::cuda::{Locked, kernel_dtype, launch, read_ptr, write_ptr};
+use crate::ops::plan::Launch;
+
+struct DecodeOp<'a> {
+    k: &'a Tensor,
+    v: &'a Tensor,
+    block_tables: &'a Tensor,
+    ctx_lens: &'a Tensor,
+    n: usize,
+    max_blocks: usize,
+    dims: PagedDecodeDims,
+}
+
+impl CustomOp1 for DecodeOp<'_> {
+    fn name(&self) -> &'static str {
+        "multilora-paged-decode"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("multilora-paged-decode is the CUDA op; the CPU attends in multilora-models")
+    }
+
+    fn cuda_fwd(&self, q: &CudaStorage, ql: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = q.device.clone();
+        let stream = dev.cuda_stream();
+        let d = self.dims;
+        let shape = Shape::from((self.n, d.heads * d.head_dim));
+        let t = kernel_dtype(q.dtype())?;
+        let mut out = q.device.zeros_impl(&shape, q.dtype())?;
+        let locked = Locked::new(&[self.k, self.v, self.block_tables, self.ctx_lens]);
+        let (ptrs, _syncs) = locked.ptrs(&stream)?;
+        let (qp, _qs) = read_ptr(q, ql, &stream)?;
+        let (grid, block, mut params) = decode_params(self.n, self.max_blocks, d);
+        params.q = qp;
+        params.k_cache = ptrs[0];
+        params.v_cache = ptrs[1];
+        params.block_tables = ptrs[2];
+        params.ctx_lens = ptrs[3];
+        params.q_stride = ql.stride()[0] as u32;
+        let name = kernel::paged_decode(t, d.head_dim)
+            .ok_or_else(|| candle_core::Error::Msg(format!("no decode kernel for head_dim {}", d.head_dim)))?;
+        {
+            let (op, _os) = write_ptr(&mut out, &Layout::contiguous(&shape), &stream)?;
+            params.out = op;
+            launch(&dev, Module::PagedAttention, &name, &Launch { grid, block, params })?;
+        }
+        drop((_qs, _syncs));
+        Ok((out, shape))
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_decode(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    block_tables: &Tensor,
+    ctx_lens: &Tensor,
+    n: usize,
+    max_blocks: usize,
+    dims: PagedDecodeDims,
+) -> Result<Tensor> {
+    let q = q.contiguous()?;
+    let (block_tables, ctx_lens) = (block_tables.contiguous()?, ctx_lens.contiguous()?);
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let op = DecodeOp { k: &k, v: &v, block_tables: &block_tables, ctx_lens: &ctx_lens, n, max_blocks, dims };
+    Ok(q.apply_op1_no_bwd(&op)?)
+}

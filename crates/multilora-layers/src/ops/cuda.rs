@@ -1,0 +1,135 @@
+//! Launch glue of the CUDA kernels (feature `cuda`): device addresses of tensors, loading a
+//! kernel from `multilora-kernels`' PTX, and launching it with the host plan's parameters. The
+//! ops that use it are candle custom ops (`shrink/cuda.rs`, `expand/cuda.rs`), so candle holds
+//! the right locks on the tensors they read and write.
+//!
+//! Everything here runs on the tensors' device stream; nothing is copied between host and device
+//! (the step's tiles and row index went up once, with the mapping).
+// The one place of the crate that launches kernels: every unsafe block says why it is sound.
+#![allow(unsafe_code)]
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaStream, SyncOnDrop};
+use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
+use multilora_kernels::params::{DecodeAttnParams, EmbedShrinkParams, ExpandParams, ShrinkParams};
+use multilora_kernels::{KernelDtype, Module};
+
+use crate::ops::plan::Launch;
+
+/// A parameter struct as a kernel argument: passed by value, as the kernels declare it.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KernelArg<P>(P);
+
+// SAFETY: each is a `#[repr(C)]` struct of plain integers with no padding, laid out exactly as
+// its twin in `params.h` (tests/layout.rs in multilora-kernels checks every offset), and every
+// kernel takes it by value: the driver copies its bytes as the kernel's one parameter.
+unsafe impl DeviceRepr for KernelArg<ShrinkParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<ExpandParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<EmbedShrinkParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<DecodeAttnParams> {}
+
+/// The kernels' dtype for a candle dtype; other dtypes have no kernel.
+pub(crate) fn kernel_dtype(d: DType) -> candle_core::Result<KernelDtype> {
+    Ok(match d {
+        DType::F32 => KernelDtype::F32,
+        DType::BF16 => KernelDtype::Bf16,
+        DType::F16 => KernelDtype::F16,
+        other => candle_core::bail!("the multilora CUDA kernels take f32, bf16 or f16, not {other:?}"),
+    })
+}
+
+/// The CUDA storage behind a locked tensor.
+pub(crate) fn cuda_storage<'a>(what: &str, s: &'a Storage) -> candle_core::Result<&'a CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => candle_core::bail!("{what}: expected a CUDA tensor"),
+    }
+}
+
+/// The device address of the first element of `layout` in `s`, and the guard that records the
+/// read on the stream once the launch is queued (keep it until then).
+pub(crate) fn read_ptr<'a>(
+    s: &'a CudaStorage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
+    let elem = s.dtype().size_in_bytes() as u64;
+    let (ptr, guard) = match s.dtype() {
+        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(stream),
+        DType::BF16 => s.as_cuda_slice::<half::bf16>()?.device_ptr(stream),
+        DType::F16 => s.as_cuda_slice::<half::f16>()?.device_ptr(stream),
+        DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(stream),
+        other => candle_core::bail!("no kernel reads {other:?}"),
+    };
+    Ok((ptr + layout.start_offset() as u64 * elem, guard))
+}
+
+/// [`read_ptr`] for a tensor the kernel writes.
+pub(crate) fn write_ptr<'a>(
+    s: &'a mut CudaStorage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
+    let elem = s.dtype().size_in_bytes() as u64;
+    let (ptr, guard) = match s.dtype() {
+        DType::F32 => s.as_cuda_slice_mut::<f32>()?.device_ptr_mut(stream),
+        DType::BF16 => s.as_cuda_slice_mut::<half::bf16>()?.device_ptr_mut(stream),
+        DType::F16 => s.as_cuda_slice_mut::<half::f16>()?.device_ptr_mut(stream),
+        other => candle_core::bail!("no kernel writes {other:?}"),
+    };
+    Ok((ptr + layout.start_offset() as u64 * elem, guard))
+}
+
+/// Read locks on tensors a kernel reads besides the op's own operands, held for the launch.
+pub(crate) struct Locked<'t> {
+    guards: Vec<(candle_core::StorageRef<'t>, &'t Layout)>,
+}
+
+impl<'t> Locked<'t> {
+    pub(crate) fn new(tensors: &[&'t Tensor]) -> Locked<'t> {
+        Locked { guards: tensors.iter().map(|t| t.storage_and_layout()).collect() }
+    }
+
+    /// Device addresses of every locked tensor, in order, with their guards.
+    pub(crate) fn ptrs<'a>(&'a self, stream: &'a CudaStream) -> candle_core::Result<(Vec<u64>, Vec<SyncOnDrop<'a>>)> {
+        let mut ptrs = Vec::with_capacity(self.guards.len());
+        let mut syncs = Vec::with_capacity(self.guards.len());
+        for (s, l) in &self.guards {
+            let (p, g) = read_ptr(cuda_storage("kernel operand", s)?, l, stream)?;
+            ptrs.push(p);
+            syncs.push(g);
+        }
+        Ok((ptrs, syncs))
+    }
+}
+
+/// Launches `name` of `module` on `dev`'s stream.
+pub(crate) fn launch<P: Copy>(dev: &CudaDevice, module: Module, name: &str, l: &Launch<P>) -> candle_core::Result<()>
+where
+    KernelArg<P>: DeviceRepr,
+{
+    if l.grid.contains(&0) {
+        return Ok(());
+    }
+    let func = dev.get_or_load_custom_func(name, module.name(), module.ptx())?;
+    let arg = KernelArg(l.params);
+    let cfg = LaunchConfig {
+        grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+        block_dim: (l.block[0], l.block[1], l.block[2]),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = func.builder();
+    builder.arg(&arg);
+    // SAFETY: the kernel's one parameter is this struct by value (see `KernelArg`); every
+    // pointer in it was taken from a tensor whose lock and stream guard the caller holds until
+    // after this call, and the plan sized the grid so that no block reads or writes outside
+    // those tensors (the tests compare every kernel with the slow reference, and the emulator
+    // runs the same launches on the CPU).
+    unsafe { builder.launch(cfg) }.map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+    Ok(())
+}

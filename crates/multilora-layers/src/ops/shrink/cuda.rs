@@ -1,0 +1,133 @@
+//! CUDA shrink (feature `cuda`): candle custom ops whose `cuda_fwd` launches `lora_shrink` (the
+//! linears) or `lora_embed_shrink` (the embedding's gather) of `multilora-kernels` with the host
+//! plan's parameters, into one zeroed f32 buffer `[k_split, n_lora, s_width]` shared by the slices
+//! (slice `i` at column `plan.s_offsets[i]`).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CudaStorage, CustomOp1, Layout, Shape, Tensor};
+use multilora_kernels::params::{EmbedShrinkParams, MAX_SEGS};
+use multilora_kernels::{Module, kernel};
+
+use crate::mapping::LoraMapping;
+use crate::ops::cuda::{Locked, kernel_dtype, launch, read_ptr, write_ptr};
+use crate::ops::plan::{Launch, SegmentedPlan, ShrinkPtrs};
+use crate::slots::LoraSlots;
+
+/// `x → s` for every slice of a layer.
+pub(crate) struct ShrinkOp<'a> {
+    pub(crate) plan: &'a SegmentedPlan,
+    pub(crate) slices: &'a [&'a LoraSlots],
+    pub(crate) mapping: &'a LoraMapping,
+}
+
+/// The mapping's device row index and tiles.
+pub(crate) fn mapping_meta(mapping: &LoraMapping) -> candle_core::Result<(&Tensor, &Tensor)> {
+    match (mapping.lora_index(), mapping.tile_index()) {
+        (Some(r), Some(t)) => Ok((r, t)),
+        _ => candle_core::bail!("lora kernels called for a mapping without lora rows"),
+    }
+}
+
+impl CustomOp1 for ShrinkOp<'_> {
+    fn name(&self) -> &'static str {
+        "multilora-lora-shrink"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("multilora-lora-shrink is the CUDA op; the CPU runs ops/shrink/cpu.rs")
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = &x.device;
+        let stream = dev.cuda_stream();
+        let (rows, tiles) = mapping_meta(self.mapping)?;
+        let n = self.mapping.num_lora_rows();
+        let shape = Shape::from((self.plan.k_split, n, self.plan.s_width));
+        let out = dev.alloc_zeros::<f32>(shape.elem_count())?;
+        let mut out = CudaStorage::wrap_cuda_slice(out, dev.clone());
+        let mut a: Vec<&Tensor> = self.slices.iter().map(|s| s.a()).collect();
+        a.extend([rows, tiles]);
+        let locked = Locked::new(&a);
+        let (ptrs, _syncs) = locked.ptrs(&stream)?;
+        let (meta_rows, meta_tiles) = (ptrs[ptrs.len() - 2], ptrs[ptrs.len() - 1]);
+        let (xp, _xs) = read_ptr(x, xl, &stream)?;
+        let (op, _os) = write_ptr(&mut out, &Layout::contiguous(&shape), &stream)?;
+        let x_stride = xl.stride()[0];
+        let p = ShrinkPtrs::shared_output(
+            self.plan,
+            (xp, x_stride),
+            (meta_rows, meta_tiles),
+            &ptrs[..self.slices.len()],
+            op,
+            n,
+        );
+        let name = kernel::lora_shrink(kernel_dtype(x.dtype())?, kernel_dtype(self.slices[0].dtype())?);
+        for l in self.plan.shrink(&p).map_err(candle_core::Error::wrap)? {
+            launch(dev, Module::LoraShrink, &name, &l)?;
+        }
+        drop((_os, _xs, _syncs));
+        Ok((out, shape))
+    }
+}
+
+/// The embedding's shrink: `ids → s`, a gather from the transposed A slots.
+pub(crate) struct EmbedShrinkOp<'a> {
+    pub(crate) plan: &'a SegmentedPlan,
+    pub(crate) slots: &'a LoraSlots,
+    pub(crate) mapping: &'a LoraMapping,
+}
+
+impl CustomOp1 for EmbedShrinkOp<'_> {
+    fn name(&self) -> &'static str {
+        "multilora-lora-embed-shrink"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("multilora-lora-embed-shrink is the CUDA op; the CPU gathers with tensor ops")
+    }
+
+    fn cuda_fwd(&self, ids: &CudaStorage, il: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = &ids.device;
+        let stream = dev.cuda_stream();
+        let (rows, tiles) = mapping_meta(self.mapping)?;
+        let n = self.mapping.num_lora_rows();
+        let shape = Shape::from((n, self.plan.s_width));
+        let mut out = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(shape.elem_count())?, dev.clone());
+        let locked = Locked::new(&[self.slots.a(), rows, tiles]);
+        let (ptrs, _syncs) = locked.ptrs(&stream)?;
+        let (idp, _is) = read_ptr(ids, il, &stream)?;
+        let (op, _os) = write_ptr(&mut out, &Layout::contiguous(&shape), &stream)?;
+        let name = kernel::lora_embed_shrink(kernel_dtype(self.slots.dtype())?);
+        for g in &self.plan.groups {
+            let mut p = EmbedShrinkParams::zeroed();
+            p.ids = idp;
+            p.rows = ptrs[1];
+            p.tiles = ptrs[2];
+            p.a_t = ptrs[0];
+            p.out = op;
+            p.vocab = self.slots.in_features() as u32;
+            p.max_rank = self.slots.max_rank() as u32;
+            p.out_stride = self.plan.s_width as u32;
+            p.tile_base = g.tile_base;
+            p.seg_base = g.seg_base;
+            p.rank = g.rank[0];
+            debug_assert_eq!(p.rank.len(), MAX_SEGS);
+            launch(
+                dev,
+                Module::LoraEmbed,
+                &name,
+                &Launch { grid: [g.num_tiles, 1, 1], block: [128, 1, 1], params: p },
+            )?;
+        }
+        drop((_os, _is, _syncs));
+        Ok((out, shape))
+    }
+}

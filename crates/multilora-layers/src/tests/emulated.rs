@@ -1,0 +1,305 @@
+//! The CUDA kernels' own source, run on the CPU by the host emulator of `multilora-kernels` with
+//! the parameters the host plan makes, against the slow gathered reference: tiles, true ranks per
+//! slice, the K split and its in-order reduction, several slices in one launch, column chunks and
+//! ragged tails, many adapters in several launches, and every dtype pair, on every machine with a
+//! C++ compiler. On a GPU the same kernels run for real through the `*_cuda` tests.
+
+use candle_core::{DType, Device, Tensor};
+use multilora_adapter::{ModuleId, ModuleKind};
+use multilora_kernels::emulate::buffer_ptr;
+use multilora_kernels::{Emulator, KernelDtype, kernel};
+
+use super::ops::random_slots;
+use super::{Rng, bits, rel_err};
+use crate::ops::attention::decode_params;
+use crate::ops::plan::{ExpandPtrs, SegmentedPlan, ShrinkPtrs};
+use crate::{LoraMapping, LoraSlots, PagedDecodeDims, lora_expand_slow, lora_shrink_slow, paged_decode_attention_slow};
+
+/// The emulator, or `None` after saying why this test cannot run (`MULTILORA_REQUIRE_EMULATION=1`,
+/// which CI sets, turns that into a failure).
+pub(crate) fn emulator() -> Option<&'static Emulator> {
+    match Emulator::get() {
+        Ok(e) => Some(e),
+        Err(e) if std::env::var("MULTILORA_REQUIRE_EMULATION").as_deref() != Ok("1") => {
+            println!("SKIPPED: CUDA kernel emulation unavailable: {e}");
+            None
+        }
+        Err(e) => panic!("kernel emulation required but unavailable: {e}"),
+    }
+}
+
+pub(crate) fn kernel_dtype(d: DType) -> anyhow::Result<KernelDtype> {
+    Ok(match d {
+        DType::F32 => KernelDtype::F32,
+        DType::BF16 => KernelDtype::Bf16,
+        DType::F16 => KernelDtype::F16,
+        other => anyhow::bail!("no kernel for {other:?}"),
+    })
+}
+
+/// A CPU tensor's values as little-endian bytes.
+pub(crate) fn tensor_bytes(t: &Tensor) -> anyhow::Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::BF16 => t.to_vec1::<half::bf16>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F16 => t.to_vec1::<half::f16>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::U32 => t.to_vec1::<u32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        other => anyhow::bail!("no bytes for {other:?}"),
+    })
+}
+
+/// Bytes back into a CPU tensor.
+pub(crate) fn bytes_tensor(b: &[u8], dtype: DType, shape: &[usize]) -> anyhow::Result<Tensor> {
+    let dev = &Device::Cpu;
+    let words = |n: usize| b.chunks_exact(n);
+    Ok(match dtype {
+        DType::F32 => {
+            Tensor::from_vec(words(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(), shape, dev)?
+        }
+        DType::BF16 => Tensor::from_vec(
+            words(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>(),
+            shape,
+            dev,
+        )?,
+        DType::F16 => Tensor::from_vec(
+            words(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>(),
+            shape,
+            dev,
+        )?,
+        other => anyhow::bail!("no tensor for {other:?}"),
+    })
+}
+
+/// The buffers of one emulated launch sequence; `add` returns the pointer value naming a buffer.
+#[derive(Default)]
+pub(crate) struct Buffers(pub(crate) Vec<Vec<u8>>);
+
+impl Buffers {
+    pub(crate) fn add(&mut self, bytes: Vec<u8>) -> u64 {
+        self.0.push(bytes);
+        buffer_ptr(self.0.len() - 1, 0)
+    }
+
+    pub(crate) fn get(&self, ptr: u64) -> &[u8] {
+        &self.0[(ptr >> 48) as usize - 1]
+    }
+}
+
+/// One layer's shrink then expand through the emulated kernels: the shared shrink buffer
+/// `[k_split, n_lora, s_width]` and the updated `y`.
+fn emulated_layer(
+    emu: &Emulator,
+    x: &Tensor,
+    y: &Tensor,
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+    k_split: Option<usize>,
+) -> anyhow::Result<(SegmentedPlan, Tensor, Tensor)> {
+    let plan = SegmentedPlan::for_layer(mapping, slices, k_split)?;
+    let n = mapping.num_lora_rows();
+    let (tx, tw) = (kernel_dtype(x.dtype())?, kernel_dtype(slices[0].dtype())?);
+    let mut bufs = Buffers::default();
+    let xp = bufs.add(tensor_bytes(x)?);
+    let rows = bufs.add(tensor_bytes(mapping.lora_index().expect("lora rows"))?);
+    let tiles = bufs.add(tensor_bytes(mapping.tile_index().expect("tiles"))?);
+    let a: Vec<u64> = slices.iter().map(|s| Ok(bufs.add(tensor_bytes(s.a())?))).collect::<anyhow::Result<_>>()?;
+    let out = bufs.add(vec![0u8; 4 * plan.k_split * n * plan.s_width]);
+    let sp = ShrinkPtrs::shared_output(&plan, (xp, x.dim(1)?), (rows, tiles), &a, out, n);
+    for l in plan.shrink(&sp)? {
+        emu.launch(&kernel::lora_shrink(tx, tw), l.grid, l.block, &l.params.to_bytes(), &mut bufs.0)?;
+    }
+    let yp = bufs.add(tensor_bytes(y)?);
+    let b: Vec<u64> = slices.iter().map(|s| Ok(bufs.add(tensor_bytes(s.b())?))).collect::<anyhow::Result<_>>()?;
+    let ep = ExpandPtrs::shared_input(&plan, (yp, y.dim(1)?), (rows, tiles), &b, out, n);
+    let mut col_off = Vec::new();
+    let mut at = 0;
+    for s in slices {
+        col_off.push(at);
+        at += s.out_features();
+    }
+    for l in plan.expand(&ep, &col_off)? {
+        emu.launch(&kernel::lora_expand(tx, tw), l.grid, l.block, &l.params.to_bytes(), &mut bufs.0)?;
+    }
+    let s = bytes_tensor(bufs.get(out), DType::F32, &[plan.k_split, n, plan.s_width])?;
+    let y = bytes_tensor(bufs.get(yp), y.dtype(), y.dims())?;
+    Ok((plan, s, y))
+}
+
+struct Case {
+    rows: usize,
+    inp: usize,
+    outs: Vec<usize>,
+    max_loras: usize,
+    max_rank: usize,
+    x: DType,
+    w: DType,
+    k_split: Option<usize>,
+}
+
+fn check(emu: &Emulator, rng: &mut Rng, c: &Case) -> anyhow::Result<()> {
+    let dev = &Device::Cpu;
+    let what = format!(
+        "rows {} in {} outs {:?} slots {} rank {} x {:?} w {:?} split {:?}",
+        c.rows, c.inp, c.outs, c.max_loras, c.max_rank, c.x, c.w, c.k_split
+    );
+    let kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
+    let slots: Vec<LoraSlots> = c
+        .outs
+        .iter()
+        .zip(kinds)
+        .map(|(&o, k)| random_slots(rng, ModuleId::layer(0, k), (c.max_loras, c.max_rank, c.inp, o), c.w, dev))
+        .collect::<anyhow::Result<_>>()?;
+    let refs: Vec<&LoraSlots> = slots.iter().collect();
+    // Long runs of one slot (several tiles), base rows, and singletons.
+    let mut slot_list = rng.slots(c.rows, c.max_loras);
+    let run = rng.range(0, c.max_loras - 1) as i32;
+    for s in slot_list.iter_mut().take(c.rows / 2) {
+        *s = run;
+    }
+    let mapping = LoraMapping::new(&slot_list, c.max_loras, dev)?;
+    if mapping.no_lora() {
+        return Ok(());
+    }
+    let x = rng.tensor(&[c.rows, c.inp], 1.0, c.x, dev)?;
+    let total: usize = c.outs.iter().sum();
+    let y0 = rng.tensor(&[c.rows, total], 1.0, c.x, dev)?;
+    let (plan, s, y) = emulated_layer(emu, &x, &y0, &refs, &mapping, c.k_split)?;
+    if let Some(k) = c.k_split {
+        anyhow::ensure!(plan.k_split == k, "{what}: planned split {}", plan.k_split);
+    }
+
+    // Shrink: the partials summed in order, per slice, against the reference in packed order.
+    let s_slow = lora_shrink_slow(&x, &refs, &mapping)?;
+    let index = mapping.lora_index().expect("lora rows");
+    let summed = s.sum(0)?;
+    let tol = if c.x == DType::F32 && c.w == DType::F32 { 1e-5 } else { 2e-3 };
+    for (i, slow) in s_slow.iter().enumerate() {
+        let width = plan.active[i];
+        let got = summed.narrow(1, plan.s_offsets[i], width)?;
+        let want = slow.index_select(index, 0)?.narrow(1, 0, width)?;
+        let err = rel_err(&got, &want)?;
+        anyhow::ensure!(err <= tol, "{what}: slice {i} shrink relative error {err:e}");
+    }
+
+    // Expand against the reference applied to the reference's own shrink.
+    let y_slow = lora_expand_slow(&y0, &s_slow, &refs, &mapping)?;
+    let tol = if c.x == DType::F32 { 1e-5 } else { 1e-2 };
+    let err = rel_err(&(&y - &y0)?.to_dtype(DType::F32)?, &(&y_slow - &y0)?.to_dtype(DType::F32)?)?;
+    anyhow::ensure!(err <= tol, "{what}: expand relative error of the delta {err:e}");
+    let (yb, bb) = (bits(&y)?, bits(&y0)?);
+    for (row, &slot) in slot_list.iter().enumerate() {
+        let (own, base) = (&yb[row * total..(row + 1) * total], &bb[row * total..(row + 1) * total]);
+        if slot < 0 {
+            anyhow::ensure!(own == base, "{what}: base row {row} changed");
+        }
+        // Columns of a slice the row's adapter does not target are untouched too.
+        let mut at = 0;
+        for sl in &refs {
+            if slot >= 0 && sl.rank(slot as usize) == 0 {
+                anyhow::ensure!(
+                    own[at..at + sl.out_features()] == base[at..at + sl.out_features()],
+                    "{what}: row {row}"
+                );
+            }
+            at += sl.out_features();
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn emulated_kernels_match_the_slow_reference() -> anyhow::Result<()> {
+    let Some(emu) = emulator() else { return Ok(()) };
+    let mut rng = Rng::new(41);
+    let (f32_, bf16, f16) = (DType::F32, DType::BF16, DType::F16);
+    let case = |rows, inp, outs: &[usize], max_loras, max_rank, x, w, k_split| Case {
+        rows,
+        inp,
+        outs: outs.to_vec(),
+        max_loras,
+        max_rank,
+        x,
+        w,
+        k_split,
+    };
+    let cases = [
+        // A qkv-like layer, three slices of different widths, in every dtype pair worth having.
+        case(37, 96, &[64, 32, 32], 5, 16, f32_, f32_, None),
+        case(37, 96, &[64, 32, 32], 5, 16, bf16, bf16, None),
+        case(37, 96, &[64, 32, 32], 5, 16, f16, f16, None),
+        case(21, 96, &[64, 32], 4, 16, bf16, f32_, None),
+        case(21, 96, &[64, 32], 4, 16, f32_, bf16, None),
+        case(21, 96, &[64, 32], 4, 16, f16, bf16, None),
+        // K split in two (the second chunk short) and forced to one; ranks past one rank group.
+        case(19, 1100, &[40], 3, 64, f32_, f32_, None),
+        case(19, 1100, &[40], 3, 64, f32_, f32_, Some(1)),
+        case(12, 1100, &[40, 24], 3, 24, bf16, bf16, Some(3)),
+        // Odd widths past one column chunk (1024 per block), and a ragged input.
+        case(9, 67, &[1500, 7], 3, 8, f32_, f32_, None),
+        // More adapters than one launch takes: two launches of whole segments.
+        case(90, 40, &[24], 70, 4, f32_, f32_, None),
+        // One row.
+        case(1, 64, &[16], 2, 8, bf16, bf16, None),
+    ];
+    for c in &cases {
+        check(emu, &mut rng, c)?;
+    }
+    Ok(())
+}
+
+/// Decode attention over a paged cache whose blocks are scattered (the block table is a
+/// permutation), with contexts of different lengths, GQA groups and several head sizes.
+#[test]
+fn emulated_paged_decode_matches_the_slow_reference() -> anyhow::Result<()> {
+    let Some(emu) = emulator() else { return Ok(()) };
+    let dev = &Device::Cpu;
+    let mut rng = Rng::new(5);
+    // (sequences, heads, kv_heads, head_dim, block_size, dtype)
+    let cases = [
+        (3, 4, 2, 64, 16, DType::F32),
+        (5, 8, 2, 128, 16, DType::F32),
+        (2, 6, 6, 96, 4, DType::F32),
+        (4, 4, 1, 128, 16, DType::BF16),
+        (3, 2, 2, 32, 8, DType::F16),
+        (1, 2, 1, 256, 16, DType::BF16),
+    ];
+    for (n, heads, kv_heads, hd, bs, dtype) in cases {
+        let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
+        let num_blocks = 24;
+        let lens: Vec<u32> = (0..n).map(|i| if i == 0 { 1 } else { rng.range(2, 80) as u32 }).collect();
+        let max_blocks = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(1);
+        // Each sequence's blocks drawn without repetition from a shuffled pool (may overlap
+        // between sequences, as shared prefix blocks do).
+        let mut tables = Vec::with_capacity(n * max_blocks);
+        for _ in 0..n {
+            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+            for i in (1..pool.len()).rev() {
+                pool.swap(i, rng.range(0, i));
+            }
+            tables.extend_from_slice(&pool[..max_blocks]);
+        }
+        let q = rng.tensor(&[n, heads, hd], 0.5, dtype, dev)?;
+        let k = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
+        let v = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
+        let bt = Tensor::from_vec(tables, (n, max_blocks), dev)?;
+        let cl = Tensor::from_vec(lens, n, dev)?;
+        let want = paged_decode_attention_slow(&q, &k, &v, &bt, &cl, d)?;
+
+        let (grid, block, mut p) = decode_params(n, max_blocks, d);
+        let mut bufs = Buffers::default();
+        p.q = bufs.add(tensor_bytes(&q)?);
+        p.k_cache = bufs.add(tensor_bytes(&k)?);
+        p.v_cache = bufs.add(tensor_bytes(&v)?);
+        p.block_tables = bufs.add(tensor_bytes(&bt)?);
+        p.ctx_lens = bufs.add(tensor_bytes(&cl)?);
+        p.out = bufs.add(vec![0u8; n * heads * hd * dtype.size_in_bytes()]);
+        let name = kernel::paged_decode(kernel_dtype(dtype)?, hd).expect("a supported head size");
+        emu.launch(&name, grid, block, &p.to_bytes(), &mut bufs.0)?;
+        let got = bytes_tensor(bufs.get(p.out), dtype, &[n, heads * hd])?;
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        let err = rel_err(&got, &want)?;
+        anyhow::ensure!(err <= tol, "n {n} heads {heads}/{kv_heads} d {hd} bs {bs} {dtype:?}: relative error {err:e}");
+    }
+    Ok(())
+}
