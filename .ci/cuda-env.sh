@@ -8,11 +8,12 @@
 # device") and nothing pretends to be a GPU. Source this file: it exports CUDA_HOME, PATH,
 # CUDA_COMPUTE_CAP, LIBRARY_PATH and LD_LIBRARY_PATH.
 #
-#   source .ci/cuda-env.sh [PREFIX]     # default PREFIX: $HOME/.cache/multilora-cuda-13.0
+#   source .ci/cuda-env.sh      # installs into $MULTILORA_CUDA_PREFIX (default $HOME/.cache/multilora-cuda-13.0)
 #
 # It is sourced, so it leaves the caller's shell options alone: every step below checks itself.
 
-prefix="${1:-${MULTILORA_CUDA_PREFIX:-$HOME/.cache/multilora-cuda-13.0}}"
+# Not "$1": a sourced file sees its caller's arguments.
+prefix="${MULTILORA_CUDA_PREFIX:-$HOME/.cache/multilora-cuda-13.0}"
 cu="$prefix/nvidia/cu13"
 if [ ! -x "$cu/bin/nvcc" ]; then
     echo "== installing nvcc 13.0 into $prefix"

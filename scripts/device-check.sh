@@ -26,8 +26,11 @@ build() {
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     dir="${1:-$root/target/device-check}"
     cd "$root"
-    # shellcheck source=../.ci/cuda-env.sh
-    source .ci/cuda-env.sh
+    # Set up once (CI has already sourced it: then the same environment, so its build is reused).
+    if [ -z "${MULTILORA_CUDA_STUBS:-}" ]; then
+        # shellcheck source=../.ci/cuda-env.sh
+        source .ci/cuda-env.sh
+    fi
     local profile="${DEVICE_CHECK_PROFILE:-release}" out_dir
     out_dir="$([ "$profile" = dev ] && echo debug || echo "$profile")"
     echo "== building multilora-device-check ($profile, --features cuda, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)"

@@ -3,7 +3,7 @@
 
 use anyhow::anyhow;
 use clap::Args;
-use multilora::{DType, Device, Engine, EngineBuilder};
+use multilora::{DEFAULT_STEP_FACTOR, DType, Device, Engine, EngineBuilder, StepTime};
 use serde::Deserialize;
 
 use crate::Failure;
@@ -33,9 +33,14 @@ pub(crate) struct EngineArgs {
     /// Most running requests.
     #[arg(long)]
     pub(crate) max_num_seqs: Option<usize>,
-    /// Most tokens per step.
+    /// Most tokens per step (a hard cap).
     #[arg(long)]
     pub(crate) max_num_batched_tokens: Option<usize>,
+    /// How long a step that carries decode rows may take, so streams never stall behind arriving
+    /// prompts: `auto` (default: 2.5× the step's decode rows alone, measured), `off` (the token
+    /// cap only, as vLLM), or milliseconds.
+    #[arg(long, value_parser = parse_step_time)]
+    pub(crate) max_step_ms: Option<StepTime>,
     /// Context length (default: the model's).
     #[arg(long)]
     pub(crate) max_model_len: Option<usize>,
@@ -53,6 +58,18 @@ pub(crate) struct EngineArgs {
     /// `bfloat16`/`bf16`, `half`/`float16`/`f16`, `float`/`float32`/`f32`.
     #[arg(long, default_value = "auto", value_parser = parse_dtype)]
     pub(crate) dtype: Dtype,
+}
+
+/// `--max-step-ms`: `auto`, `off` or a positive number of milliseconds.
+pub(crate) fn parse_step_time(s: &str) -> Result<StepTime, String> {
+    match s {
+        "auto" => Ok(StepTime::Auto { factor: DEFAULT_STEP_FACTOR }),
+        "off" => Ok(StepTime::Unbounded),
+        ms => match ms.parse::<f64>() {
+            Ok(v) if v > 0.0 && v.is_finite() => Ok(StepTime::Max { seconds: v / 1e3 }),
+            _ => Err(format!("{ms:?} is not auto, off or a positive number of milliseconds")),
+        },
+    }
 }
 
 /// `--dtype`: `None` is `auto`.
@@ -135,6 +152,9 @@ impl EngineArgs {
         if let Some(u) = self.gpu_memory_utilization {
             b = b.gpu_memory_utilization(u);
         }
+        if let Some(t) = self.max_step_ms {
+            b = b.step_time(t);
+        }
         for (name, src) in &self.loras {
             b = b.lora(name, src);
         }
@@ -178,6 +198,16 @@ mod tests {
         );
         assert!(parse_lora("sql").is_err());
         assert!(parse_lora("{\"name\": 1}").is_err());
+    }
+
+    #[test]
+    fn max_step_ms_takes_auto_off_or_milliseconds() {
+        assert_eq!(parse_step_time("auto").unwrap(), StepTime::Auto { factor: DEFAULT_STEP_FACTOR });
+        assert_eq!(parse_step_time("off").unwrap(), StepTime::Unbounded);
+        assert_eq!(parse_step_time("250").unwrap(), StepTime::Max { seconds: 0.25 });
+        for bad in ["0", "-3", "soon", "inf"] {
+            assert!(parse_step_time(bad).unwrap_err().contains(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -107,6 +107,22 @@ impl Emulator {
         }
     }
 
+    /// For tests: the process's emulator, or `None` after printing why it is unavailable (a
+    /// test that needs it then says it was skipped). With `MULTILORA_REQUIRE_EMULATION=1`, which
+    /// CI sets, an unavailable emulator panics instead.
+    pub fn for_tests() -> Option<&'static Emulator> {
+        match Emulator::get() {
+            Ok(e) => Some(e),
+            Err(e) if std::env::var("MULTILORA_REQUIRE_EMULATION").as_deref() == Ok("1") => {
+                panic!("MULTILORA_REQUIRE_EMULATION=1 but the CUDA kernel emulation is unavailable: {e}")
+            }
+            Err(e) => {
+                println!("SKIPPED: CUDA kernel emulation unavailable: {e}");
+                None
+            }
+        }
+    }
+
     fn build() -> Result<Emulator> {
         let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
         let dir = std::env::temp_dir().join(format!("multilora-emulator-{:016x}", sources_hash(&compiler)));

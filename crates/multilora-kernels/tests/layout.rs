@@ -5,19 +5,6 @@
 use multilora_kernels::Emulator;
 use multilora_kernels::params::{DecodeAttnParams, EmbedShrinkParams, ExpandParams, ShrinkParams, Tile};
 
-/// A test that needs the host C++ compiler says so when it has none, and fails instead when
-/// `MULTILORA_REQUIRE_EMULATION=1` (CI sets it).
-fn emulator() -> Option<&'static Emulator> {
-    match Emulator::get() {
-        Ok(e) => Some(e),
-        Err(e) if std::env::var("MULTILORA_REQUIRE_EMULATION").as_deref() != Ok("1") => {
-            println!("SKIPPED: kernel emulation unavailable: {e}");
-            None
-        }
-        Err(e) => panic!("kernel emulation required but unavailable: {e}"),
-    }
-}
-
 fn check(c: &[(String, usize)], name: &str, size: usize, fields: &[(&str, usize)], bytes: usize) {
     let get = |k: &str| c.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
     assert_eq!(get(&format!("{name} size")), Some(size), "size of {name}");
@@ -37,7 +24,7 @@ macro_rules! check_struct {
 
 #[test]
 fn rust_mirrors_match_the_c_header() {
-    let Some(emu) = emulator() else { return };
+    let Some(emu) = Emulator::for_tests() else { return };
     let c = emu.layout().unwrap();
     check_struct!(&c, Tile);
     check_struct!(&c, ShrinkParams);

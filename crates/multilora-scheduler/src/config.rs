@@ -2,7 +2,10 @@
 
 use multilora_prefix_cache::KvConfig;
 
-use crate::{Error, Result};
+use crate::{Error, Result, StepTime};
+
+/// Default for [`SchedulerConfig::min_prefill_chunk`].
+pub const DEFAULT_MIN_PREFILL_CHUNK: usize = 16;
 
 /// Default for [`Policy::Aging`]'s `max_skipped_steps`.
 pub const DEFAULT_MAX_SKIPPED_STEPS: u32 = 32;
@@ -63,7 +66,7 @@ impl Default for Policy {
 /// assert_eq!(config.max_loras, 8);
 /// ```
 #[non_exhaustive]
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
     /// Most requests running at once (default 256).
     pub max_num_seqs: usize,
@@ -78,6 +81,13 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     /// The KV block pool and prefix cache (default [`KvConfig::default`]: 1024 blocks of 16).
     pub kv: KvConfig,
+    /// How long a step that carries decode rows may take (default [`StepTime::Unbounded`]; the
+    /// engine's default is [`StepTime::Auto`]). Only [`crate::Scheduler::schedule_with_cost`]
+    /// applies it.
+    pub step_time: StepTime,
+    /// Under a step-time budget, the fewest prompt tokens every running prefill still gets each
+    /// step, so a prompt always advances (default 16).
+    pub min_prefill_chunk: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -89,6 +99,8 @@ impl Default for SchedulerConfig {
             max_loras: 1,
             policy: Policy::default(),
             kv: KvConfig::default(),
+            step_time: StepTime::Unbounded,
+            min_prefill_chunk: DEFAULT_MIN_PREFILL_CHUNK,
         }
     }
 }
@@ -124,6 +136,18 @@ impl SchedulerConfig {
         self
     }
 
+    /// Sets [`SchedulerConfig::step_time`].
+    pub fn step_time(mut self, step_time: StepTime) -> Self {
+        self.step_time = step_time;
+        self
+    }
+
+    /// Sets [`SchedulerConfig::min_prefill_chunk`].
+    pub fn min_prefill_chunk(mut self, n: usize) -> Self {
+        self.min_prefill_chunk = n;
+        self
+    }
+
     /// Sets [`SchedulerConfig::kv`].
     pub fn kv(mut self, kv: KvConfig) -> Self {
         self.kv = kv;
@@ -143,6 +167,18 @@ impl SchedulerConfig {
         }
         if self.max_model_len < 2 {
             return fail(format!("max_model_len {} leaves no room for a prompt and a new token", self.max_model_len));
+        }
+        match self.step_time {
+            StepTime::Auto { factor } if !(factor > 1.0 && factor.is_finite()) => {
+                return fail(format!("the auto step-time factor must be a finite number above 1, got {factor}"));
+            }
+            StepTime::Max { seconds } if !(seconds > 0.0 && seconds.is_finite()) => {
+                return fail(format!("the step-time budget must be a positive number of seconds, got {seconds}"));
+            }
+            _ => {}
+        }
+        if self.min_prefill_chunk == 0 {
+            return fail("min_prefill_chunk must be at least 1".into());
         }
         if self.kv.block_size == 0 {
             return fail("kv.block_size must be at least 1".into());

@@ -60,6 +60,9 @@ pub struct SchedulerOutput {
     /// A waiting request the KV pool could not take this step; admission stops there so it keeps
     /// its place.
     pub waiting_for_blocks: Vec<RequestId>,
+    /// The prefill tokens the step-time budget allowed next to this step's decode rows, when one
+    /// applied ([`crate::Scheduler::schedule_with_cost`] with decode rows in the step).
+    pub prefill_budget: Option<usize>,
 }
 
 impl SchedulerOutput {

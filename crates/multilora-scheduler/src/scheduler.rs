@@ -9,11 +9,22 @@ use crate::adapters::AdapterTable;
 use crate::request::{ReqState, Status};
 use crate::{
     AdapterGen, Error, FinishReason, FinishedRequest, LogitsWanted, Policy, Request, RequestResult, Result,
-    ScheduledRequest, SchedulerConfig, SchedulerCounts, SchedulerOutput,
+    ScheduledRequest, SchedulerConfig, SchedulerCounts, SchedulerOutput, StepCost, StepTime,
 };
 
 /// Marks a waiting-queue entry admitted during the scan, removed when the scan ends.
 const TOMBSTONE: u32 = u32::MAX;
+
+/// Which running requests a pass over them schedules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    /// All of them, in admission order (no step-time budget).
+    All,
+    /// Those with one token to compute (decodes, and a prompt's last token).
+    Decodes,
+    /// Those with more (prefill chunks).
+    Prefills,
+}
 
 /// A multiplicative hasher for `u64` request ids: ids are assigned by the engine, not by users,
 /// and the map is on the per-step path.
@@ -236,8 +247,24 @@ impl Scheduler {
 
     /// Plans one step: running requests first (decodes and ongoing prefill chunks, preempting the
     /// newest running request when KV blocks run out), then waiting requests in queue order under
-    /// the token, sequence, KV and adapter budgets.
+    /// the token, sequence, KV and adapter budgets. No step-time budget applies (see
+    /// [`Scheduler::schedule_with_cost`]).
     pub fn schedule(&mut self) -> SchedulerOutput {
+        self.schedule_inner(None)
+    }
+
+    /// [`Scheduler::schedule`] under the configured [`crate::StepTime`] budget, with `cost` the
+    /// engine's measured cost of a step. When the budget is bounded and the step has decode rows:
+    /// every decode row first (never dropped for prefill), then every running prefill by
+    /// `min(remaining, max(prefill budget left, min_prefill_chunk))` tokens, so each admitted
+    /// prompt advances every step, then admissions while prefill budget is left. The prefill
+    /// budget is the tokens that fit next to the decode rows within the step's time, and at least
+    /// `min_prefill_chunk`, so waiting prompts are always admitted in the end.
+    pub fn schedule_with_cost(&mut self, cost: &StepCost) -> SchedulerOutput {
+        self.schedule_inner(Some(cost))
+    }
+
+    fn schedule_inner(&mut self, cost: Option<&StepCost>) -> SchedulerOutput {
         self.step += 1;
         // Sized once: growing these vectors step by step is a measurable share of a step.
         let capacity = self.config.max_num_seqs.min(self.index.len());
@@ -246,46 +273,110 @@ impl Scheduler {
         self.in_flight.reserve(capacity);
         self.step_adapters.clear();
         let mut budget = self.config.max_num_batched_tokens;
+        let mut prefill: Option<usize> = None;
+        match cost {
+            Some(cost) if self.config.step_time != StepTime::Unbounded => {
+                self.schedule_running(Pass::Decodes, &mut budget, &mut prefill, &mut out);
+                let rows = out.scheduled.len();
+                if let Some(limit) = self.config.step_time.limit_s(cost, rows) {
+                    let fits = cost.prefill_tokens_within(limit, rows);
+                    prefill = Some(fits.max(self.config.min_prefill_chunk));
+                    out.prefill_budget = prefill;
+                }
+                if out.preempted.is_empty() {
+                    self.schedule_running(Pass::Prefills, &mut budget, &mut prefill, &mut out);
+                }
+            }
+            // Running requests, in admission order: each catches its computed tokens up with
+            // its tokens (a decode is the one sampled token, a prefill continues its chunks).
+            _ => self.schedule_running(Pass::All, &mut budget, &mut prefill, &mut out),
+        }
 
-        // Running requests, in admission order: each catches its computed tokens up with its
-        // tokens (a decode is the one sampled token, a prefill continues its chunks).
+        // Waiting requests, unless this step had to preempt (then the pool is tight and the
+        // preempted requests come first next step).
+        if out.preempted.is_empty() {
+            self.admit_waiting(&mut budget, &mut prefill, &mut out);
+        }
+        out
+    }
+
+    /// One pass over the running requests in admission order, scheduling those `pass` takes.
+    ///
+    /// When blocks run out: in a single pass (`Pass::All`) the newest running request is
+    /// preempted, which is never one already scheduled this step (those are older); in the
+    /// two-pass order the newest running request *not yet scheduled* this step is.
+    fn schedule_running(
+        &mut self,
+        pass: Pass,
+        budget: &mut usize,
+        prefill: &mut Option<usize>,
+        out: &mut SchedulerOutput,
+    ) {
+        let min_chunk = self.config.min_prefill_chunk;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
-            let (id, num_new, target) = {
+            let (id, remaining, computed, scheduled) = {
                 let req = self.req(slot);
-                let num_new = (req.num_tokens() - req.num_computed).min(budget);
-                (req.id, num_new, req.num_computed + num_new)
+                (req.id, req.num_tokens() - req.num_computed, req.num_computed, req.in_flight)
             };
-            if num_new == 0 {
+            let wanted = match pass {
+                Pass::All => true,
+                Pass::Decodes => remaining == 1,
+                Pass::Prefills => remaining > 1,
+            };
+            if remaining == 0 || scheduled || !wanted {
                 i += 1;
                 continue;
             }
+            let mut num_new = remaining.min(*budget);
+            if let (Pass::Prefills, Some(left)) = (pass, *prefill) {
+                num_new = num_new.min(left.max(min_chunk));
+            }
+            let target = computed + num_new;
             let mut preempted_self = false;
             while self.kv.allocate(id, target).is_err() {
-                let Some(victim) = self.running.pop() else {
+                let victim = match pass {
+                    Pass::All => self.running.pop(),
+                    Pass::Decodes | Pass::Prefills => self.pop_unscheduled().map(|(victim, at)| {
+                        if at < i {
+                            i -= 1;
+                        }
+                        victim
+                    }),
+                };
+                let Some(victim) = victim else {
                     break;
                 };
-                self.preempt(victim, &mut out);
+                self.preempt(victim, out);
                 if victim == slot {
                     preempted_self = true;
                     break;
                 }
             }
             if preempted_self {
-                break;
+                if pass == Pass::All {
+                    break;
+                }
+                // `slot` left `running`; position `i` now holds the next request.
+                continue;
             }
-            self.emit(slot, num_new, &mut out);
-            budget -= num_new;
+            self.emit(slot, num_new, out);
+            *budget -= num_new;
+            if remaining > 1
+                && let Some(left) = prefill
+            {
+                *left = left.saturating_sub(num_new);
+            }
             i += 1;
         }
+    }
 
-        // Waiting requests, unless this step had to preempt (then the pool is tight and the
-        // preempted requests come first next step).
-        if out.preempted.is_empty() {
-            self.admit_waiting(&mut budget, &mut out);
-        }
-        out
+    /// Removes the newest running request not scheduled this step from `running`: its slot and
+    /// where it was.
+    fn pop_unscheduled(&mut self) -> Option<(u32, usize)> {
+        let at = self.running.iter().rposition(|&s| !self.req(s).in_flight)?;
+        Some((self.running.remove(at), at))
     }
 
     /// Applies the engine's results for the step(s) scheduled since the last call: appends sampled
@@ -393,8 +484,9 @@ impl Scheduler {
         Some(self.retire(slot, FinishReason::Aborted))
     }
 
-    /// The admission scan over the waiting queue.
-    fn admit_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+    /// The admission scan over the waiting queue; `prefill`, when set, is what the step-time budget
+    /// leaves for prompt tokens.
+    fn admit_waiting(&mut self, budget: &mut usize, prefill: &mut Option<usize>, out: &mut SchedulerOutput) {
         let bound = match self.config.policy {
             Policy::Aging { max_skipped_steps } => Some(max_skipped_steps),
             _ => None,
@@ -407,9 +499,11 @@ impl Scheduler {
         let mut pos = 0;
         let mut admitted_any = false;
         while pos < self.waiting.len() {
-            if self.running.len() >= self.config.max_num_seqs || *budget == 0 {
+            if self.running.len() >= self.config.max_num_seqs || *budget == 0 || *prefill == Some(0) {
                 break;
             }
+            // The tokens this admission may compute: the token budget, and the time budget's.
+            let allowance = prefill.map_or(*budget, |p| p.min(*budget));
             // Skip the run of requests the adapter rule keeps out, in one tight pass over the
             // slice: under skewed traffic this is most of the queue.
             let adapters = &self.adapters;
@@ -460,14 +554,14 @@ impl Scheduler {
                 // grow by the chunk; both succeed (hit blocks that leave the free queue are no
                 // more than the blocks they save), and the prompt is hashed once.
                 self.kv.admit(entry.id, &req.tokens, &req.extra, skip_cache, 0).and_then(|cached| {
-                    let num_new = (num_tokens - cached).min(*budget);
+                    let num_new = (num_tokens - cached).min(allowance);
                     self.kv.allocate(entry.id, cached + num_new)?;
                     Ok((cached, num_new))
                 })
             } else {
                 // Tight pool: size the admission exactly, all or nothing.
                 let cached = self.kv.lookup(&req.tokens, &req.extra, skip_cache);
-                let num_new = (num_tokens - cached).min(*budget);
+                let num_new = (num_tokens - cached).min(allowance);
                 self.kv.admit(entry.id, &req.tokens, &req.extra, skip_cache, num_new).map(|cached| (cached, num_new))
             };
             let num_new = match admitted {
@@ -496,6 +590,9 @@ impl Scheduler {
             }
             self.emit(entry.slot, num_new, out);
             *budget -= num_new;
+            if let Some(p) = prefill {
+                *p = p.saturating_sub(num_new);
+            }
             self.waiting[pos].slot = TOMBSTONE;
             admitted_any = true;
             pos += 1;

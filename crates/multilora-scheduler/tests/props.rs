@@ -6,7 +6,9 @@ mod common;
 use std::collections::{HashMap, HashSet};
 
 use common::lora;
-use multilora_scheduler::{KvConfig, Policy, Request, RequestId, RequestResult, Scheduler, SchedulerConfig};
+use multilora_scheduler::{
+    KvConfig, Policy, Request, RequestId, RequestResult, Scheduler, SchedulerConfig, StepCost, StepTime,
+};
 use proptest::prelude::*;
 
 const MAX_MODEL_LEN: usize = 24;
@@ -68,13 +70,35 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         })
 }
 
-fn run(config: SchedulerConfig, mut reqs: Vec<Req>) -> Result<(), TestCaseError> {
+/// A step-time budget and a cost model for it.
+fn budget() -> impl Strategy<Value = (StepTime, StepCost)> {
+    (
+        prop_oneof![
+            (1.2f64..4.0).prop_map(|factor| StepTime::Auto { factor }),
+            (0.001f64..0.03).prop_map(|seconds| StepTime::Max { seconds })
+        ],
+        0.0f64..0.01,
+        0.0f64..0.002,
+        // Up to a few prefill tokens per step, so prompts are chunked and run side by side.
+        0.0005f64..0.01,
+    )
+        .prop_map(|(t, fixed_s, per_decode_row_s, per_prefill_token_s)| {
+            (t, StepCost { fixed_s, per_decode_row_s, per_prefill_token_s })
+        })
+}
+
+/// Runs the workload; with `cost`, under the config's step-time budget, where also every running
+/// decode row and every running prefill is in every step (unless the token cap is reached, or
+/// blocks ran out and it was preempted).
+fn run(config: SchedulerConfig, mut reqs: Vec<Req>, cost: Option<StepCost>) -> Result<(), TestCaseError> {
     reqs.sort_by_key(|r| r.arrival);
     let mut s = Scheduler::new(config.clone()).expect("valid config");
     let adapter_of: HashMap<RequestId, Option<usize>> =
         reqs.iter().enumerate().map(|(i, r)| (i as RequestId, r.adapter)).collect();
     let mut running: HashSet<RequestId> = HashSet::new();
     let mut finished: HashSet<RequestId> = HashSet::new();
+    // Running requests that will compute again next step: decoding, or mid-prefill.
+    let mut continuing: HashSet<RequestId> = HashSet::new();
     let mut next = 0;
     let max_steps = 4000;
     for step in 0..max_steps {
@@ -91,7 +115,23 @@ fn run(config: SchedulerConfig, mut reqs: Vec<Req>) -> Result<(), TestCaseError>
         if next == reqs.len() && !s.has_unfinished() {
             break;
         }
-        let out = s.schedule();
+        let out = match &cost {
+            Some(cost) => s.schedule_with_cost(cost),
+            None => s.schedule(),
+        };
+        if cost.is_some()
+            && out.num_scheduled_tokens < config.max_num_batched_tokens
+            && out.scheduled.len() < config.max_num_seqs
+        {
+            for id in &continuing {
+                prop_assert!(
+                    out.scheduled.iter().any(|r| r.id == *id) || out.preempted.contains(id),
+                    "running request {} was left out of step {}",
+                    id,
+                    step
+                );
+            }
+        }
 
         // Budgets.
         prop_assert!(out.num_scheduled_tokens <= config.max_num_batched_tokens);
@@ -137,10 +177,12 @@ fn run(config: SchedulerConfig, mut reqs: Vec<Req>) -> Result<(), TestCaseError>
                 RequestResult::token(r.id, token)
             })
             .collect();
+        continuing = out.scheduled.iter().map(|r| r.id).filter(|id| !out.preempted.contains(id)).collect();
         for f in s.update(&results).expect("update") {
             prop_assert!(f.output_token_ids.len() <= reqs[f.id as usize].max_new_tokens);
             prop_assert!(finished.insert(f.id));
             running.remove(&f.id);
+            continuing.remove(&f.id);
         }
     }
     prop_assert_eq!(finished.len(), reqs.len(), "every request finishes (no livelock)");
@@ -156,6 +198,16 @@ proptest! {
         config in config(),
         reqs in prop::collection::vec(req(), 1..24),
     ) {
-        run(config, reqs)?;
+        run(config, reqs, None)?;
+    }
+
+    #[test]
+    fn under_a_step_time_budget_too(
+        config in config(),
+        (step_time, cost) in budget(),
+        min_chunk in 1usize..6,
+        reqs in prop::collection::vec(req(), 1..24),
+    ) {
+        run(config.step_time(step_time).min_prefill_chunk(min_chunk), reqs, Some(cost))?;
     }
 }

@@ -189,6 +189,13 @@ impl Collector for Snapshot {
             &model,
             &m.e2e_latency,
         )?;
+        histogram(
+            &mut e,
+            "vllm:iteration_tokens_total",
+            "Histogram of the number of tokens per engine step.",
+            &model,
+            &m.iteration_tokens,
+        )?;
         self.encode_own(&mut e)
     }
 }
@@ -236,6 +243,21 @@ impl Snapshot {
             &[(vec![], m.adapter_evictions)],
         )?;
         histogram(e, "multilora_adapter_load_seconds", "Adapter load time in seconds.", &vec![], &m.adapter_load_time)?;
+        counter(e, "multilora_steps", "Engine steps run.", &[(vec![], m.steps)])?;
+        histogram(
+            e,
+            "multilora_step_duration_seconds",
+            "Duration of each engine step (schedule, forward, sampling) in seconds.",
+            &vec![],
+            &m.step_duration,
+        )?;
+        histogram(
+            e,
+            "multilora_prefill_tokens_per_step",
+            "Prompt tokens prefilled per step, in steps that prefill any (the step-time budget bounds it while streams decode).",
+            &vec![],
+            &m.prefill_tokens_per_step,
+        )?;
         let per = |f: fn(&multilora::AdapterUsage) -> u64| -> Vec<(Labels, u64)> {
             m.per_adapter.iter().map(|(name, u)| (one("adapter", name), f(u))).collect()
         };

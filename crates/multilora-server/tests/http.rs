@@ -190,5 +190,20 @@ async fn metrics_carry_vllm_names_and_lora_labels() -> Result<()> {
     ] {
         assert!(!samples(&s, name).is_empty(), "{name} missing");
     }
+    // Step metrics: one step per token at least, each step's tokens counted once.
+    let steps = value(&s, "multilora_steps", &[]);
+    assert!(steps >= 2.0, "{steps} steps");
+    let per_step = samples(&s, "vllm:iteration_tokens_total");
+    assert!(matches!(&per_step[0].1, OpenMetricsValue::Histogram(h) if h.count == Some(steps as u64)), "{per_step:?}");
+    let durations = samples(&s, "multilora_step_duration_seconds");
+    assert!(
+        matches!(&durations[0].1, OpenMetricsValue::Histogram(h) if h.count == Some(steps as u64)),
+        "{durations:?}"
+    );
+    let prefills = samples(&s, "multilora_prefill_tokens_per_step");
+    assert!(
+        matches!(&prefills[0].1, OpenMetricsValue::Histogram(h) if h.sum.as_ref().map(|n| n.as_f64()) == Some(4.0)),
+        "one prefill of BOS + 3 tokens: {prefills:?}"
+    );
     server.stop().await
 }

@@ -1,71 +1,34 @@
 //! End-to-end throughput through the engine API on the PEFT comparison model shape (hidden 1024,
 //! intermediate 2816, 8 layers, 16 heads / 8 KV heads, vocab 32000, f32; random weights written
 //! to a temp dir): 16 requests of 64-token prompts and 32 greedy new tokens, (1) base only,
-//! (2) over 8 rank-16 adapters on all seven projections, (3) the same with `max_loras 1`.
+//! (2) over 8 rank-16 adapters on all seven projections, (3) the same with `max_loras 1`, (4) (2)
+//! with the step-time budget off (the default is `auto`: the ratio of (2) to (4) is its cost on a
+//! burst that arrives at once).
 //! After criterion, a summary prints new tokens/s and the ratios to the base run from rounds that
 //! run every scenario in turn (medians), so that the machine's drift falls on all of them alike.
 //!
 //! `cargo bench -p multilora --bench cpu_engine -- --warm-up-time 1 --measurement-time 10`
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use common::{ADAPTERS, write_model};
 use criterion::Criterion;
-use multilora::{Engine, GenerateRequest, SamplingParams};
-use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};
+use multilora::{DEFAULT_STEP_FACTOR, Engine, GenerateRequest, SamplingParams, StepTime};
+
+mod common;
 
 const REQUESTS: usize = 16;
 const PROMPT: usize = 64;
 const NEW: usize = 32;
-const ADAPTERS: usize = 8;
 
-fn write_model(dir: &Path) -> anyhow::Result<()> {
-    let (h, i, v, layers, heads, kv_heads) = (1024, 2816, 32000, 8, 16, 8);
-    let head_dim = h / heads;
-    let config = serde_json::json!({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": h, "intermediate_size": i, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "vocab_size": v, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 2048, "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2});
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
-    let dev = Device::Cpu;
-    let r = |shape: (usize, usize)| Tensor::randn(0f32, 0.02, shape, &dev);
-    let mut w: HashMap<String, Tensor> = HashMap::new();
-    w.insert("model.embed_tokens.weight".into(), r((v, h))?);
-    w.insert("lm_head.weight".into(), r((v, h))?);
-    w.insert("model.norm.weight".into(), Tensor::ones(h, DType::F32, &dev)?);
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        for (n, shape) in [
-            ("self_attn.q_proj", (heads * head_dim, h)),
-            ("self_attn.k_proj", (kv_heads * head_dim, h)),
-            ("self_attn.v_proj", (kv_heads * head_dim, h)),
-            ("self_attn.o_proj", (h, heads * head_dim)),
-            ("mlp.gate_proj", (i, h)),
-            ("mlp.up_proj", (i, h)),
-            ("mlp.down_proj", (h, i)),
-        ] {
-            w.insert(format!("{p}.{n}.weight"), r(shape)?);
-        }
-        w.insert(format!("{p}.input_layernorm.weight"), Tensor::ones(h, DType::F32, &dev)?);
-        w.insert(format!("{p}.post_attention_layernorm.weight"), Tensor::ones(h, DType::F32, &dev)?);
-    }
-    candle_core::safetensors::save(&w, dir.join("model.safetensors"))?;
-    let shapes = ModelShapes::llama(layers, h, i, v, heads, kv_heads);
-    for a in 0..ADAPTERS {
-        SyntheticAdapter::new(16, &ModuleKind::PROJECTIONS, 100 + a as u64)
-            .write(&dir.join(format!("lora{a}")), &shapes)?;
-    }
-    Ok(())
-}
-
-fn engine(dir: &Path, max_loras: usize) -> anyhow::Result<Engine> {
+fn engine(dir: &Path, max_loras: usize, step_time: StepTime) -> anyhow::Result<Engine> {
     let mut b = Engine::builder(dir.display().to_string())
         .served_model_name("base")
         .max_loras(max_loras)
         .kv_cache_bytes(512 << 20)
-        .enable_prefix_caching(false);
+        .enable_prefix_caching(false)
+        .step_time(step_time);
     for a in 0..ADAPTERS {
         b = b.lora(format!("lora{a}"), dir.join(format!("lora{a}")).display().to_string());
     }
@@ -93,11 +56,18 @@ fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     write_model(tmp.path())?;
     let mut criterion = Criterion::default().configure_from_args().sample_size(10);
-    let scenarios =
-        [("base only", 8, false), ("16 over 8 adapters", 8, true), ("16 over 8 adapters, max_loras 1", 1, true)];
-    let engines =
-        scenarios.iter().map(|&(_, max_loras, _)| engine(tmp.path(), max_loras)).collect::<Result<Vec<_>, _>>()?;
-    for ((name, _, mixed), engine) in scenarios.iter().zip(&engines) {
+    let auto = StepTime::Auto { factor: DEFAULT_STEP_FACTOR };
+    let scenarios = [
+        ("base only", 8, false, auto),
+        ("16 over 8 adapters", 8, true, auto),
+        ("16 over 8 adapters, max_loras 1", 1, true, auto),
+        ("16 over 8 adapters, step time off", 8, true, StepTime::Unbounded),
+    ];
+    let engines = scenarios
+        .iter()
+        .map(|&(_, max_loras, _, step_time)| engine(tmp.path(), max_loras, step_time))
+        .collect::<Result<Vec<_>, _>>()?;
+    for ((name, _, mixed, _), engine) in scenarios.iter().zip(&engines) {
         run(engine, *mixed);
         criterion.bench_function(&format!("cpu_engine/{name}"), |b| b.iter(|| run(engine, *mixed)));
     }
@@ -109,7 +79,7 @@ fn main() -> anyhow::Result<()> {
     let mut tokens = 0;
     for _ in 0..ROUNDS {
         let mut t = Vec::new();
-        for ((_, _, mixed), engine) in scenarios.iter().zip(&engines) {
+        for ((_, _, mixed, _), engine) in scenarios.iter().zip(&engines) {
             let start = Instant::now();
             tokens = run(engine, *mixed);
             t.push(start.elapsed().as_secs_f64());
@@ -125,7 +95,7 @@ fn main() -> anyhow::Result<()> {
     };
     println!("\nend-to-end new tokens/s (16 requests, 64-token prompts, 32 new tokens; PEFT mixed: 131),");
     println!("medians of {ROUNDS} alternating rounds:");
-    for (i, (name, _, _)) in scenarios.iter().enumerate() {
+    for (i, (name, _, _, _)) in scenarios.iter().enumerate() {
         let tps = tokens as f64 / median(&mut times[i]);
         println!(
             "  {name:<34} {tps:8.1} tok/s   {:.3}x base (per-round median)   {:.2}x PEFT mixed",

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device};
 use multilora_adapter::{AdapterSource, LoadOptions, ModuleKind};
 use multilora_models::{HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
-use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig};
+use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
 
 use crate::error::{EngineError, Result};
@@ -50,6 +50,8 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Most tokens per step.
     pub max_num_batched_tokens: usize,
+    /// How long a step carrying decode rows may take.
+    pub step_time: StepTime,
     /// Tokens per KV block.
     pub block_size: usize,
     /// KV blocks allocated.
@@ -78,7 +80,8 @@ pub struct EngineConfig {
 /// | `gpu_memory_utilization` | 0.9 | 0.9 | |
 /// | `dtype` | `auto`: the checkpoint's on CUDA, f32 on the CPU | `auto` | the CPU fast paths are f32 |
 /// | `max_num_seqs` | 256 | 256 | |
-/// | `max_num_batched_tokens` | 8192 | 2048–8192 | |
+/// | `max_num_batched_tokens` | 8192 | 2048–8192 | a hard cap; the step-time budget bounds steps that carry decodes |
+/// | `step_time` | auto: 2.5× the step's decode rows alone | a token budget only | streams never stall behind arriving prompts |
 /// | `block_size` | 16 | 16 | |
 /// | `enable_prefix_caching` | on | on | |
 /// | `allow_runtime_lora_updating` | off | off | loading files named by clients is a privilege |
@@ -97,6 +100,7 @@ pub struct EngineBuilder {
     max_model_len: Option<usize>,
     max_num_seqs: usize,
     max_num_batched_tokens: usize,
+    step_time: StepTime,
     block_size: usize,
     kv_cache_bytes: Option<u64>,
     gpu_memory_utilization: f64,
@@ -142,6 +146,7 @@ impl EngineBuilder {
             max_model_len: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
+            step_time: StepTime::Auto { factor: DEFAULT_STEP_FACTOR },
             block_size: 16,
             kv_cache_bytes: None,
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -178,6 +183,11 @@ impl EngineBuilder {
         max_num_seqs: usize => max_num_seqs = |v| v);
     setter!(/// Most tokens per step (default 8192).
         max_num_batched_tokens: usize => max_num_batched_tokens = |v| v);
+    setter!(/// How long a step that carries decode rows may take, so running streams never stall
+        /// behind arriving prompts (default `Auto { factor: 2.5 }`: 2.5 times the step's decode
+        /// rows alone, by the engine's own measured costs; `Max` for a fixed time; `Unbounded`
+        /// for vLLM's token budget only). `max_num_batched_tokens` stays a hard cap.
+        step_time: StepTime => step_time = |v| v);
     setter!(/// Tokens per KV block (default 16).
         block_size: usize => block_size = |v| v);
     setter!(/// Bytes for KV and LoRA slots together (default: 256 MiB on the CPU; on a GPU what
@@ -311,6 +321,7 @@ impl EngineBuilder {
         let sched_cfg = SchedulerConfig::default()
             .max_num_seqs(self.max_num_seqs)
             .max_num_batched_tokens(self.max_num_batched_tokens)
+            .step_time(self.step_time)
             .max_model_len(max_model_len)
             .max_loras(self.max_loras)
             .kv(KvConfig {
@@ -349,6 +360,7 @@ impl EngineBuilder {
             max_model_len,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            step_time: self.step_time,
             block_size: self.block_size,
             num_kv_blocks: kv_cfg.num_blocks,
             lora_slot_bytes: slot_bytes,

@@ -28,6 +28,7 @@ use crate::error::{EngineError, Result};
 use crate::metrics::{Counters, Histogram, MetricsSnapshot, TierOccupancy};
 use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams, Usage};
 use crate::sampling::{SamplerState, log_softmax, top_n};
+use crate::step_cost::CostEstimator;
 
 /// What handles send to the loop.
 #[derive(Debug)]
@@ -89,6 +90,8 @@ pub(crate) struct EngineLoop {
     deferred: VecDeque<u64>,
     counters: Counters,
     seed_counter: u64,
+    /// What a step costs, measured; the scheduler's step-time budget reads it.
+    cost: CostEstimator,
 }
 
 impl EngineLoop {
@@ -121,11 +124,56 @@ impl EngineLoop {
             seed_counter: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0x5eed, |d| d.as_nanos() as u64),
+            cost: CostEstimator::default(),
+        }
+    }
+
+    /// Seeds the step cost model before the first request: a 32-token prefill and decode steps
+    /// of 1 and 8 rows, each run twice and timed the second time (the first pays one-time
+    /// costs). They write into the first KV blocks, which are free; no real step reads what a
+    /// request did not write. Skipped when the cache is too small to hold them.
+    fn warm_up(&mut self) {
+        let bs = self.config.block_size;
+        let prompt = 32.min(self.config.max_model_len.saturating_sub(2));
+        let blocks = (prompt + 1).div_ceil(bs);
+        if prompt < 2 || blocks > self.config.num_kv_blocks {
+            return;
+        }
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let ids: Vec<u32> = (0..prompt as u32).map(|t| (t * 7 + 3) % self.config.vocab_size.max(1) as u32).collect();
+        let prefill = Batch::new(vec![SeqInput::new(ids.clone(), 0, table.clone(), -1)]);
+        let decode = |rows: usize| {
+            Batch::new((0..rows).map(|_| SeqInput::new(vec![ids[0]], prompt, table.clone(), -1)).collect())
+        };
+        for (batch, rows, tokens) in [(prefill, 0, prompt), (decode(1), 1, 0), (decode(8), 8, 0)] {
+            let mut seconds = f64::NAN;
+            for _ in 0..2 {
+                let t = Instant::now();
+                if let Err(e) = self.model.forward(&batch, &mut self.kv).and_then(|l| Ok(l.to_vec2::<f32>()?)) {
+                    tracing::warn!(error = %e, "warm-up step failed; the step cost model starts from traffic");
+                    return;
+                }
+                seconds = t.elapsed().as_secs_f64();
+            }
+            self.cost.observe(rows, tokens, seconds);
+        }
+        if let Some(c) = self.cost.cost() {
+            tracing::info!(
+                fixed_ms = c.fixed_s * 1e3,
+                per_decode_row_ms = c.per_decode_row_s * 1e3,
+                per_prefill_token_ms = c.per_prefill_token_s * 1e3,
+                step_time = self.config.step_time.name(),
+                "step cost model seeded"
+            );
         }
     }
 
     /// Runs until `Shutdown` (or every sender is gone).
     pub(crate) fn run(mut self) {
+        if self.config.step_time != multilora_scheduler::StepTime::Unbounded {
+            let pool = Arc::clone(&self.pool);
+            pool.install(|| self.warm_up());
+        }
         'outer: loop {
             if !self.scheduler.has_unfinished() {
                 match self.rx.recv() {
@@ -324,7 +372,11 @@ impl EngineLoop {
 
     /// One step; `false` when nothing was scheduled.
     fn step(&mut self) -> bool {
-        let out = self.scheduler.schedule();
+        let started = Instant::now();
+        let out = match self.cost.cost() {
+            Some(cost) => self.scheduler.schedule_with_cost(&cost),
+            None => self.scheduler.schedule(),
+        };
         self.note_deferred();
         if out.is_empty() {
             return false;
@@ -400,6 +452,17 @@ impl EngineLoop {
         }
         for f in finished {
             self.finish(f.id, f.reason, f.output_token_ids.len());
+        }
+        let decode_rows = batch.seqs.iter().filter(|s| s.tokens.len() == 1).count();
+        let prefill_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).filter(|&n| n > 1).sum();
+        let elapsed = started.elapsed();
+        self.cost.observe(decode_rows, prefill_tokens, elapsed.as_secs_f64());
+        let c = &mut self.counters;
+        c.steps += 1;
+        c.step_duration.observe(elapsed);
+        c.iteration_tokens.observe_value((decode_rows + prefill_tokens) as f64);
+        if prefill_tokens > 0 {
+            c.prefill_tokens.observe_value(prefill_tokens as f64);
         }
         true
     }
@@ -590,6 +653,10 @@ impl EngineLoop {
             inter_token_latency: self.counters.itl.clone(),
             e2e_latency: self.counters.e2e.clone(),
             adapter_load_time: load_time,
+            steps: self.counters.steps,
+            step_duration: self.counters.step_duration.clone(),
+            iteration_tokens: self.counters.iteration_tokens.clone(),
+            prefill_tokens_per_step: self.counters.prefill_tokens.clone(),
         }
     }
 

@@ -52,14 +52,20 @@ mod handle;
 mod metrics;
 mod request;
 mod sampling;
+mod step_cost;
 
 pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, EngineConfig};
 pub use candle_core::{DType, Device};
 pub use error::{EngineError, Result};
 pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};
-pub use metrics::{AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, TierOccupancy};
+pub use metrics::{
+    AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_BUCKETS_S, STEP_TOKEN_BUCKETS,
+    TierOccupancy,
+};
 /// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
 pub use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};
+/// The step-time budget (`EngineBuilder::step_time`) and the step cost model it is applied with.
+pub use multilora_scheduler::{DEFAULT_STEP_FACTOR, StepCost, StepTime};
 pub use multilora_store::{DirectoryResolver, Resolver};
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, Prompt, PromptLogprob, SamplingParams,

@@ -9,8 +9,15 @@ pub const LATENCY_BUCKETS_S: [f64; 14] =
     [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
 /// Bucket bounds (seconds) of the inter-token latency.
 pub const ITL_BUCKETS_S: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+/// Bucket bounds (seconds) of a step's duration.
+pub const STEP_BUCKETS_S: [f64; 14] =
+    [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5];
+/// Bucket bounds (tokens) of the tokens in a step, vLLM's `vllm:iteration_tokens_total` buckets.
+pub const STEP_TOKEN_BUCKETS: [f64; 14] =
+    [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0];
 
-/// A histogram with fixed upper bounds; one more count for `+Inf`.
+/// A histogram with fixed upper bounds; one more count for `+Inf`. Latencies are in seconds; the
+/// step-token histograms count tokens (their `sum_seconds` is then a sum of tokens).
 #[derive(Clone, Debug, Default, PartialEq)]
 #[non_exhaustive]
 pub struct Histogram {
@@ -32,10 +39,14 @@ impl Histogram {
 
     /// Adds one observation.
     pub fn observe(&mut self, d: Duration) {
-        let s = d.as_secs_f64();
-        let i = self.bounds.iter().position(|&b| s <= b).unwrap_or(self.bounds.len());
+        self.observe_value(d.as_secs_f64());
+    }
+
+    /// Adds one observation of a plain value (tokens, for the step-token histograms).
+    pub fn observe_value(&mut self, v: f64) {
+        let i = self.bounds.iter().position(|&b| v <= b).unwrap_or(self.bounds.len());
         self.counts[i] += 1;
-        self.sum_seconds += s;
+        self.sum_seconds += v;
         self.count += 1;
     }
 }
@@ -118,6 +129,16 @@ pub struct MetricsSnapshot {
     pub e2e_latency: Histogram,
     /// Adapter load time.
     pub adapter_load_time: Histogram,
+    /// Model steps run.
+    pub steps: u64,
+    /// Duration of each step (schedule, forward, sampling), seconds.
+    pub step_duration: Histogram,
+    /// Tokens computed per step, decode rows and prefill together (vLLM's
+    /// `vllm:iteration_tokens_total`).
+    pub iteration_tokens: Histogram,
+    /// Prompt tokens prefilled per step, in steps that prefill any: the trade-off the step-time
+    /// budget makes between arriving prompts and running streams.
+    pub prefill_tokens_per_step: Histogram,
 }
 
 /// The counters the engine loop accumulates.
@@ -132,6 +153,10 @@ pub(crate) struct Counters {
     pub(crate) itl: Histogram,
     pub(crate) e2e: Histogram,
     pub(crate) deferred_max: usize,
+    pub(crate) steps: u64,
+    pub(crate) step_duration: Histogram,
+    pub(crate) iteration_tokens: Histogram,
+    pub(crate) prefill_tokens: Histogram,
 }
 
 impl Default for Counters {
@@ -146,6 +171,10 @@ impl Default for Counters {
             itl: Histogram::new(&ITL_BUCKETS_S),
             e2e: Histogram::new(&LATENCY_BUCKETS_S),
             deferred_max: 0,
+            steps: 0,
+            step_duration: Histogram::new(&STEP_BUCKETS_S),
+            iteration_tokens: Histogram::new(&STEP_TOKEN_BUCKETS),
+            prefill_tokens: Histogram::new(&STEP_TOKEN_BUCKETS),
         }
     }
 }
@@ -168,5 +197,9 @@ mod tests {
         h.observe(Duration::from_secs(5));
         assert_eq!(h.counts, vec![1, 1, 1]);
         assert_eq!(h.count, 3);
+        let mut t = Histogram::new(&STEP_TOKEN_BUCKETS);
+        t.observe_value(16.0);
+        t.observe_value(17.0);
+        assert_eq!((t.counts[2], t.counts[3], t.sum_seconds), (1, 1, 33.0));
     }
 }

@@ -15,19 +15,6 @@ use crate::ops::attention::decode_params;
 use crate::ops::plan::{ExpandPtrs, SegmentedPlan, ShrinkPtrs};
 use crate::{LoraMapping, LoraSlots, PagedDecodeDims, lora_expand_slow, lora_shrink_slow, paged_decode_attention_slow};
 
-/// The emulator, or `None` after saying why this test cannot run (`MULTILORA_REQUIRE_EMULATION=1`,
-/// which CI sets, turns that into a failure).
-pub(crate) fn emulator() -> Option<&'static Emulator> {
-    match Emulator::get() {
-        Ok(e) => Some(e),
-        Err(e) if std::env::var("MULTILORA_REQUIRE_EMULATION").as_deref() != Ok("1") => {
-            println!("SKIPPED: CUDA kernel emulation unavailable: {e}");
-            None
-        }
-        Err(e) => panic!("kernel emulation required but unavailable: {e}"),
-    }
-}
-
 pub(crate) fn kernel_dtype(d: DType) -> anyhow::Result<KernelDtype> {
     Ok(match d {
         DType::F32 => KernelDtype::F32,
@@ -210,7 +197,7 @@ fn check(emu: &Emulator, rng: &mut Rng, c: &Case) -> anyhow::Result<()> {
 
 #[test]
 fn emulated_kernels_match_the_slow_reference() -> anyhow::Result<()> {
-    let Some(emu) = emulator() else { return Ok(()) };
+    let Some(emu) = Emulator::for_tests() else { return Ok(()) };
     let mut rng = Rng::new(41);
     let (f32_, bf16, f16) = (DType::F32, DType::BF16, DType::F16);
     let case = |rows, inp, outs: &[usize], max_loras, max_rank, x, w, k_split| Case {
@@ -252,7 +239,7 @@ fn emulated_kernels_match_the_slow_reference() -> anyhow::Result<()> {
 /// permutation), with contexts of different lengths, GQA groups and several head sizes.
 #[test]
 fn emulated_paged_decode_matches_the_slow_reference() -> anyhow::Result<()> {
-    let Some(emu) = emulator() else { return Ok(()) };
+    let Some(emu) = Emulator::for_tests() else { return Ok(()) };
     let dev = &Device::Cpu;
     let mut rng = Rng::new(5);
     // (sequences, heads, kv_heads, head_dim, block_size, dtype)

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use multilora_scheduler::{
-    AdapterGen, LogitsWanted, Request, RequestId, RequestResult, Scheduler, SchedulerConfig, sim::adapter_gen,
+    AdapterGen, LogitsWanted, Request, RequestId, RequestResult, Scheduler, SchedulerConfig, StepCost, sim::adapter_gen,
 };
 
 /// Adapter `a` of the tests (same keys as the simulator's).
@@ -25,6 +25,7 @@ pub struct Trace {
     arrivals: Vec<(u64, Request)>,
     aborts: Vec<(u64, RequestId)>,
     show_blocks: bool,
+    cost: Option<StepCost>,
 }
 
 impl Trace {
@@ -34,6 +35,7 @@ impl Trace {
             arrivals: Vec::new(),
             aborts: Vec::new(),
             show_blocks: false,
+            cost: None,
         }
     }
 
@@ -46,6 +48,13 @@ impl Trace {
     /// `id` is aborted just before step `step` is scheduled.
     pub fn abort(mut self, step: u64, id: RequestId) -> Self {
         self.aborts.push((step, id));
+        self
+    }
+
+    /// Schedules every step with `cost` ([`Scheduler::schedule_with_cost`]); each line then ends
+    /// with the step's modelled time in ms (and its prefill budget when one applied).
+    pub fn cost(mut self, cost: StepCost) -> Self {
+        self.cost = Some(cost);
         self
     }
 
@@ -69,7 +78,10 @@ impl Trace {
             if step > last_arrival && !self.sched.has_unfinished() {
                 break;
             }
-            let out = self.sched.schedule();
+            let out = match &self.cost {
+                Some(cost) => self.sched.schedule_with_cost(cost),
+                None => self.sched.schedule(),
+            };
             let mut line = format!("{step:>2}:");
             let mut results = Vec::new();
             for r in &out.scheduled {
@@ -99,6 +111,14 @@ impl Trace {
             list("preempted", &out.preempted, &mut line);
             list("skipped", &out.skipped_for_adapter_limit, &mut line);
             list("no-blocks", &out.waiting_for_blocks, &mut line);
+            if let Some(cost) = &self.cost {
+                let rows = out.scheduled.iter().filter(|r| r.token_ids.len() == 1).count();
+                let prefill: usize = out.scheduled.iter().map(|r| r.token_ids.len()).filter(|&n| n > 1).sum();
+                let _ = write!(line, " | {:.0} ms", 1e3 * cost.step_s(rows, prefill));
+                if let Some(p) = out.prefill_budget {
+                    let _ = write!(line, " (prefill budget {p})");
+                }
+            }
             let finished = self.sched.update(&results).expect("update");
             for f in finished {
                 let _ = write!(line, " | done {} {}({})", f.id, f.reason.as_str(), f.output_token_ids.len());
