@@ -6,7 +6,7 @@
 #
 # Every stub function returns an error code, so `Device::new_cuda(0)` fails cleanly ("no CUDA
 # device") and nothing pretends to be a GPU. Source this file: it exports CUDA_HOME, PATH,
-# CUDA_COMPUTE_CAP, LIBRARY_PATH and LD_LIBRARY_PATH.
+# CUDA_COMPUTE_CAP, CUDAFORGE_THREADS, LIBRARY_PATH and LD_LIBRARY_PATH.
 #
 #   source .ci/cuda-env.sh      # installs into $MULTILORA_CUDA_PREFIX (default $HOME/.cache/multilora-cuda-13.0)
 #
@@ -66,6 +66,10 @@ fi
 export CUDA_HOME="$cu"
 export PATH="$cu/bin:$PATH"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+# candle-kernels compiles its ~80 kernel files through cudaforge, which uses half the cores unless
+# told: on a 2-core machine that is one nvcc at a time, most of the CUDA build's time.
+CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
+export CUDAFORGE_THREADS
 export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 export LD_LIBRARY_PATH="$stubs:$cu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export MULTILORA_CUDA_STUBS="$stubs"

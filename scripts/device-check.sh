@@ -3,9 +3,10 @@
 #
 #   scripts/device-check.sh build [DIR]   on a build machine (no GPU needed): builds ONE stripped
 #                                         (and xz-compressed) binary with `--features cuda` (nvcc 13.0 from the package
-#                                         registry, see .ci/cuda-env.sh; release unless
-#                                         DEVICE_CHECK_PROFILE=dev, which CI uses to reuse its
-#                                         test build), and lays it out in DIR
+#                                         registry, see .ci/cuda-env.sh; release in target-cuda/
+#                                         unless DEVICE_CHECK_PROFILE=dev and
+#                                         DEVICE_CHECK_TARGET_DIR=target, which CI uses to reuse
+#                                         its test build), and lays it out in DIR
 #                                         (default target/device-check) with the PEFT fixtures, the
 #                                         PEFT CUDA bench script and this script; checks DIR < 64 MiB.
 #   DIR/device-check.sh run               on the GPU machine: finds the CUDA libraries (the driver's
@@ -31,17 +32,19 @@ build() {
         # shellcheck source=../.ci/cuda-env.sh
         source .ci/cuda-env.sh
     fi
-    local profile="${DEVICE_CHECK_PROFILE:-release}" out_dir
+    # Its own target directory by default, so that target/ keeps the CPU build's binaries;
+    # CI passes target/ (DEVICE_CHECK_TARGET_DIR) to reuse its CUDA test build.
+    local profile="${DEVICE_CHECK_PROFILE:-release}" target="${DEVICE_CHECK_TARGET_DIR:-target-cuda}" out_dir
     out_dir="$([ "$profile" = dev ] && echo debug || echo "$profile")"
     echo "== building multilora-device-check ($profile, --features cuda, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)"
     # The workspace's binaries with the same features as CI's CUDA test build, so that build is reused.
-    cargo build --profile "$profile" --locked --target-dir target-cuda --workspace --bins \
+    cargo build --profile "$profile" --locked --target-dir "$target" --workspace --bins \
         --features multilora-cli/cuda,multilora-device-check/cuda
     rm -rf "$dir"
     mkdir -p "$dir/fixtures"
     # Stripped, then compressed: most of the binary is PTX text (candle's kernels and ours),
     # which xz takes from ~55 MiB to ~8 (release).
-    strip -o "$dir/multilora-device-check" "target-cuda/$out_dir/multilora-device-check"
+    strip -o "$dir/multilora-device-check" "$target/$out_dir/multilora-device-check"
     xz -6 -T0 "$dir/multilora-device-check"
     cp -r tests/fixtures/peft-tiny "$dir/fixtures/"
     cp benches/bench_peft_cuda.py "$dir/"
