@@ -37,8 +37,14 @@ build() {
     local profile="${DEVICE_CHECK_PROFILE:-release}" target="${DEVICE_CHECK_TARGET_DIR:-target-cuda}" out_dir
     out_dir="$([ "$profile" = dev ] && echo debug || echo "$profile")"
     echo "== building multilora-device-check ($profile, --features cuda, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)"
-    # The workspace's binaries with the same features as CI's CUDA test build, so that build is reused.
-    cargo build --profile "$profile" --locked --target-dir "$target" --workspace --bins \
+    # The workspace's binaries with the same features as CI's CUDA test build. With the dev profile
+    # (CI) the test targets are named too: the dev-dependencies then take part in feature
+    # resolution as in `cargo test`, so every crate resolves to the build CI already made.
+    local targets=(--bins)
+    if [ "$profile" = dev ]; then
+        targets+=(--tests)
+    fi
+    cargo build --profile "$profile" --locked --target-dir "$target" --workspace "${targets[@]}" \
         --features multilora-cli/cuda,multilora-device-check/cuda
     rm -rf "$dir"
     mkdir -p "$dir/fixtures"

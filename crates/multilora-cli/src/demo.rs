@@ -4,13 +4,13 @@
 //! Llama-architecture model with random weights, the fixture's real byte-level BPE
 //! `tokenizer.json` (vocab 512) and 8 PEFT adapters of different ranks, then serves a mixed
 //! workload through the engine twice: with 4 adapter slots, and with 1 for contrast. Every figure
-//! printed comes from the engine's metrics or the wall clock; the per-step figures are sampled by
-//! polling `metrics()`, which the engine answers between steps.
+//! printed is exact: the step figures from the engine's step metrics (every step counted), the
+//! time to first token from each request's own clock, throughput from the wall clock.
 
-use std::collections::{BTreeSet, HashMap};
+#[cfg(test)]
+use std::collections::BTreeSet;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow};
@@ -19,7 +19,8 @@ use clap::Args;
 use clap::builder::TypedValueParser;
 use indicatif::{ProgressBar, ProgressStyle};
 use multilora::{
-    Engine, GenerateRequest, Histogram, MetricsSnapshot, ModelShapes, ModuleKind, SamplingParams, SyntheticAdapter,
+    Engine, Event, GenerateRequest, Histogram, MetricsSnapshot, ModelShapes, ModuleKind, SamplingParams,
+    SyntheticAdapter,
 };
 use serde_json::json;
 
@@ -223,27 +224,26 @@ fn workload(n: usize, served: &str, adapters: &[String]) -> Vec<(String, String)
 struct RunReport {
     wall: Duration,
     metrics: MetricsSnapshot,
-    samples: usize,
-    mean_running: f64,
-    mean_adapters: f64,
+    /// Each request's time from its submission to its first token.
+    ttft: Vec<Duration>,
     errors: usize,
 }
 
-/// The histogram bucket holding the median, as "between A and B ms" (the engine keeps buckets,
-/// not samples, so that is as precise as it can honestly be).
-fn median_bucket(h: &Histogram) -> String {
-    let mut seen = 0;
-    for (i, c) in h.counts.iter().enumerate() {
-        seen += c;
-        if h.count > 0 && seen * 2 >= h.count {
-            let lo = if i == 0 { 0.0 } else { h.bounds[i - 1] * 1000.0 };
-            return match h.bounds.get(i) {
-                Some(hi) => format!("between {lo:.0} and {:.0} ms", hi * 1000.0),
-                None => format!("over {lo:.0} ms"),
-            };
-        }
+impl RunReport {
+    fn tokens_per_s(&self) -> f64 {
+        self.metrics.generation_tokens as f64 / self.wall.as_secs_f64()
     }
-    "n/a".to_string()
+}
+
+/// The mean of a histogram's observations (exact: the sum and the count are kept exactly).
+fn mean(h: &Histogram) -> f64 {
+    if h.count == 0 { 0.0 } else { h.sum_seconds / h.count as f64 }
+}
+
+/// Percentile `p` of `v` in milliseconds (nearest rank).
+fn percentile_ms(v: &mut [Duration], p: f64) -> f64 {
+    v.sort();
+    v.get(((v.len() as f64 - 1.0) * p).round() as usize).map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
 }
 
 fn run_once(
@@ -270,56 +270,53 @@ fn run_once(
     for (i, (m, p)) in work.iter().enumerate() {
         let mut params = params.clone();
         params.seed = Some(i as u64);
-        streams.push(engine.submit(GenerateRequest::new(m.clone(), p.as_str()).params(params)));
+        streams.push((Instant::now(), engine.submit(GenerateRequest::new(m.clone(), p.as_str()).params(params))));
     }
-    // Poll metrics while the workload runs: each answer comes between two engine steps.
-    let done = Arc::new(AtomicBool::new(false));
-    let handle = engine.handle();
-    let poller = {
-        let done = done.clone();
-        std::thread::spawn(move || {
-            let (mut n, mut running, mut adapters) = (0usize, 0usize, 0usize);
-            while !done.load(Ordering::Relaxed) {
-                let m = handle.metrics();
-                if m.running > 0 {
-                    n += 1;
-                    running += m.running;
-                    adapters += m.running_adapters.iter().collect::<BTreeSet<_>>().len();
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            (n, running, adapters)
-        })
-    };
-    let mut errors = 0;
-    for s in streams {
-        if s.and_then(|s| s.collect_blocking()).is_err() {
-            errors += 1;
-        }
-        bar.inc(1);
-    }
+    // One reader per request, so that each first token is timed when it arrives.
+    let outcomes: Vec<Option<Duration>> = std::thread::scope(|s| {
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|(submitted, stream)| {
+                let bar = &bar;
+                s.spawn(move || {
+                    let mut stream = stream.ok()?;
+                    let mut first = None;
+                    while let Some(ev) = stream.recv_blocking() {
+                        match ev {
+                            Event::Token { .. } => {
+                                first.get_or_insert_with(|| submitted.elapsed());
+                            }
+                            Event::Finished { .. } => break,
+                            Event::Error(_) => return None,
+                            _ => {}
+                        }
+                    }
+                    bar.inc(1);
+                    first
+                })
+            })
+            .collect();
+        readers.into_iter().map(|r| r.join().unwrap_or(None)).collect()
+    });
     let wall = start.elapsed();
-    done.store(true, Ordering::Relaxed);
-    let (samples, running, adapters) = poller.join().map_err(|_| anyhow!("metrics poller panicked"))?;
     bar.finish_and_clear();
     let metrics = engine.metrics();
     engine.shutdown();
-    let div = |a: usize| if samples == 0 { 0.0 } else { a as f64 / samples as f64 };
-    Ok(RunReport { wall, metrics, samples, mean_running: div(running), mean_adapters: div(adapters), errors })
+    let errors = outcomes.iter().filter(|o| o.is_none()).count();
+    Ok(RunReport { wall, metrics, ttft: outcomes.into_iter().flatten().collect(), errors })
 }
 
-fn print_report(r: &RunReport, max_loras: usize) {
-    let m = &r.metrics;
+fn print_report(r: &mut RunReport, max_loras: usize) {
     let secs = r.wall.as_secs_f64();
+    let tokens_per_s = r.tokens_per_s();
+    let (p50, p99) = (percentile_ms(&mut r.ttft, 0.5), percentile_ms(&mut r.ttft, 0.99));
+    let m = &r.metrics;
     println!("== max_loras {max_loras} ==");
     let per: Vec<String> = m.per_adapter.iter().map(|(k, u)| format!("{k} {}", u.requests)).collect();
     println!("requests per model:        {}", per.join(", "));
-    println!(
-        "steps sampled:             {} (metrics polled between steps while requests ran; errors: {})",
-        r.samples, r.errors
-    );
-    println!("mean batch size:           {:.1} running requests per sampled step", r.mean_running);
-    println!("distinct adapters / step:  {:.2} (sampled)", r.mean_adapters);
+    println!("engine steps:              {} (failed requests: {})", m.steps, r.errors);
+    println!("mean batch size:           {:.1} sequences per step", mean(&m.step_rows));
+    println!("distinct adapters / step:  {:.2}", mean(&m.step_adapters));
     let hit = if m.prefix_cache_query_tokens == 0 {
         0.0
     } else {
@@ -334,12 +331,10 @@ fn print_report(r: &RunReport, max_loras: usize) {
         m.adapter_loads, m.adapter_evictions, m.device_tier.entries, m.device_tier.capacity
     );
     println!(
-        "throughput:                {:.0} generated tokens/s ({} tokens in {secs:.1} s)",
-        m.generation_tokens as f64 / secs,
+        "throughput:                {tokens_per_s:.0} generated tokens/s ({} tokens in {secs:.1} s)",
         m.generation_tokens
     );
-    let mean_ttft = if m.ttft.count == 0 { 0.0 } else { m.ttft.sum_seconds / m.ttft.count as f64 };
-    println!("time to first token:       mean {:.0} ms, median {}", mean_ttft * 1000.0, median_bucket(&m.ttft));
+    println!("time to first token:       p50 {p50:.0} ms, p99 {p99:.0} ms (each request's own clock)");
 }
 
 /// Runs the demo.
@@ -367,17 +362,17 @@ pub(crate) fn run(a: DemoArgs) -> Result<(), Failure> {
         a.max_tokens,
         names.len()
     );
-    let wide = run_once(&model, &loras, 4, &work, &params).map_err(Failure::input)?;
-    print_report(&wide, 4);
-    let narrow = run_once(&model, &loras, 1, &work, &params).map_err(Failure::input)?;
-    print_report(&narrow, 1);
+    let mut wide = run_once(&model, &loras, 4, &work, &params).map_err(Failure::input)?;
+    print_report(&mut wide, 4);
+    let mut narrow = run_once(&model, &loras, 1, &work, &params).map_err(Failure::input)?;
+    print_report(&mut narrow, 1);
     println!(
         "=> with 4 slots a step mixes up to 4 adapters ({:.2} on average), so requests for different adapters share \
          each forward pass; with 1 slot each step serves one adapter and requests for the others wait: {:.0} vs {:.0} tokens/s, \
          {:.1}x the wall time.",
-        wide.mean_adapters,
-        wide.metrics.generation_tokens as f64 / wide.wall.as_secs_f64(),
-        narrow.metrics.generation_tokens as f64 / narrow.wall.as_secs_f64(),
+        mean(&wide.metrics.step_adapters),
+        wide.tokens_per_s(),
+        narrow.tokens_per_s(),
         narrow.wall.as_secs_f64() / wide.wall.as_secs_f64()
     );
     Ok(())

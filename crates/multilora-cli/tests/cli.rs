@@ -304,6 +304,15 @@ fn demo_builds_once_and_shows_the_contrast() {
     {
         assert!(first.contains(want), "missing {want:?}:\n{first}");
     }
+    // Exact figures: every step counted, TTFT from the requests' own clocks.
+    assert!(!first.contains("sampled"), "{first}");
+    let steps: Vec<u64> = first
+        .lines()
+        .filter_map(|l| l.strip_prefix("engine steps:"))
+        .map(|l| l.split_whitespace().next().unwrap().parse().unwrap())
+        .collect();
+    assert!(steps.len() == 2 && steps.iter().all(|&s| s >= 4), "{first}");
+    assert!(first.contains("(failed requests: 0)") && first.contains("time to first token:       p50"), "{first}");
     let model = std::fs::read(dir.path().join("v2/model.safetensors")).unwrap();
     let (_, err) = run();
     assert!(!err.contains("building"), "the second run reuses the cache: {err}");

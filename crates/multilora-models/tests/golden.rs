@@ -113,19 +113,15 @@ test_device!(prefill_chunks_then_decode, prefill_chunks_then_decode_cpu, prefill
 fn greedy_generation_reproduces_exactly(dev: &Device) -> Result<()> {
     let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
     let cases = cases()?;
-    let gens: Vec<_> = ["generation", "extra_generation"]
-        .iter()
-        .flat_map(|k| cases[*k].as_array().cloned().unwrap_or_default())
-        .collect();
+    let gens: Vec<_> = ["generation", "extra_generation"].iter().flat_map(|k| list(&cases, k)).collect();
     let bs = 8;
     let mut kv = cache(&model, 256, bs)?;
     let mut blocks = Blocks::default();
     let mut seqs: Vec<(Vec<u32>, Vec<u32>, i32, usize)> = Vec::new();
     for g in &gens {
-        let prompt: Vec<u32> =
-            g["input_ids"].as_array().into_iter().flatten().map(|x| x.as_u64().unwrap_or(0) as u32).collect();
-        let n = g["max_new_tokens"].as_u64().unwrap_or(16) as usize;
-        let slot = slot_of(&slots, &g["adapter"].as_str().map(str::to_string));
+        let prompt = ids(&g["input_ids"]);
+        let n = g["max_new_tokens"].as_u64().expect("fixture: a case without max_new_tokens") as usize;
+        let slot = slot_of(&slots, &adapter_of(g));
         seqs.push((prompt.clone(), blocks.table(prompt.len() + n, bs), slot, n));
     }
     // All cases advance together: one mixed prefill step, then mixed decode steps.
@@ -147,8 +143,7 @@ fn greedy_generation_reproduces_exactly(dev: &Device) -> Result<()> {
         }
     }
     for (g, out) in gens.iter().zip(&outputs) {
-        let want: Vec<u32> =
-            g["output_ids"].as_array().into_iter().flatten().map(|x| x.as_u64().unwrap_or(0) as u32).collect();
+        let want = ids(&g["output_ids"]);
         assert_eq!(out, &want, "greedy tokens of {:?} on {:?}", g["adapter"], g["prompt"]);
     }
     Ok(())

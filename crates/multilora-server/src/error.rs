@@ -64,12 +64,17 @@ impl Error {
             Error::BadRequest { .. } | Error::NoChatTemplate { .. } | Error::Template(_) => StatusCode::BAD_REQUEST,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
             Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::Engine(e) => match e.kind() {
-                "model_not_found" => StatusCode::NOT_FOUND,
-                "invalid_request" | "prompt_too_long" | "adapter_error" => StatusCode::BAD_REQUEST,
-                "runtime_updates_disabled" => StatusCode::FORBIDDEN,
-                "shutdown" => StatusCode::SERVICE_UNAVAILABLE,
-                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            // Exhaustive (no `_`): a new engine error is a compile error here, not a silent 500.
+            Error::Engine(e) => match e {
+                EngineError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+                EngineError::InvalidRequest { .. }
+                | EngineError::PromptTooLong { .. }
+                | EngineError::Adapter { .. } => StatusCode::BAD_REQUEST,
+                EngineError::RuntimeUpdatesDisabled => StatusCode::FORBIDDEN,
+                EngineError::Shutdown => StatusCode::SERVICE_UNAVAILABLE,
+                EngineError::Config(_) | EngineError::Model(_) | EngineError::Internal(_) => {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                }
             },
             Error::Startup(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }

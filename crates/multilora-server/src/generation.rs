@@ -1,6 +1,9 @@
-//! Running one HTTP request's engine requests (one per prompt and choice): admission, submission,
-//! waiting for the first event (so an unknown model is a 404, not a broken stream), then either
-//! collecting every choice or streaming them merged as server-sent events ending in `[DONE]`.
+//! Running one HTTP request's engine requests (one per prompt and choice): admission, submission
+//! (where the engine refuses an unknown model or a bad prompt at once), then either collecting
+//! every choice or streaming them merged as server-sent events ending in `[DONE]`. A stream's
+//! headers go out at once, except while its adapter is still loading: then its first event is
+//! awaited, so that a failed load is a 400, not a broken stream (vLLM loads a resolved adapter
+//! before it answers too).
 //! Dropping the response (a client that disconnects) drops the engine streams, which cancels
 //! their requests and frees their KV blocks and adapter slots.
 
@@ -51,9 +54,10 @@ pub(crate) struct Started {
     n: usize,
 }
 
-/// Admits and submits `requests`, then waits for each one's first event: a request that fails
-/// before producing anything (unknown model, bad adapter) fails the whole HTTP request, and the
-/// others are cancelled by being dropped.
+/// Admits and submits `requests`: a request the engine refuses (unknown model, prompt too long,
+/// bad parameters) fails the whole HTTP request, and the others are cancelled by being dropped.
+/// For a request whose adapter was still loading, its first event is awaited, so that a failed
+/// load fails the HTTP request the same way.
 pub(crate) async fn start(state: &AppState, requests: Vec<GenerateRequest>, n: usize) -> Result<Started> {
     let admission = state.admit(requests.len())?;
     let mut streams = Vec::with_capacity(requests.len());
@@ -62,6 +66,10 @@ pub(crate) async fn start(state: &AppState, requests: Vec<GenerateRequest>, n: u
     }
     let mut choices = Vec::with_capacity(streams.len());
     for mut stream in streams {
+        if stream.adapter_ready() {
+            choices.push(Choice { first: None, stream });
+            continue;
+        }
         match stream.recv().await {
             Some(Event::Error(e)) => return Err(Error::Engine(e)),
             None => return Err(Error::Engine(EngineError::Shutdown)),

@@ -20,8 +20,10 @@
 //! Decisions worth knowing:
 //! - Each adapter is a model name; `n` choices become `n` engine requests batched together
 //!   (choice `i` of a seeded request uses seed + i).
-//! - A response starts once every choice has produced its first event, so an unknown model or a
-//!   broken adapter is an HTTP error, not a stream that fails.
+//! - The engine refuses an unknown model, a too long prompt or bad parameters at submit, so they
+//!   are HTTP errors before any byte of a stream, and a valid stream's headers go out at once. A
+//!   choice whose adapter is still loading is awaited to its first event, so a failed load is an
+//!   HTTP error too, not a stream that fails.
 //! - Dropping a response (a client that disconnects) cancels its engine requests.
 //! - More than `max_num_seqs + max_waiting_requests` engine requests in flight get 429.
 #![forbid(unsafe_code)]

@@ -158,6 +158,12 @@ impl Collector for Snapshot {
         counter(&mut e, "vllm:request_success", "Count of finished requests by finish reason.", &finished)?;
         counter(
             &mut e,
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            &[(model.clone(), m.preemptions)],
+        )?;
+        counter(
+            &mut e,
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in tokens.",
             &[(model.clone(), m.prefix_cache_query_tokens)],
@@ -257,6 +263,14 @@ impl Snapshot {
             "Prompt tokens prefilled per step, in steps that prefill any (the step-time budget bounds it while streams decode).",
             &vec![],
             &m.prefill_tokens_per_step,
+        )?;
+        histogram(e, "multilora_step_rows", "Sequences per engine step (the batch size).", &vec![], &m.step_rows)?;
+        histogram(
+            e,
+            "multilora_step_adapters",
+            "Distinct adapters per engine step (base-model rows count none).",
+            &vec![],
+            &m.step_adapters,
         )?;
         let per = |f: fn(&multilora::AdapterUsage) -> u64| -> Vec<(Labels, u64)> {
             m.per_adapter.iter().map(|(name, u)| (one("adapter", name), f(u))).collect()

@@ -158,8 +158,10 @@ async fn metrics_carry_vllm_names_and_lora_labels() -> Result<()> {
     let server = Server::start(builder(), ServerConfig::default()).await?;
     // A long request on one adapter, so the scrape sees it running.
     let long = json!({"model": "rank32", "prompt": "a b c", "max_tokens": 400, "ignore_eos": true, "stream": true});
-    let resp = server.client.post(format!("{}/v1/completions", server.url)).json(&long).send().await?;
+    let mut resp = server.client.post(format!("{}/v1/completions", server.url)).json(&long).send().await?;
     assert_eq!(resp.status(), 200);
+    // The headers come at once; once its first token arrives, the request is running.
+    assert!(resp.chunk().await?.is_some_and(|c| c.starts_with(b"data: ")));
     let s = server.scrape().await?;
     let info = samples(&s, "vllm:lora_requests_info");
     assert_eq!(info.len(), 1);
@@ -186,6 +188,9 @@ async fn metrics_carry_vllm_names_and_lora_labels() -> Result<()> {
         "vllm:generation_tokens",
         "vllm:prefix_cache_queries",
         "multilora_adapter_loads",
+        "vllm:num_preemptions",
+        "multilora_step_rows",
+        "multilora_step_adapters",
         "vllm:e2e_request_latency_seconds",
     ] {
         assert!(!samples(&s, name).is_empty(), "{name} missing");

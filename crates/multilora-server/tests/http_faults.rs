@@ -1,7 +1,8 @@
 //! Every error status the server answers (404 model_not_found, 400 with the field named, 400
 //! prompt too long, 401, 429, the adapter endpoints' 404 when updating is off), runtime adapter
-//! load / reload / unload while other streams run, a client disconnect that frees its request, and
-//! `/health` (503) and requests (503 `shutdown`) once the engine has stopped.
+//! load / reload / unload while other streams run, a client disconnect that frees its request,
+//! `/health` (503) and requests (503 `shutdown`) once the engine has stopped, and refusals that
+//! come before any stream byte while a valid stream's headers go out at once.
 
 mod common;
 
@@ -236,5 +237,51 @@ async fn health_and_requests_once_the_engine_stops() -> Result<()> {
     assert_eq!(server.get("/health").await?.0, 503);
     let (status, body) = server.post("/v1/completions", &json!({"model": BASE, "prompt": "hi"})).await?;
     assert_eq!((status, code(&body)), (503, "shutdown"), "{body}");
+    server.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_come_before_any_stream_byte_and_streams_start_at_once() -> Result<()> {
+    let server = Server::start(builder().max_num_seqs(1), ServerConfig::default()).await?;
+    let url = format!("{}/v1/completions", server.url);
+    let too_long: Vec<u32> = (0..600).map(|i| 3 + i % 400).collect();
+    for stream in [false, true] {
+        for (body, status, want) in [
+            (json!({"model": "nope", "prompt": "hi", "stream": stream}), 404, "model_not_found"),
+            (json!({"model": BASE, "prompt": too_long, "stream": stream}), 400, "prompt_too_long"),
+        ] {
+            let resp = server.client.post(&url).json(&body).send().await?;
+            assert_eq!(resp.status(), status, "stream {stream}: {body}");
+            let kind = resp.headers()["content-type"].to_str()?.to_string();
+            assert!(kind.starts_with("application/json"), "an error body, not a stream: {kind}");
+            let err: Value = resp.json().await?;
+            assert_eq!(code(&err), want, "{err}");
+        }
+    }
+
+    // One sequence at a time and the engine busy with a long request: a valid stream with a long
+    // prompt waits behind it, and its headers arrive while it still waits, before its first token.
+    let mut p = multilora::SamplingParams::greedy(400);
+    p.ignore_eos = true;
+    let blocker = server.engine().submit(multilora::GenerateRequest::new(BASE, vec![1, 2, 3]).params(p))?;
+    let long: Vec<u32> = (0..300).map(|i| 3 + (i * 7) % 400).collect();
+    let body = json!({"model": "qv_r8", "prompt": long, "max_tokens": 2, "stream": true});
+    let resp = server.client.post(&url).json(&body).send().await?;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str()?.starts_with("text/event-stream"));
+    let s = server.scrape().await?;
+    let (running, waiting) = (value(&s, "vllm:num_requests_running", &[]), value(&s, "vllm:num_requests_waiting", &[]));
+    // Both requests are in the engine, at most the blocker runs: the stream's request still
+    // waits, nothing of it computed, and its headers are here.
+    assert!(
+        running + waiting == 2.0 && running <= 1.0,
+        "the stream's headers came while it still waited: {running} running, {waiting} waiting"
+    );
+    drop(blocker);
+    let events = sse_events(resp).await?;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let tokens: Vec<Value> = events.iter().filter_map(|e| serde_json::from_str::<Value>(e).ok()).collect();
+    assert!(tokens.iter().any(|c| c["choices"][0]["finish_reason"] == "length"), "{events:?}");
+    server.wait_idle().await?;
     server.stop().await
 }

@@ -77,7 +77,7 @@ pub enum Error {
         /// The capacity.
         max_cpu_loras: usize,
     },
-    /// `activate` or `pin` of a generation that is not in the CPU tier (not loaded yet, evicted,
+    /// `activate` or `lease` of a generation that is not in the CPU tier (not loaded yet, evicted,
     /// or superseded and released).
     #[error("adapter {name:?} is not loaded")]
     NotReady {
@@ -98,6 +98,15 @@ pub enum Error {
     LoaderPanicked {
         /// The adapter.
         name: String,
+    },
+    /// A start-up adapter failed to load: what [`crate::StoreBuilder::build`] returns, naming it.
+    /// [`Error::kind`] is the cause's.
+    #[error("{}", startup_message(name, source))]
+    Startup {
+        /// The start-up adapter.
+        name: String,
+        /// Why it failed.
+        source: Box<Error>,
     },
     /// The store is shutting down; the load was abandoned.
     #[error("adapter {name:?}: the store is shutting down")]
@@ -124,6 +133,13 @@ impl Error {
             Error::Adapter(e) => e.kind(),
             Error::LoaderPanicked { .. } => "loader_panicked",
             Error::Shutdown { .. } => "shutdown",
+            Error::Startup { source, .. } => source.kind(),
         }
     }
+}
+
+/// The cause's message, prefixed with the start-up adapter's name unless it already names it.
+fn startup_message(name: &str, source: &Error) -> String {
+    let message = source.to_string();
+    if message.contains(&format!("{name:?}")) { message } else { format!("start-up adapter {name:?}: {message}") }
 }

@@ -7,7 +7,8 @@
 //!   generation ([`AdapterGen`]: id + content fingerprint).
 //! - The **device tier** is `max_loras` slots: [`Store::activate`] writes an adapter through the
 //!   model's [`SlotSink`](multilora_adapter::SlotSink) into a free slot or the least recently used
-//!   slot that no running request pins ([`Store::pin`] / [`Store::release`]).
+//!   slot that no running request pins: a running request holds a [`SlotLease`]
+//!   ([`Store::lease`]), and dropping it is the only way a pin is returned.
 //! - **Loads never run on the engine's thread**: [`Store::request`] answers at once (Ready /
 //!   Loading / Failed) and a loader thread does the reading; [`Store::poll_completed`] reports the
 //!   loads that finished.
@@ -22,7 +23,8 @@
 //! let config = StoreConfig::new("tiny-llama", shapes).max_loras(4).max_cpu_loras(64);
 //! let store = Store::builder(config).startup("sql", AdapterSource::Local("adapters/sql".into())).build()?;
 //! if let AdapterStatus::Ready(generation) = store.request("sql")? {
-//!     store.pin(generation)?; // at admission; `release` when the request finishes
+//!     let lease = store.lease(generation)?; // while the request runs
+//!     drop(lease); // it finished: the pin is returned
 //! }
 //! # Ok(()) }
 //! ```
@@ -32,6 +34,7 @@
 mod config;
 mod cpu_tier;
 mod error;
+mod lease;
 mod lifecycle;
 mod loader;
 mod metrics;
@@ -46,6 +49,7 @@ mod testutil;
 
 pub use config::StoreConfig;
 pub use error::{Error, Result};
+pub use lease::SlotLease;
 pub use loader::{AdapterLoader, FsLoader};
 pub use metrics::{Histogram, LOAD_TIME_BUCKETS_S, StoreMetrics, TierMetrics};
 pub use registry::{AdapterGen, AdapterId, AdapterInfo, MAX_NAME_LEN, validate_name};

@@ -79,6 +79,9 @@ pub struct StoreMetrics {
     pub pinned_slots: usize,
     /// Loads queued or running on the loader threads.
     pub loading: usize,
+    /// Load events published and not yet taken by [`crate::Store::poll_completed`] or
+    /// [`crate::Store::wait_completed`]: bounded only while a consumer takes them.
+    pub events_pending: usize,
     /// Loads that succeeded (startup, background and runtime).
     pub loads: u64,
     /// Time per successful load, from the start of reading to a validated adapter.

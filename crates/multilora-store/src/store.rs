@@ -14,6 +14,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::config::StoreConfig;
 use crate::cpu_tier::CpuTier;
 use crate::error::{Error, Result};
+use crate::lease::SlotLease;
 use crate::loader::{AdapterLoader, FsLoader, LoaderPool};
 use crate::metrics::{Counters, StoreMetrics, TierMetrics};
 use crate::registry::{AdapterGen, AdapterId, AdapterInfo, LoadState, Registry, validate_name};
@@ -27,7 +28,7 @@ const RESOLVE_FAILURES_KEPT: usize = 1024;
 
 /// The tiered adapter store. `Send + Sync`: the engine loop, HTTP handlers and the loader threads
 /// share it. Every call takes one short lock; none holds it during file I/O, so a load never
-/// blocks `activate`, `request` or `pin` of other adapters.
+/// blocks `activate`, `request` or `lease` of other adapters.
 pub struct Store {
     pub(crate) shared: Arc<Shared>,
     pool: LoaderPool,
@@ -147,8 +148,8 @@ impl StoreBuilder {
             events_ready: Condvar::new(),
             shutdown: AtomicBool::new(false),
         });
-        for (name, source) in self.startup {
-            shared.add_loaded(&name, source)?;
+        for (name, src) in self.startup {
+            shared.add_loaded(&name, src).map_err(|e| Error::Startup { name, source: Box::new(e) })?;
         }
         let pool = LoaderPool::new(shared.config.loader_threads)?;
         Ok(Store { shared, pool })
@@ -198,7 +199,14 @@ impl Store {
     /// queued; one per adapter however many ask), or `Failed`. An unknown name is asked of the
     /// resolvers when runtime updates are on, and is otherwise [`Error::UnknownAdapter`].
     pub fn request(&self, name: &str) -> Result<AdapterStatus> {
-        self.request_inner(name, true)
+        self.request_inner(name, Count { hit: true, miss: true })
+    }
+
+    /// Like [`Store::request`] (it starts the load the same way), for a caller that checks a name
+    /// before the request is queued, where `request` is asked again: a load it starts counts as
+    /// the miss, a ready adapter is not counted as a hit (the later `request` counts that).
+    pub fn lookup(&self, name: &str) -> Result<AdapterStatus> {
+        self.request_inner(name, Count { hit: false, miss: true })
     }
 
     /// Starts loading the adapters of waiting requests, in order, so they are in the CPU tier by
@@ -209,11 +217,11 @@ impl Store {
         S: AsRef<str>,
     {
         for name in names {
-            let _ = self.request_inner(name.as_ref(), false);
+            let _ = self.request_inner(name.as_ref(), Count { hit: false, miss: false });
         }
     }
 
-    fn request_inner(&self, name: &str, count: bool) -> Result<AdapterStatus> {
+    fn request_inner(&self, name: &str, count: Count) -> Result<AdapterStatus> {
         let job = {
             let mut guard = self.shared.state.lock();
             let inner = &mut *guard;
@@ -222,7 +230,7 @@ impl Store {
                     if let Some(generation) = inner.registry.current(id)
                         && inner.cpu.get(&generation).is_some()
                     {
-                        inner.counters.cpu_hits += u64::from(count);
+                        inner.counters.cpu_hits += u64::from(count.hit);
                         return Ok(AdapterStatus::Ready(generation));
                     }
                     let ticket = inner.next_ticket;
@@ -236,7 +244,7 @@ impl Store {
                     }
                     entry.state = LoadState::Loading(ticket);
                     let source = entry.info.source.clone();
-                    inner.start_job(count);
+                    inner.start_job(count.miss);
                     Job { name: name.to_string(), ticket, kind: JobKind::Registered { id, source } }
                 }
                 None => {
@@ -252,7 +260,7 @@ impl Store {
                     }
                     let ticket = inner.next_ticket;
                     inner.resolving.insert(name.to_string(), ticket);
-                    inner.start_job(count);
+                    inner.start_job(count.miss);
                     Job { name: name.to_string(), ticket, kind: JobKind::Resolve }
                 }
             }
@@ -310,26 +318,11 @@ impl Store {
         self.shared.state.lock().registry.infos()
     }
 
-    /// Adds a running request's pin on `generation` (at admission): its slot, once it has one, is not
-    /// evicted and its CPU entry stays until the matching [`Store::release`].
-    pub fn pin(&self, generation: AdapterGen) -> Result<()> {
-        let mut inner = self.shared.state.lock();
-        if !inner.cpu.contains(&generation) && inner.slots.slot_of(&generation).is_none() {
-            return Err(Error::NotReady { name: inner.name_of(generation.id) });
-        }
-        inner.slots.pin(generation);
-        Ok(())
-    }
-
-    /// Drops one pin on `generation` (the request finished or was cancelled). The last pin on a
-    /// generation that was superseded or unloaded removes it from both tiers. Releasing a
-    /// generation without pins does nothing.
-    pub fn release(&self, generation: AdapterGen) {
-        let mut inner = self.shared.state.lock();
-        if inner.slots.release(&generation) == Some(0) && inner.registry.current(generation.id) != Some(generation) {
-            inner.cpu.remove(&generation);
-            inner.slots.remove(&generation);
-        }
+    /// A running request's pin on `generation`, which must be in host memory or a slot: its slot,
+    /// once it has one, is not evicted and its CPU entry stays while the lease lives. Dropping
+    /// the last lease of a generation that was superseded or unloaded removes it from both tiers.
+    pub fn lease(&self, generation: AdapterGen) -> Result<SlotLease> {
+        SlotLease::new(&self.shared, generation)
     }
 
     /// The operator's pin (vLLM's `pin_adapter`): `name`'s current generation is never evicted
@@ -442,6 +435,7 @@ impl Store {
             },
             pinned_slots: inner.slots.pinned_slots(),
             loading: inner.loading,
+            events_pending: inner.events.len(),
             loads: c.loads,
             load_time: c.load_time.clone(),
             failures: c.failures.clone(),
@@ -457,6 +451,13 @@ impl Store {
     pub fn slot_lru_order(&self) -> Vec<AdapterGen> {
         self.shared.state.lock().slots.lru_order()
     }
+}
+
+/// Which of the CPU tier's hit and miss counters a lookup adds to.
+#[derive(Clone, Copy, Debug)]
+struct Count {
+    hit: bool,
+    miss: bool,
 }
 
 impl Inner {

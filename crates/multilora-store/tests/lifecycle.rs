@@ -41,19 +41,18 @@ fn loading_never_blocks_stepping() -> anyhow::Result<()> {
     for step in 0..100 {
         // A fake engine step: two requests on other adapters run, and "slow" keeps waiting.
         let running = [gens[step % 4], gens[(step + 1) % 4]];
+        let mut leases = Vec::new();
         for g in running {
             assert!(matches!(
                 store.request(others[gens.iter().position(|x| *x == g).unwrap()])?,
                 AdapterStatus::Ready(_)
             ));
-            store.pin(g)?;
+            leases.push(store.lease(g)?);
         }
         for g in running {
             store.activate(g, &mut sink)?;
         }
-        for g in running {
-            store.release(g);
-        }
+        drop(leases);
         assert!(matches!(store.request("slow")?, AdapterStatus::Loading));
         assert!(store.poll_completed().is_empty());
     }
@@ -118,9 +117,9 @@ fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> 
     assert_eq!(loader.calls("bad"), 1);
     // The store keeps serving the others.
     let good = ready(&store, "good");
-    store.pin(good)?;
+    let lease = store.lease(good)?;
     assert_eq!(store.activate(good, &mut CountingSink::default())?, 0);
-    store.release(good);
+    drop(lease);
     // An explicit retry loads again.
     store.retry("bad");
     assert!(matches!(store.request("bad")?, AdapterStatus::Loading));
@@ -146,7 +145,7 @@ fn reload_in_place_keeps_running_requests_on_their_weights() -> anyhow::Result<(
     let old = store.load("a", synthetic(tmp.path(), "a-v1", 1))?;
     let other = store.load("b", synthetic(tmp.path(), "b", 2))?;
     let mut sink = CountingSink::default();
-    store.pin(old)?;
+    let old_lease = store.lease(old)?;
     let old_slot = store.activate(old, &mut sink)?;
     let old_weights = store.adapter(old).unwrap();
 
@@ -159,7 +158,7 @@ fn reload_in_place_keeps_running_requests_on_their_weights() -> anyhow::Result<(
     assert!(Arc::ptr_eq(&still, &old_weights));
     assert_eq!(store.slot_of(old), Some(old_slot));
     // Old and new generation each hold a slot at once.
-    store.pin(new)?;
+    let _new_lease = store.lease(new)?;
     let new_slot = store.activate(new, &mut sink)?;
     assert_ne!(new_slot, old_slot);
     assert_eq!(sink.slots[&old_slot], old.fingerprint);
@@ -169,7 +168,7 @@ fn reload_in_place_keeps_running_requests_on_their_weights() -> anyhow::Result<(
     assert_eq!((m.cpu.entries, m.cpu.capacity, m.cpu_retired), (3, 2, 1));
     assert!(store.adapter(other).is_some());
     // The last release of the old generation frees its CPU entry and its slot.
-    store.release(old);
+    drop(old_lease);
     assert!(store.adapter(old).is_none());
     assert_eq!(store.slot_of(old), None);
     let m = store.metrics();
@@ -183,7 +182,7 @@ fn unload_lets_running_requests_finish() -> anyhow::Result<()> {
     let store = runtime_store(tmp.path(), 2)?;
     let a = store.load("a", synthetic(tmp.path(), "a", 1))?;
     let mut sink = CountingSink::default();
-    store.pin(a)?;
+    let lease = store.lease(a)?;
     let slot = store.activate(a, &mut sink)?;
     let weights = store.adapter(a).unwrap();
 
@@ -194,7 +193,7 @@ fn unload_lets_running_requests_finish() -> anyhow::Result<()> {
     assert!(Arc::ptr_eq(&store.adapter(a).unwrap(), &weights));
     assert_eq!(store.activate(a, &mut sink)?, slot);
     assert_eq!(store.metrics().cpu_retired, 1);
-    store.release(a);
+    drop(lease);
     assert!(store.adapter(a).is_none());
     assert_eq!(store.slot_of(a), None);
     assert_eq!(store.metrics().cpu.entries, 0);

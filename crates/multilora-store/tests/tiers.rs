@@ -49,6 +49,7 @@ fn a_bad_startup_adapter_fails_the_build() {
     let config = StoreConfig::new("base", fixture_shapes()).max_lora_rank(16);
     let err = Store::new(config, vec![("big".into(), fixture("adapters/rank32"))]).unwrap_err();
     assert_eq!(err.kind(), "rank_too_large");
+    assert!(matches!(&err, multilora_store::Error::Startup { name, .. } if name == "big"), "{err:?}");
     assert!(err.to_string().contains("\"big\"") && err.to_string().contains("exceeds max_lora_rank 16"), "{err}");
     let config = StoreConfig::new("base", fixture_shapes()).max_loras(4).max_cpu_loras(2);
     assert_eq!(Store::new(config, vec![]).unwrap_err().kind(), "config");
@@ -106,20 +107,20 @@ fn slots_are_lru_and_pins_keep_them() -> anyhow::Result<()> {
     assert_eq!(sink.slots[&1], g[2].fingerprint);
 
     // Pinned by a running request, "a" stays even though it is the LRU.
-    store.pin(g[0])?;
+    let lease_a = store.lease(g[0])?;
     assert_eq!(store.activate(g[3], &mut sink)?, 1);
     assert_eq!(store.slot_of(g[0]), Some(0));
     // With both slots pinned, activation is a typed error and changes nothing.
-    store.pin(g[3])?;
+    let lease_d = store.lease(g[3])?;
     let err = store.activate(g[1], &mut sink).unwrap_err();
     assert_eq!(err.kind(), "all_slots_pinned");
     assert!(err.to_string().contains("\"b\"") && err.to_string().contains("all 2 slots are pinned"), "{err}");
     assert_eq!(store.resident_slots(), [(0, g[0]), (1, g[3])]);
-    store.release(g[3]);
+    drop(lease_d);
     assert_eq!(store.activate(g[1], &mut sink)?, 1);
 
     // The operator's pin keeps "b" resident after its requests are gone.
-    store.release(g[0]);
+    drop(lease_a);
     assert_eq!(store.pin_adapter("b")?, g[1]);
     assert!(store.info("b").unwrap().operator_pinned);
     assert_eq!(store.activate(g[2], &mut sink)?, 0);
@@ -146,7 +147,7 @@ fn activation_needs_the_cpu_tier() -> anyhow::Result<()> {
     // "a" was evicted from the CPU tier to make room for "b", and was never in a slot.
     let err = store.activate(a, &mut CountingSink::default()).unwrap_err();
     assert_eq!(err.kind(), "not_ready");
-    assert_eq!(store.pin(a).unwrap_err().kind(), "not_ready");
+    assert_eq!(store.lease(a).unwrap_err().kind(), "not_ready");
     assert_eq!(store.activate(b, &mut CountingSink::default())?, 0);
     Ok(())
 }
@@ -257,7 +258,7 @@ proptest! {
         let builder = sources.iter().enumerate().fold(Store::builder(config), |b, (i, s)| b.startup(format!("p{i}"), s.clone()));
         let store = builder.build().unwrap();
         let gens: Vec<AdapterGen> = (0..5).map(|i| ready(&store, &format!("p{i}"))).collect();
-        let mut pins = [0u32; 5];
+        let mut leases: Vec<Vec<multilora_store::SlotLease>> = (0..5).map(|_| Vec::new()).collect();
         let mut operator = [false; 5];
         let mut sink = CountingSink::default();
         for op in ops {
@@ -273,19 +274,19 @@ proptest! {
                         prop_assert_eq!(before.len(), max_loras);
                         let all_pinned = before.iter().all(|(_, g)| {
                             let j = gens.iter().position(|x| x == g).unwrap();
-                            pins[j] > 0 || operator[j]
+                            !leases[j].is_empty() || operator[j]
                         });
                         prop_assert!(all_pinned);
                     }
                 },
-                Op::Pin(i) => { store.pin(gens[i]).unwrap(); pins[i] += 1; }
-                Op::Release(i) => { store.release(gens[i]); pins[i] = pins[i].saturating_sub(1); }
+                Op::Pin(i) => leases[i].push(store.lease(gens[i]).unwrap()),
+                Op::Release(i) => drop(leases[i].pop()),
                 Op::PinAdapter(i) => { store.pin_adapter(&format!("p{i}")).unwrap(); operator[i] = true; }
                 Op::UnpinAdapter(i) => { store.unpin_adapter(&format!("p{i}")).unwrap(); operator[i] = false; }
             }
             for (slot, g) in &before {
                 let j = gens.iter().position(|x| x == g).unwrap();
-                if pins[j] > 0 || operator[j] {
+                if !leases[j].is_empty() || operator[j] {
                     prop_assert_eq!(store.slot_of(*g), Some(*slot));
                 }
             }

@@ -10,6 +10,7 @@ use multilora_models::{HubConfig, KvCacheConfig, Model, ModelConfig, ModelOption
 use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
 
+use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::handle::Engine;
 
@@ -21,51 +22,11 @@ pub const DEFAULT_KV_CACHE_BYTES: u64 = 256 << 20;
 /// weights, slots, activations and KV together.
 pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
-/// The resolved configuration an engine runs with.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct EngineConfig {
-    /// The model source as given.
-    pub model: String,
-    /// The model's local directory (the hub cache's snapshot for a hub id): `tokenizer.json`,
-    /// `tokenizer_config.json` (chat template, special tokens) and `generation_config.json`.
-    pub model_dir: PathBuf,
-    /// The name requests use for the base model.
-    pub served_model_name: String,
-    /// Adapter slots (distinct adapters per step); 0 = LoRA off.
-    pub max_loras: usize,
-    /// Adapters held in host memory.
-    pub max_cpu_loras: usize,
-    /// Rank of every slot.
-    pub max_lora_rank: usize,
-    /// Modules with slot buffers.
-    pub lora_target_modules: Vec<ModuleKind>,
-    /// Dtype of adapters and slots.
-    pub lora_dtype: DType,
-    /// Model dtype.
-    pub dtype: DType,
-    /// Context length.
-    pub max_model_len: usize,
-    /// Most running requests.
-    pub max_num_seqs: usize,
-    /// Most tokens per step.
-    pub max_num_batched_tokens: usize,
-    /// How long a step carrying decode rows may take.
-    pub step_time: StepTime,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// KV blocks allocated.
-    pub num_kv_blocks: usize,
-    /// Bytes of all slot buffers.
-    pub lora_slot_bytes: u64,
-    /// Prefix caching on.
-    pub enable_prefix_caching: bool,
-    /// Runtime load / unload / reload allowed.
-    pub allow_runtime_lora_updating: bool,
-    /// Vocabulary size.
-    pub vocab_size: usize,
-    /// EOS ids from the model config.
-    pub eos_token_ids: Vec<u32>,
+impl Engine {
+    /// A builder for an engine serving `model` (a directory or a hub id `org/name[@rev]`).
+    pub fn builder(model: impl Into<String>) -> EngineBuilder {
+        EngineBuilder::new(model.into())
+    }
 }
 
 /// Builds an [`Engine`]: `Engine::builder("path/to/model").max_loras(8).lora("sql", "path").build()?`.
@@ -298,7 +259,7 @@ impl EngineBuilder {
         let (tx, rx) = std::sync::mpsc::channel();
         let wake = tx.clone();
         let mut store = Store::builder(store_cfg).notify(move || {
-            let _ = wake.send(crate::engine_loop::Command::Wake);
+            let _ = wake.send(crate::command::Command::Wake);
         });
         for add in std::mem::take(&mut self.resolvers.0) {
             store = add(store);
@@ -307,11 +268,9 @@ impl EngineBuilder {
             let parsed = AdapterSource::parse(src).map_err(|e| adapter_err(name, &e))?;
             store = store.startup(name.clone(), parsed);
         }
-        let store = store.build().map_err(|e| {
-            // The store's message names the failing start-up adapter; name the error after it too.
-            let text = e.to_string();
-            let name = self.loras.iter().map(|(n, _)| n.as_str()).find(|n| text.contains(&format!("{n:?}")));
-            EngineError::from_store(name.unwrap_or("start-up adapters"), &e)
+        let store = store.build().map_err(|e| match e {
+            multilora_store::Error::Startup { name, source } => EngineError::from_store(&name, &source),
+            other => EngineError::Config(other.to_string()),
         })?;
 
         let max_model_len = self.max_model_len.unwrap_or(cfg.max_model_len());

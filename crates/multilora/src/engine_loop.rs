@@ -12,17 +12,17 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use multilora_models::{Batch, KvCache, LogitsRows, Model, SeqInput};
 use multilora_scheduler::{LogitsWanted, Request, RequestResult, Scheduler, SchedulerOutput};
-use multilora_store::{AdapterGen, AdapterStatus, Store};
+use multilora_store::{AdapterGen, AdapterStatus, LoadEvent, SlotLease, Store};
 use parking_lot::Mutex;
 use tokenizers::Tokenizer;
-use tokio::sync::mpsc::UnboundedSender;
 
-use crate::builder::EngineConfig;
+use crate::command::{Command, Submission};
+use crate::config::EngineConfig;
 use crate::detokenize::Detokenizer;
 use crate::error::{EngineError, Result};
 use crate::metrics::{Counters, Histogram, MetricsSnapshot, TierOccupancy};
@@ -30,43 +30,16 @@ use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams, Usage};
 use crate::sampling::{SamplerState, log_softmax, top_n};
 use crate::step_cost::CostEstimator;
 
-/// What handles send to the loop.
-#[derive(Debug)]
-pub(crate) enum Command {
-    /// A validated, tokenized request.
-    Submit(Box<Submission>),
-    /// Cancel a request (its stream was dropped).
-    Abort(u64),
-    /// Unload an adapter and fail the requests waiting for it.
-    Unload(String, SyncSender<Result<()>>),
-    /// Send a metrics snapshot.
-    Metrics(SyncSender<MetricsSnapshot>),
-    /// A background load finished: look at the deferred requests again.
-    Wake,
-    /// Stop: fail what is left and exit.
-    Shutdown,
-}
-
-/// A request as the handle prepared it.
-#[derive(Debug)]
-pub(crate) struct Submission {
-    pub(crate) id: u64,
-    pub(crate) model: String,
-    pub(crate) prompt: Vec<u32>,
-    pub(crate) params: SamplingParams,
-    pub(crate) events: UnboundedSender<Event>,
-    pub(crate) arrived: Instant,
-}
-
 /// A live request: deferred (waiting for its adapter) or in the scheduler.
 #[derive(Debug)]
 struct Live {
     sub: Submission,
     generation: Option<AdapterGen>,
-    /// Whether this request holds a pin on `generation`: from the step it starts running until
-    /// it finishes, is cancelled or is preempted (a waiting request must not hold a slot, or
-    /// waiting requests of running adapters could pin every slot).
-    pinned: bool,
+    /// This request's pin on `generation`: held from the step it starts running until it
+    /// finishes, is cancelled or is preempted (a waiting request must not hold a slot, or
+    /// waiting requests of running adapters could pin every slot). Dropped with the request,
+    /// so a pin cannot outlive it.
+    lease: Option<SlotLease>,
     sampler: SamplerState,
     detok: Option<Detokenizer>,
     /// Generated text so far; kept only when stop strings need it.
@@ -190,6 +163,16 @@ impl EngineLoop {
                     break 'outer;
                 }
             }
+            // The store's load events woke the loop (its notify sends `Wake`); taking them keeps
+            // the store's queue bounded. Deferred requests are re-checked against the store
+            // below on every iteration, so the events are only logged.
+            for ev in self.store.poll_completed() {
+                match ev {
+                    LoadEvent::Ready { name, .. } => tracing::debug!(adapter = %name, "adapter in host memory"),
+                    LoadEvent::Failed { name, error } => tracing::warn!(adapter = %name, %error, "adapter load failed"),
+                    _ => {}
+                }
+            }
             if !self.deferred.is_empty() {
                 self.note_deferred();
             }
@@ -241,7 +224,7 @@ impl EngineLoop {
             prompt_lp: sub.params.prompt_logprobs.map(|_| vec![None; sub.prompt.len()]),
             sub,
             generation: None,
-            pinned: false,
+            lease: None,
             detok,
             text: String::new(),
             last_token: None,
@@ -344,14 +327,10 @@ impl EngineLoop {
         self.finish(id, FinishReason::Error, 0);
     }
 
-    /// Removes request `id`: releases its pin, counts it, sends `Finished`.
+    /// Removes request `id` (its lease goes with it), counts it, sends `Finished`.
     fn finish(&mut self, id: u64, reason: FinishReason, completion_tokens: usize) {
-        let Some(live) = self.live.remove(&id) else { return };
-        if let Some(g) = live.generation
-            && live.pinned
-        {
-            self.store.release(g);
-        }
+        let Some(mut live) = self.live.remove(&id) else { return };
+        live.lease = None;
         *self.counters.finished.entry(reason.as_str()).or_default() += 1;
         if reason != FinishReason::Error && reason != FinishReason::Aborted {
             self.counters.e2e.observe(live.sub.arrived.elapsed());
@@ -395,7 +374,7 @@ impl EngineLoop {
             };
             // Failed, re-deferred or unpinned since `schedule`: not part of this step.
             match self.live.get(&s.id) {
-                Some(live) if s.adapter.is_none() || live.pinned => {}
+                Some(live) if s.adapter.is_none() || live.lease.is_some() => {}
                 _ => continue,
             }
             let rows = match s.logits {
@@ -412,6 +391,8 @@ impl EngineLoop {
         if seqs.is_empty() {
             return true;
         }
+        let step_rows = kept.len();
+        let step_adapters = kept.iter().filter_map(|s| s.adapter).collect::<std::collections::HashSet<_>>().len();
         let batch = Batch::new(seqs);
         let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| Ok(t.to_vec2::<f32>()?));
         let logits = match logits {
@@ -461,6 +442,8 @@ impl EngineLoop {
         c.steps += 1;
         c.step_duration.observe(elapsed);
         c.iteration_tokens.observe_value((decode_rows + prefill_tokens) as f64);
+        c.step_rows.observe_value(step_rows as f64);
+        c.step_adapters.observe_value(step_adapters as f64);
         if prefill_tokens > 0 {
             c.prefill_tokens.observe_value(prefill_tokens as f64);
         }
@@ -471,22 +454,19 @@ impl EngineLoop {
     /// pins of preempted requests (they wait again).
     fn update_pins(&mut self, out: &SchedulerOutput) {
         for &id in &out.preempted {
-            if let Some(live) = self.live.get_mut(&id)
-                && live.pinned
-                && let Some(g) = live.generation
-            {
-                live.pinned = false;
-                self.store.release(g);
+            if let Some(live) = self.live.get_mut(&id) {
+                live.lease = None;
+                self.counters.preemptions += 1;
             }
         }
         for s in &out.scheduled {
             let Some(live) = self.live.get_mut(&s.id) else { continue };
             let Some(g) = live.generation else { continue };
-            if live.pinned {
+            if live.lease.is_some() {
                 continue;
             }
-            if self.store.pin(g).is_ok() {
-                live.pinned = true;
+            if let Ok(lease) = self.store.lease(g) {
+                live.lease = Some(lease);
             } else if live.sampler.num_generated == 0 {
                 // Evicted from the CPU tier while waiting: back to the engine's queue until it
                 // is loaded again (nothing was generated, so nothing is lost).
@@ -646,7 +626,9 @@ impl EngineLoop {
             prefix_cache_queries: c.kv.queries,
             prefix_cache_query_tokens: c.kv.query_tokens,
             prefix_cache_hit_tokens: c.kv.hit_tokens,
+            preemptions: self.counters.preemptions,
             adapter_loads: sm.loads,
+            adapter_events_pending: sm.events_pending,
             adapter_evictions: sm.cpu.evictions + sm.device.evictions,
             per_adapter: self.counters.per_adapter.clone(),
             ttft: self.counters.ttft.clone(),
@@ -657,6 +639,8 @@ impl EngineLoop {
             step_duration: self.counters.step_duration.clone(),
             iteration_tokens: self.counters.iteration_tokens.clone(),
             prefill_tokens_per_step: self.counters.prefill_tokens.clone(),
+            step_rows: self.counters.step_rows.clone(),
+            step_adapters: self.counters.step_adapters.clone(),
         }
     }
 

@@ -6,8 +6,10 @@ use std::sync::Arc;
 pub type Result<T> = std::result::Result<T, EngineError>;
 
 /// Errors of the engine. Each fails only the request or call that got it; the engine goes on.
+///
+/// Exhaustive on purpose: a new variant is a compile error in every `match` over it, the
+/// server's mapping to HTTP statuses among them, instead of a silent 500.
 #[derive(Clone, Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum EngineError {
     /// The request names neither the served base model nor a known adapter.
     #[error("model {name:?} not found")]

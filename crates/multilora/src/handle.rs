@@ -11,13 +11,14 @@ use std::time::Instant;
 use multilora_adapter::{AdapterSource, ModuleKind};
 use multilora_models::{KvCache, Model};
 use multilora_scheduler::Scheduler;
-use multilora_store::Store;
+use multilora_store::{AdapterStatus, Store};
 use parking_lot::Mutex;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use crate::builder::{EngineBuilder, EngineConfig};
-use crate::engine_loop::{Command, EngineLoop, Submission};
+use crate::command::{Command, Submission};
+use crate::config::EngineConfig;
+use crate::engine_loop::EngineLoop;
 use crate::error::{EngineError, Result};
 use crate::metrics::MetricsSnapshot;
 use crate::request::{Completion, Event, FinishReason, GenerateRequest, Prompt, TokenLogprob, Usage};
@@ -77,11 +78,6 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// A builder for an engine serving `model` (a directory or a hub id `org/name[@rev]`).
-    pub fn builder(model: impl Into<String>) -> EngineBuilder {
-        EngineBuilder::new(model.into())
-    }
-
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         config: EngineConfig,
@@ -172,8 +168,10 @@ impl EngineHandle {
     }
 
     /// Validates and tokenizes `request` on the caller's thread, then queues it. Invalid
-    /// parameters, an untokenizable or too long prompt fail here; an unknown model or a failed
-    /// adapter load arrive on the stream as [`Event::Error`].
+    /// parameters, an untokenizable or too long prompt, an unknown model and an adapter whose
+    /// last load failed fail here, before anything is queued. An adapter that is not in host
+    /// memory yet starts loading here; if that load fails, the error arrives on the stream as
+    /// [`Event::Error`] ([`RequestStream::adapter_ready`] says which case a stream is in).
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
         let config = &self.shared.config;
         request.params.validate(config.vocab_size)?;
@@ -193,12 +191,32 @@ impl EngineHandle {
         if prompt.len() >= config.max_model_len {
             return Err(EngineError::PromptTooLong { prompt_len: prompt.len(), max_model_len: config.max_model_len });
         }
+        let adapter_ready = self.resolve(&request.model)?;
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = unbounded_channel();
         let sub =
             Submission { id, model: request.model, prompt, params: request.params, events, arrived: Instant::now() };
         self.shared.tx.send(Command::Submit(Box::new(sub))).map_err(|_| EngineError::Shutdown)?;
-        Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false })
+        Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false, adapter_ready })
+    }
+
+    /// Whether `model` is served: the base model, or an adapter the store knows or a resolver
+    /// may find (whose load this starts). `Ok(true)` when its weights are in host memory now
+    /// (the base always), `Ok(false)` while its load runs.
+    fn resolve(&self, model: &str) -> Result<bool> {
+        let config = &self.shared.config;
+        if model == config.served_model_name {
+            return Ok(true);
+        }
+        if config.max_loras == 0 {
+            return Err(EngineError::ModelNotFound { name: model.to_string() });
+        }
+        match self.shared.store.lookup(model) {
+            Ok(AdapterStatus::Ready(_)) => Ok(true),
+            Ok(AdapterStatus::Failed(e)) => Err(EngineError::from_store_arc(model, &e)),
+            Ok(_) => Ok(false),
+            Err(e) => Err(EngineError::from_store(model, &e)),
+        }
     }
 
     /// Tokenizes `text` with the model's tokenizer; `add_special_tokens` adds what the tokenizer's
@@ -340,12 +358,21 @@ pub struct RequestStream {
     rx: UnboundedReceiver<Event>,
     tx: Sender<Command>,
     done: bool,
+    adapter_ready: bool,
 }
 
 impl RequestStream {
     /// The engine's id of this request.
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Whether the request's model was in host memory when it was submitted (the base model
+    /// always is). When it was not, its adapter was still loading, and a failed load arrives
+    /// on this stream as its first event, [`Event::Error`]; otherwise the request was valid
+    /// when it was queued.
+    pub fn adapter_ready(&self) -> bool {
+        self.adapter_ready
     }
 
     /// The next event, waiting for it; `None` once the request is over. Must not be called

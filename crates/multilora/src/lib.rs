@@ -29,8 +29,9 @@
 //!   commands are drained between steps, and an idle engine blocks on its channel.
 //! - A request reaches the scheduler only once its adapter is in host memory; until then it waits
 //!   in the engine in arrival order (counted as deferred).
-//! - Parameters are checked and prompts tokenized on the caller's thread, so `submit` returns
-//!   `invalid_request` / `prompt_too_long` at once; an unknown model or failed adapter arrives on
+//! - Parameters, prompts and model names are checked (and prompts tokenized) on the caller's
+//!   thread, so `submit` returns `invalid_request` / `prompt_too_long` / `model_not_found` at
+//!   once and an invalid request is never queued; only a cold adapter's failed load arrives on
 //!   the stream as [`Event::Error`].
 //! - `n > 1` is refused with `invalid_request` for now.
 //! - Logprobs are the log-softmax of the raw logits (before temperature and penalties), as vLLM
@@ -45,6 +46,8 @@
 struct ReadmeDoctests;
 
 mod builder;
+mod command;
+mod config;
 mod detokenize;
 mod engine_loop;
 mod error;
@@ -54,13 +57,14 @@ mod request;
 mod sampling;
 mod step_cost;
 
-pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, EngineConfig};
+pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder};
 pub use candle_core::{DType, Device};
+pub use config::EngineConfig;
 pub use error::{EngineError, Result};
 pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};
 pub use metrics::{
-    AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_BUCKETS_S, STEP_TOKEN_BUCKETS,
-    TierOccupancy,
+    AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
+    STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
 };
 /// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
 pub use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};

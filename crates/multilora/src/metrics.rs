@@ -16,6 +16,11 @@ pub const STEP_BUCKETS_S: [f64; 14] =
 pub const STEP_TOKEN_BUCKETS: [f64; 14] =
     [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0];
 
+/// Bucket bounds (sequences) of the rows of a step.
+pub const STEP_ROW_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+/// Bucket bounds (adapters) of the distinct adapters of a step (0: base-model rows only).
+pub const STEP_ADAPTER_BUCKETS: [f64; 10] = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0];
+
 /// A histogram with fixed upper bounds; one more count for `+Inf`. Latencies are in seconds; the
 /// step-token histograms count tokens (their `sum_seconds` is then a sum of tokens).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -115,8 +120,13 @@ pub struct MetricsSnapshot {
     pub prefix_cache_query_tokens: u64,
     /// Tokens found cached.
     pub prefix_cache_hit_tokens: u64,
+    /// Running requests preempted for KV blocks (they wait again and recompute).
+    pub preemptions: u64,
     /// Adapter loads into the CPU tier.
     pub adapter_loads: u64,
+    /// The store's load events the engine loop has not consumed yet; it takes them every
+    /// iteration, so this stays near 0 however many loads an engine's life sees.
+    pub adapter_events_pending: usize,
     /// Adapter evictions from the CPU tier and from device slots.
     pub adapter_evictions: u64,
     /// Per adapter usage, by name.
@@ -139,6 +149,12 @@ pub struct MetricsSnapshot {
     /// Prompt tokens prefilled per step, in steps that prefill any: the trade-off the step-time
     /// budget makes between arriving prompts and running streams.
     pub prefill_tokens_per_step: Histogram,
+    /// Sequences per step (decode rows and prefill chunks): the batch size; `sum / count` is the
+    /// exact mean.
+    pub step_rows: Histogram,
+    /// Distinct adapters per step (base-model rows count none): how many adapters share each
+    /// forward pass.
+    pub step_adapters: Histogram,
 }
 
 /// The counters the engine loop accumulates.
@@ -153,10 +169,13 @@ pub(crate) struct Counters {
     pub(crate) itl: Histogram,
     pub(crate) e2e: Histogram,
     pub(crate) deferred_max: usize,
+    pub(crate) preemptions: u64,
     pub(crate) steps: u64,
     pub(crate) step_duration: Histogram,
     pub(crate) iteration_tokens: Histogram,
     pub(crate) prefill_tokens: Histogram,
+    pub(crate) step_rows: Histogram,
+    pub(crate) step_adapters: Histogram,
 }
 
 impl Default for Counters {
@@ -171,10 +190,13 @@ impl Default for Counters {
             itl: Histogram::new(&ITL_BUCKETS_S),
             e2e: Histogram::new(&LATENCY_BUCKETS_S),
             deferred_max: 0,
+            preemptions: 0,
             steps: 0,
             step_duration: Histogram::new(&STEP_BUCKETS_S),
             iteration_tokens: Histogram::new(&STEP_TOKEN_BUCKETS),
             prefill_tokens: Histogram::new(&STEP_TOKEN_BUCKETS),
+            step_rows: Histogram::new(&STEP_ROW_BUCKETS),
+            step_adapters: Histogram::new(&STEP_ADAPTER_BUCKETS),
         }
     }
 }

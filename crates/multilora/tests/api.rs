@@ -1,6 +1,7 @@
-//! The public API's promises: handles are `Send + Sync`, public enums are `#[non_exhaustive]`,
-//! streaming text is valid UTF-8 and adds up to the whole, seeded sampling repeats, stop strings
-//! and logprobs behave as in vLLM.
+//! The public API's promises: handles are `Send + Sync`, public enums are `#[non_exhaustive]`
+//! (all but `EngineError`, exhaustive so that matches over it must handle every variant), the step
+//! metrics count every step's rows and adapters exactly, streaming text is valid UTF-8 and adds
+//! up to the whole, seeded sampling repeats, stop strings and logprobs behave as in vLLM.
 
 mod common;
 
@@ -21,13 +22,16 @@ fn handles_are_send_and_sync() {
 
 #[test]
 fn public_enums_and_structs_are_non_exhaustive() -> Result<()> {
+    // The one exception: `EngineError` is exhaustive so that every match over it (the server's
+    // HTTP statuses) must handle a new variant.
+    const EXHAUSTIVE: &[&str] = &["pub enum EngineError {"];
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     for entry in std::fs::read_dir(src)? {
         let path = entry?.path();
         let text = std::fs::read_to_string(&path)?;
         let lines: Vec<&str> = text.lines().collect();
         for (i, line) in lines.iter().enumerate() {
-            if line.starts_with("pub enum ") {
+            if line.starts_with("pub enum ") && !EXHAUSTIVE.contains(line) {
                 let attrs = &lines[i.saturating_sub(3)..i];
                 assert!(attrs.iter().any(|l| l.contains("#[non_exhaustive]")), "{}: {line}", path.display());
             }
@@ -115,9 +119,43 @@ fn defaults_follow_the_startup_adapters_and_max_loras_zero_turns_lora_off() -> R
         off.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p.clone()))?.collect_blocking()?.token_ids.len(),
         3
     );
-    let err = off.submit(GenerateRequest::new("qv_r8", vec![1, 2]).params(p))?.collect_blocking().unwrap_err();
+    // Refused at submit, before anything is queued.
+    let err = off.submit(GenerateRequest::new("qv_r8", vec![1, 2]).params(p)).unwrap_err();
     assert_eq!(err.kind(), "model_not_found");
     let err = Engine::builder(path("base")).max_loras(0).lora("x", path("adapters/qv_r8")).build().unwrap_err();
     assert_eq!(err.kind(), "invalid_config");
+    Ok(())
+}
+
+#[test]
+fn step_metrics_count_every_step_exactly() -> Result<()> {
+    let engine = builder(4).build()?;
+    let before = engine.metrics();
+    let work = [("qv_r8", 5), ("all_r16", 7), (BASE, 3), ("qv_r8", 4)];
+    let streams = work
+        .iter()
+        .map(|&(model, n)| {
+            let mut p = SamplingParams::greedy(n);
+            p.ignore_eos = true;
+            engine.submit(GenerateRequest::new(model, vec![1, 294, 488]).params(p))
+        })
+        .collect::<multilora::Result<Vec<_>>>()?;
+    for s in streams {
+        s.collect_blocking()?;
+    }
+    let m = wait_for(&engine, |m| m.running == 0);
+    let steps = m.steps - before.steps;
+    assert!(steps >= 7, "the longest request alone needs 7 steps: {steps}");
+    assert_eq!(m.step_rows.count - before.step_rows.count, steps);
+    assert_eq!(m.step_adapters.count - before.step_adapters.count, steps);
+    // A short prompt is one row in the step that prefills it, then one per decode step: each
+    // request is in exactly as many steps as it has tokens.
+    let rows = m.step_rows.sum_seconds - before.step_rows.sum_seconds;
+    assert_eq!(rows, work.iter().map(|&(_, n)| n as f64).sum::<f64>(), "{m:?}");
+    // Two adapters at most in any step, and at least one in each step with adapter rows.
+    let adapters = m.step_adapters.sum_seconds - before.step_adapters.sum_seconds;
+    assert!(adapters >= 7.0 && adapters <= 2.0 * steps as f64, "{adapters} over {steps} steps");
+    let over_two: u64 = m.step_adapters.counts.iter().skip(3).sum();
+    assert_eq!(over_two, 0, "bucket bounds 0, 1, 2 hold every step: {:?}", m.step_adapters);
     Ok(())
 }

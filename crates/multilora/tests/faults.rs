@@ -1,6 +1,7 @@
 //! Faults affect only the request they hit: an unknown model, invalid parameters, a corrupt
-//! adapter loaded at run time, a cancelled stream, and 1,000 requests from 8 threads at once;
-//! afterwards every KV block and slot pin is back.
+//! adapter loaded at run time, a stream dropped at any point (waiting, prefilling, decoding,
+//! preempted), and 1,000 requests from 8 threads at once; afterwards every KV block and slot
+//! lease is back.
 
 mod common;
 
@@ -18,10 +19,12 @@ fn greedy(n: usize) -> SamplingParams {
 fn unknown_model_and_bad_params_fail_alone() -> Result<()> {
     let engine = builder(4).build()?;
     let ok1 = engine.submit(GenerateRequest::new("qv_r8", vec![1, 294, 488]).params(greedy(4)))?;
-    let bad = engine.submit(GenerateRequest::new("no-such-adapter", vec![1, 294, 488]).params(greedy(4)))?;
-    let ok2 = engine.submit(GenerateRequest::new(BASE, "Hello world").params(greedy(4)))?;
-    let err = bad.collect_blocking().unwrap_err();
+    // An unknown model is refused at submit, before anything is queued.
+    let err = engine.submit(GenerateRequest::new("no-such-adapter", vec![1, 294, 488]).params(greedy(4))).unwrap_err();
     assert_eq!(err.kind(), "model_not_found", "{err}");
+    assert!(err.to_string().contains("no-such-adapter"), "{err}");
+    let ok2 = engine.submit(GenerateRequest::new(BASE, "Hello world").params(greedy(4)))?;
+    assert!(ok1.adapter_ready() && ok2.adapter_ready(), "start-up adapters and the base are in host memory");
     assert_eq!(ok1.collect_blocking()?.token_ids.len(), 4);
     assert_eq!(ok2.collect_blocking()?.token_ids.len(), 4);
 
@@ -50,25 +53,72 @@ fn corrupt_runtime_adapter_is_refused_and_serving_goes_on() -> Result<()> {
         assert!(err.to_string().contains(bad), "{err}");
     }
     assert_eq!(running.collect_blocking()?.token_ids.len(), 8);
-    let later = engine.submit(GenerateRequest::new("truncated", vec![1, 2]).params(greedy(2)))?;
-    assert_eq!(later.collect_blocking().unwrap_err().kind(), "model_not_found");
+    let later = engine.submit(GenerateRequest::new("truncated", vec![1, 2]).params(greedy(2))).unwrap_err();
+    assert_eq!(later.kind(), "model_not_found");
     Ok(())
 }
 
+/// Polls the engine's metrics (each answered between two steps) until `state` holds.
+fn until(engine: &multilora::Engine, what: &str, state: impl Fn(&multilora::MetricsSnapshot) -> bool) {
+    let start = std::time::Instant::now();
+    while !state(&engine.metrics()) {
+        assert!(start.elapsed().as_secs() < 20, "never reached: {what}: {:?}", engine.metrics());
+    }
+}
+
 #[test]
-fn dropped_stream_frees_blocks_and_pins() -> Result<()> {
+fn dropped_stream_returns_its_lease_and_blocks_at_any_point() -> Result<()> {
+    let prompt = |n: usize, k: usize| -> Vec<u32> { (0..n).map(|i| (3 + i * 7 + k * 31) as u32 % 509).collect() };
+
+    // Decoding: after its first token.
     let engine = builder(4).build()?;
-    let prompt: Vec<u32> = (0..40).map(|i| 3 + i % 500).collect();
-    let mut stream = engine.submit(GenerateRequest::new("all_r16", prompt).params(greedy(400)))?;
+    let slot_bytes = engine.config().lora_slot_bytes;
+    let mut stream = engine.submit(GenerateRequest::new("all_r16", prompt(40, 0)).params(greedy(400)))?;
     let first = stream.recv_blocking();
     assert!(matches!(first, Some(Event::Token { .. })), "{first:?}");
     let m = engine.metrics();
-    assert_eq!(m.running, 1);
-    assert!(m.kv_usage > 0.0 && m.pinned_slots == 1, "{m:?}");
+    assert!(m.running == 1 && m.kv_usage > 0.0 && m.pinned_slots == 1, "{m:?}");
     drop(stream);
     let m = wait_for(&engine, |m| m.running == 0);
     assert_idle(&m);
     assert_eq!(m.requests_finished.get("abort"), Some(&1), "{m:?}");
+
+    // Prefilling: a long prompt in 16-token chunks, dropped before its first token.
+    let engine = builder(4).max_num_batched_tokens(16).build()?;
+    let stream = engine.submit(GenerateRequest::new("all_r16", prompt(480, 1)).params(greedy(4)))?;
+    until(&engine, "prefilling", |m| m.running == 1 && m.pinned_slots == 1 && m.kv_usage > 0.0);
+    let m = engine.metrics();
+    assert_eq!(m.generation_tokens, 0, "still in its prefill: {m:?}");
+    drop(stream);
+    assert_idle(&wait_for(&engine, |m| m.running == 0));
+
+    // Waiting: one sequence at a time, behind a long request of another adapter.
+    let engine = builder(4).max_num_seqs(1).build()?;
+    let blocker = engine.submit(GenerateRequest::new("qv_r8", prompt(8, 2)).params(greedy(400)))?;
+    let waiting = engine.submit(GenerateRequest::new("all_r16", prompt(8, 3)).params(greedy(4)))?;
+    until(&engine, "one running, one waiting", |m| m.running == 1 && m.waiting == 1);
+    drop(waiting);
+    let m = wait_for(&engine, |m| m.waiting == 0);
+    assert_eq!((m.running, m.pinned_slots), (1, 1), "only the blocker's lease is left: {m:?}");
+    drop(blocker);
+    assert_idle(&wait_for(&engine, |m| m.running == 0));
+
+    // Preempted: a KV pool of ~600 tokens (2 KiB each; the slots count against the budget) and
+    // two requests that grow to 464 each; the newer one is preempted (its blocks and lease
+    // returned) and dropped while it waits again.
+    let engine = builder(4).kv_cache_bytes(slot_bytes + 1_250_000).build()?;
+    let first = engine.submit(GenerateRequest::new("qv_r8", prompt(64, 4)).params(greedy(400)))?;
+    let second = engine.submit(GenerateRequest::new("all_r16", prompt(64, 5)).params(greedy(400)))?;
+    until(&engine, "a preemption", |m| m.preemptions >= 1 && m.running == 1 && m.waiting == 1);
+    let m = engine.metrics();
+    assert_eq!(m.pinned_slots, 1, "the preempted request holds no lease while it waits: {m:?}");
+    drop(second);
+    let m = wait_for(&engine, |m| m.waiting == 0);
+    assert_eq!((m.running, m.pinned_slots), (1, 1), "{m:?}");
+    drop(first);
+    let m = wait_for(&engine, |m| m.running == 0);
+    assert_idle(&m);
+    assert_eq!(m.requests_finished.get("abort"), Some(&2), "{m:?}");
     Ok(())
 }
 
@@ -164,6 +214,7 @@ fn resolved_adapter_waits_in_the_engine_while_it_loads() -> Result<()> {
     let streams: Vec<_> = (0..3)
         .map(|i| engine.submit(GenerateRequest::new("rslora_r4", vec![1, 2, 3 + i]).params(greedy(3))))
         .collect::<multilora::Result<_>>()?;
+    assert!(!streams[0].adapter_ready(), "its load had only started at submit");
     for s in streams {
         assert_eq!(s.collect_blocking()?.token_ids.len(), 3);
     }

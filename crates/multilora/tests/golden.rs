@@ -35,25 +35,26 @@ struct GenCheck {
 /// Submits every row of `batches` and every case of `generation`, all before collecting any.
 fn submit_all(engine: &Engine, batches: &Value, generation: &Value) -> Result<(Vec<RowCheck>, Vec<GenCheck>)> {
     let mut rows = Vec::new();
-    for b in batches.as_array().into_iter().flatten() {
-        let file = fixtures().join(b["expected"].as_str().unwrap_or_default());
+    for b in batches.as_array().unwrap_or_else(|| panic!("fixture: batches is not a list: {batches}")) {
+        let file = fixtures().join(b["expected"].as_str().expect("fixture: a batch without \"expected\""));
         let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?;
-        for r in b["rows"].as_array().into_iter().flatten() {
-            let tensor = r["tensor"].as_str().unwrap_or_default();
+        for r in list(b, "rows") {
+            let tensor = r["tensor"].as_str().expect("fixture: a row without \"tensor\"");
             let expected = tensors[tensor].to_vec2::<f32>()?;
             let ids = ids(&r["input_ids"]);
             let mut params = SamplingParams::greedy(1);
             params.prompt_logprobs = Some(0);
-            let stream = engine.submit(GenerateRequest::new(model_of(&r["adapter"]), ids.clone()).params(params))?;
+            let stream = engine.submit(GenerateRequest::new(model_of(r), ids.clone()).params(params))?;
             rows.push(RowCheck { label: format!("{} {tensor}", b["name"]), ids, expected, stream });
         }
     }
     let mut gens = Vec::new();
-    for (i, g) in generation.as_array().into_iter().flatten().enumerate() {
+    for (i, g) in
+        generation.as_array().unwrap_or_else(|| panic!("fixture: not a list: {generation}")).iter().enumerate()
+    {
         let mut params = SamplingParams::greedy(16);
         params.ignore_eos = true;
-        let stream =
-            engine.submit(GenerateRequest::new(model_of(&g["adapter"]), ids(&g["input_ids"])).params(params))?;
+        let stream = engine.submit(GenerateRequest::new(model_of(g), ids(&g["input_ids"])).params(params))?;
         gens.push(GenCheck {
             label: format!("generation {i} ({})", g["adapter"]),
             output: ids(&g["output_ids"]),

@@ -13,15 +13,10 @@ fn greedy_cases_are_batch_invariant() -> Result<()> {
     let cases = cases()?;
     let mut p = SamplingParams::greedy(16);
     p.ignore_eos = true;
-    let gens: Vec<_> = cases["generation"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .chain(cases["extra_generation"].as_array().into_iter().flatten())
-        .collect();
+    let gens: Vec<_> = list(&cases, "generation").iter().chain(list(&cases, "extra_generation")).collect();
     let mut alone = Vec::new();
     for g in &gens {
-        let req = GenerateRequest::new(model_of(&g["adapter"]), ids(&g["input_ids"])).params(p.clone());
+        let req = GenerateRequest::new(model_of(g), ids(&g["input_ids"])).params(p.clone());
         alone.push(engine.submit(req)?.collect_blocking()?.token_ids);
     }
     let names =
@@ -33,9 +28,7 @@ fn greedy_cases_are_batch_invariant() -> Result<()> {
     }
     let mut mixed = Vec::new();
     for g in &gens {
-        mixed.push(
-            engine.submit(GenerateRequest::new(model_of(&g["adapter"]), ids(&g["input_ids"])).params(p.clone()))?,
-        );
+        mixed.push(engine.submit(GenerateRequest::new(model_of(g), ids(&g["input_ids"])).params(p.clone()))?);
     }
     for (i, (stream, want)) in mixed.into_iter().zip(&alone).enumerate() {
         assert_eq!(&stream.collect_blocking()?.token_ids, want, "case {i}");

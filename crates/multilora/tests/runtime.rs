@@ -1,6 +1,7 @@
 //! Adapter management while serving: refused when off; load, use, reload in place with
 //! different weights (outputs change, and prefix-cache blocks of the old generation are not
-//! reused), unload (then `model_not_found`).
+//! reused), unload (then `model_not_found`, refused at submit); ten thousand loads over an
+//! engine's life leave no growing queue of load events.
 
 mod common;
 
@@ -54,9 +55,35 @@ fn load_use_reload_in_place_and_unload() -> Result<()> {
     assert_eq!(hits, 0, "no block computed with the old weights is reused");
 
     h.unload_adapter("x")?;
-    let err = engine.submit(GenerateRequest::new("x", prompt.clone()))?.collect_blocking().unwrap_err();
+    let err = engine.submit(GenerateRequest::new("x", prompt.clone())).unwrap_err();
     assert_eq!(err.kind(), "model_not_found");
     assert!(engine.models().iter().all(|m| m.id != "x"));
     assert_idle(&wait_for(&engine, |m| m.running == 0));
+    Ok(())
+}
+
+#[test]
+fn ten_thousand_loads_leave_no_growing_queue() -> Result<()> {
+    let engine = Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_loras(2)
+        .kv_cache_bytes(8 << 20)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(fixtures())
+        .build()?;
+    let h = engine.handle();
+    const LOADS: u64 = 10_000;
+    for i in 0..LOADS {
+        h.load_adapter("x", &path("adapters/qv_r8"))?;
+        h.unload_adapter("x")?;
+        if i % 1000 == 999 {
+            let m = engine.metrics();
+            // At most the last load's event, if the snapshot came before the loop took it.
+            assert!(m.adapter_events_pending <= 1, "after {} loads: {m:?}", i + 1);
+        }
+    }
+    let m = engine.metrics();
+    assert_eq!(m.adapter_loads, LOADS);
+    assert!(m.adapter_events_pending <= 1, "{m:?}");
     Ok(())
 }

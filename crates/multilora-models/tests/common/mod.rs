@@ -112,24 +112,49 @@ pub struct Row {
     pub expected: Tensor,
 }
 
+/// The fixture list `v[key]`; a missing key fails the test instead of checking nothing.
+pub fn list<'a>(v: &'a Value, key: &str) -> &'a [Value] {
+    v.get(key).and_then(Value::as_array).unwrap_or_else(|| panic!("fixture: no list {key:?}")).as_slice()
+}
+
+/// A fixture's token id list; a missing key or a value that is not an id fails the test.
+pub fn ids(v: &Value) -> Vec<u32> {
+    let list = v.as_array().unwrap_or_else(|| panic!("fixture: expected a list of token ids, found {v}"));
+    list.iter().map(|x| x.as_u64().unwrap_or_else(|| panic!("fixture: {x} is not a token id")) as u32).collect()
+}
+
+/// A fixture row's `adapter` (`null`: the base model); a row without the key fails the test.
+pub fn adapter_of(row: &Value) -> Option<String> {
+    match row.get("adapter") {
+        Some(Value::Null) => None,
+        Some(Value::String(name)) => Some(name.clone()),
+        other => panic!("fixture: a row without a valid \"adapter\" ({other:?}): {row}"),
+    }
+}
+
+/// A fixture string field; a missing one fails the test.
+pub fn text<'a>(v: &'a Value, key: &str) -> &'a str {
+    v.get(key).and_then(Value::as_str).unwrap_or_else(|| panic!("fixture: no string {key:?} in {v}"))
+}
+
 /// Rows of `batches` (and of `extra_batches` when `extra`), with their expected logits.
 pub fn rows(extra: bool) -> Result<Vec<Row>> {
     let cases = cases()?;
-    let mut lists = vec![cases["batches"].as_array().cloned().unwrap_or_default()];
+    let mut lists = vec![list(&cases, "batches")];
     if extra {
-        lists.push(cases["extra_batches"].as_array().cloned().unwrap_or_default());
+        lists.push(list(&cases, "extra_batches"));
     }
     let mut out = Vec::new();
     for b in lists.into_iter().flatten() {
-        let name = b["name"].as_str().unwrap_or_default().to_string();
+        let name = text(b, "name").to_string();
         let expected =
             candle_core::safetensors::load(fixture().join(format!("expected/{name}.safetensors")), &Device::Cpu)?;
-        for r in b["rows"].as_array().into_iter().flatten() {
-            let tensor = r["tensor"].as_str().unwrap_or_default().to_string();
+        for r in list(b, "rows") {
+            let tensor = text(r, "tensor").to_string();
             out.push(Row {
                 batch: name.clone(),
-                adapter: r["adapter"].as_str().map(str::to_string),
-                ids: r["input_ids"].as_array().into_iter().flatten().map(|x| x.as_u64().unwrap_or(0) as u32).collect(),
+                adapter: adapter_of(r),
+                ids: ids(&r["input_ids"]),
                 expected: expected[&tensor].clone(),
                 tensor,
             });

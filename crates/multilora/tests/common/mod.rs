@@ -49,12 +49,26 @@ pub fn builder(max_loras: usize) -> EngineBuilder {
     b
 }
 
+/// A fixture's token id list. A missing key or a value that is not a token id fails the test
+/// loudly, never a silently empty list.
 pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default()
+    let list = v.as_array().unwrap_or_else(|| panic!("fixture: expected a list of token ids, found {v}"));
+    list.iter().map(|x| x.as_u64().unwrap_or_else(|| panic!("fixture: {x} is not a token id")) as u32).collect()
 }
 
-pub fn model_of(v: &Value) -> String {
-    v.as_str().unwrap_or(BASE).to_string()
+/// The model a fixture row or case names: its `adapter`, `null` meaning the base model. A row
+/// without the key fails the test.
+pub fn model_of(row: &Value) -> String {
+    match row.get("adapter") {
+        Some(Value::Null) => BASE.to_string(),
+        Some(Value::String(name)) => name.clone(),
+        other => panic!("fixture: a row without a valid \"adapter\" ({other:?}): {row}"),
+    }
+}
+
+/// The fixture list `v[key]`; a missing key fails the test instead of checking nothing.
+pub fn list<'a>(v: &'a Value, key: &str) -> &'a [Value] {
+    v.get(key).and_then(Value::as_array).unwrap_or_else(|| panic!("fixture: no list {key:?}")).as_slice()
 }
 
 /// Polls metrics until `done` holds (the loop may still be releasing after a drop).
