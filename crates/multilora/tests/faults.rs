@@ -200,21 +200,40 @@ fn adapter_whose_files_disappear_fails_alone() -> Result<()> {
     Ok(())
 }
 
+/// The directory resolver, holding its answer for `rslora_r4` until the gate opens (a message
+/// or the sender dropped): that adapter's load is in flight for as long as the test wants.
+struct Gated {
+    inner: multilora::DirectoryResolver,
+    gate: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl multilora::Resolver for Gated {
+    fn resolve(&self, name: &str) -> multilora_store::Result<Option<multilora_adapter::AdapterSource>> {
+        if name == "rslora_r4" {
+            let _ = self.gate.lock().map(|g| g.recv());
+        }
+        self.inner.resolve(name)
+    }
+}
+
 #[test]
 fn resolved_adapter_waits_in_the_engine_while_it_loads() -> Result<()> {
     let root = fixtures().join("adapters");
+    let (open, gate) = std::sync::mpsc::channel();
     let engine = multilora::Engine::builder(path("base"))
         .served_model_name(BASE)
         .max_lora_rank(16)
         .kv_cache_bytes(8 << 20)
         .allow_runtime_lora_updating(true)
         .allowed_lora_root(root.clone())
-        .lora_resolver(multilora::DirectoryResolver::new(root))
+        .lora_resolver(Gated { inner: multilora::DirectoryResolver::new(root), gate: std::sync::Mutex::new(gate) })
         .build()?;
     let streams: Vec<_> = (0..3)
         .map(|i| engine.submit(GenerateRequest::new("rslora_r4", vec![1, 2, 3 + i]).params(greedy(3))))
         .collect::<multilora::Result<_>>()?;
-    assert!(!streams[0].adapter_ready(), "its load had only started at submit");
+    assert!(streams.iter().all(|s| !s.adapter_ready()), "its load had only started at submit");
+    until(&engine, "all three waiting in the engine for the load", |m| m.deferred == 3 && m.running == 0);
+    drop(open);
     for s in streams {
         assert_eq!(s.collect_blocking()?.token_ids.len(), 3);
     }
