@@ -19,8 +19,7 @@ use clap::Args;
 use clap::builder::TypedValueParser;
 use indicatif::{ProgressBar, ProgressStyle};
 use multilora::{
-    Engine, Event, GenerateRequest, Histogram, MetricsSnapshot, ModelShapes, ModuleKind, SamplingParams,
-    SyntheticAdapter,
+    Engine, Event, GenerateRequest, MetricsSnapshot, ModelShapes, ModuleKind, SamplingParams, SyntheticAdapter,
 };
 use serde_json::json;
 
@@ -235,11 +234,6 @@ impl RunReport {
     }
 }
 
-/// The mean of a histogram's observations (exact: the sum and the count are kept exactly).
-fn mean(h: &Histogram) -> f64 {
-    if h.count == 0 { 0.0 } else { h.sum_seconds / h.count as f64 }
-}
-
 /// Percentile `p` of `v` in milliseconds (nearest rank).
 fn percentile_ms(v: &mut [Duration], p: f64) -> f64 {
     v.sort();
@@ -315,8 +309,8 @@ fn print_report(r: &mut RunReport, max_loras: usize) {
     let per: Vec<String> = m.per_adapter.iter().map(|(k, u)| format!("{k} {}", u.requests)).collect();
     println!("requests per model:        {}", per.join(", "));
     println!("engine steps:              {} (failed requests: {})", m.steps, r.errors);
-    println!("mean batch size:           {:.1} sequences per step", mean(&m.step_rows));
-    println!("distinct adapters / step:  {:.2}", mean(&m.step_adapters));
+    println!("mean batch size:           {:.1} sequences per step", m.step_rows.mean());
+    println!("distinct adapters / step:  {:.2}", m.step_adapters.mean());
     let hit = if m.prefix_cache_query_tokens == 0 {
         0.0
     } else {
@@ -370,7 +364,7 @@ pub(crate) fn run(a: DemoArgs) -> Result<(), Failure> {
         "=> with 4 slots a step mixes up to 4 adapters ({:.2} on average), so requests for different adapters share \
          each forward pass; with 1 slot each step serves one adapter and requests for the others wait: {:.0} vs {:.0} tokens/s, \
          {:.1}x the wall time.",
-        mean(&wide.metrics.step_adapters),
+        wide.metrics.step_adapters.mean(),
         wide.tokens_per_s(),
         narrow.tokens_per_s(),
         narrow.wall.as_secs_f64() / wide.wall.as_secs_f64()

@@ -141,12 +141,11 @@ fn main() -> anyhow::Result<()> {
     }
     for (engine, (name, _)) in engines.iter().zip(&settings) {
         let m = engine.metrics();
-        let mean = |h: &multilora::Histogram| if h.count == 0 { 0.0 } else { h.sum_seconds / h.count as f64 };
         println!(
             "  {name:<26} {} steps, mean step {:.1} ms, mean prefill tokens per prefilling step {:.0}",
             m.steps,
-            1e3 * mean(&m.step_duration),
-            mean(&m.prefill_tokens_per_step)
+            1e3 * m.step_duration.mean(),
+            m.prefill_tokens_per_step.mean()
         );
     }
     Ok(())

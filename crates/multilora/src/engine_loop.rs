@@ -236,9 +236,8 @@ impl EngineLoop {
             self.admit(id, None);
             return;
         }
-        if self.config.max_loras == 0 {
-            return self.fail(id, EngineError::ModelNotFound { name });
-        }
+        // `submit` refused names that are not served (LoRA off included); the store is asked
+        // again because the adapter may have loaded, failed or been unloaded since.
         let earlier = self.deferred.iter().any(|d| self.live.get(d).is_some_and(|l| l.sub.model == name));
         match self.store.request(&name) {
             Ok(AdapterStatus::Ready(g)) if !earlier => self.admit(id, Some(g)),
@@ -391,8 +390,6 @@ impl EngineLoop {
         if seqs.is_empty() {
             return true;
         }
-        let step_rows = kept.len();
-        let step_adapters = kept.iter().filter_map(|s| s.adapter).collect::<std::collections::HashSet<_>>().len();
         let batch = Batch::new(seqs);
         let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| Ok(t.to_vec2::<f32>()?));
         let logits = match logits {
@@ -436,14 +433,15 @@ impl EngineLoop {
         }
         let decode_rows = batch.seqs.iter().filter(|s| s.tokens.len() == 1).count();
         let prefill_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).filter(|&n| n > 1).sum();
+        let adapters = kept.iter().filter_map(|s| s.adapter).collect::<std::collections::HashSet<_>>().len();
         let elapsed = started.elapsed();
         self.cost.observe(decode_rows, prefill_tokens, elapsed.as_secs_f64());
         let c = &mut self.counters;
         c.steps += 1;
         c.step_duration.observe(elapsed);
         c.iteration_tokens.observe_value((decode_rows + prefill_tokens) as f64);
-        c.step_rows.observe_value(step_rows as f64);
-        c.step_adapters.observe_value(step_adapters as f64);
+        c.step_rows.observe_value(batch.seqs.len() as f64);
+        c.step_adapters.observe_value(adapters as f64);
         if prefill_tokens > 0 {
             c.prefill_tokens.observe_value(prefill_tokens as f64);
         }

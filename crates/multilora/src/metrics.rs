@@ -47,6 +47,12 @@ impl Histogram {
         self.observe_value(d.as_secs_f64());
     }
 
+    /// The mean of the observations (exact: the sum and the count are kept exactly); 0 when
+    /// there are none.
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 { 0.0 } else { self.sum_seconds / self.count as f64 }
+    }
+
     /// Adds one observation of a plain value (tokens, for the step-token histograms).
     pub fn observe_value(&mut self, v: f64) {
         let i = self.bounds.iter().position(|&b| v <= b).unwrap_or(self.bounds.len());

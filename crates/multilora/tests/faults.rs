@@ -58,14 +58,6 @@ fn corrupt_runtime_adapter_is_refused_and_serving_goes_on() -> Result<()> {
     Ok(())
 }
 
-/// Polls the engine's metrics (each answered between two steps) until `state` holds.
-fn until(engine: &multilora::Engine, what: &str, state: impl Fn(&multilora::MetricsSnapshot) -> bool) {
-    let start = std::time::Instant::now();
-    while !state(&engine.metrics()) {
-        assert!(start.elapsed().as_secs() < 20, "never reached: {what}: {:?}", engine.metrics());
-    }
-}
-
 #[test]
 fn dropped_stream_returns_its_lease_and_blocks_at_any_point() -> Result<()> {
     let prompt = |n: usize, k: usize| -> Vec<u32> { (0..n).map(|i| (3 + i * 7 + k * 31) as u32 % 509).collect() };

@@ -17,6 +17,17 @@ fn run(engine: &Engine, model: &str, prompt: &[u32]) -> Result<(Vec<u32>, u64)> 
     Ok((out.token_ids, engine.metrics().prefix_cache_hit_tokens - before))
 }
 
+/// The fixture base with runtime adapter updating on, confined to the fixtures, two slots.
+fn runtime_engine() -> Result<Engine> {
+    Ok(Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_loras(2)
+        .kv_cache_bytes(8 << 20)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(fixtures())
+        .build()?)
+}
+
 #[test]
 fn refused_when_runtime_updating_is_off() -> Result<()> {
     let engine = builder(2).build()?;
@@ -29,13 +40,7 @@ fn refused_when_runtime_updating_is_off() -> Result<()> {
 
 #[test]
 fn load_use_reload_in_place_and_unload() -> Result<()> {
-    let engine = Engine::builder(path("base"))
-        .served_model_name(BASE)
-        .max_loras(2)
-        .kv_cache_bytes(8 << 20)
-        .allow_runtime_lora_updating(true)
-        .allowed_lora_root(fixtures())
-        .build()?;
+    let engine = runtime_engine()?;
     let h = engine.handle();
     let prompt: Vec<u32> = (0..40).map(|i| (7 + i * 11) % 512).collect();
     h.load_adapter("x", &path("adapters/qv_r8"))?;
@@ -64,13 +69,7 @@ fn load_use_reload_in_place_and_unload() -> Result<()> {
 
 #[test]
 fn ten_thousand_loads_leave_no_growing_queue() -> Result<()> {
-    let engine = Engine::builder(path("base"))
-        .served_model_name(BASE)
-        .max_loras(2)
-        .kv_cache_bytes(8 << 20)
-        .allow_runtime_lora_updating(true)
-        .allowed_lora_root(fixtures())
-        .build()?;
+    let engine = runtime_engine()?;
     let h = engine.handle();
     const LOADS: u64 = 10_000;
     for i in 0..LOADS {

@@ -83,6 +83,16 @@ pub fn wait_for(engine: &Engine, done: impl Fn(&MetricsSnapshot) -> bool) -> Met
     }
 }
 
+/// Polls metrics without pausing (each answer comes between two steps, so no step is missed)
+/// until `state` holds; fails the test, naming `what`, if it never does. For states that last
+/// only a few steps, where [`wait_for`]'s pause could miss them.
+pub fn until(engine: &Engine, what: &str, state: impl Fn(&MetricsSnapshot) -> bool) {
+    let start = Instant::now();
+    while !state(&engine.metrics()) {
+        assert!(start.elapsed() < Duration::from_secs(20), "never reached: {what}: {:?}", engine.metrics());
+    }
+}
+
 /// Everything returned: nothing running, waiting or deferred, no KV blocks or slot pins held.
 pub fn assert_idle(m: &MetricsSnapshot) {
     assert_eq!((m.running, m.waiting, m.deferred), (0, 0, 0), "{m:?}");
