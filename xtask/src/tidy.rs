@@ -1,6 +1,6 @@
 //! `cargo xtask tidy`: every `.rs` file opens with `//!`, no file is over 800 lines, no
-//! `todo!`/`unimplemented!` in shipped code, and the crate dependency direction of the design holds
-//! (read from `cargo metadata`).
+//! `todo!`/`unimplemented!` in shipped code, the crate dependency direction of the design holds
+//! (read from `cargo metadata`), and the shared vocabulary is defined once, in `multilora-types`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -9,9 +9,11 @@ use anyhow::{Context, Result, bail};
 
 const MAX_LINES: usize = 800;
 
-/// Each workspace crate and the workspace crates it may depend on (normal and build dependencies).
-/// Pure crates also may not pull in candle or threads of their own.
+/// Each workspace crate and the workspace crates it may depend on (normal and build dependencies),
+/// besides `multilora-types`, which every crate may use and which itself uses none of ours. Pure
+/// crates also may not pull in candle or threads of their own.
 const ALLOWED: &[(&str, &[&str])] = &[
+    ("multilora-types", &[]),
     ("multilora-adapter", &[]),
     ("multilora-prefix-cache", &[]),
     ("multilora-scheduler", &["multilora-prefix-cache"]),
@@ -39,14 +41,31 @@ const ALLOWED: &[(&str, &[&str])] = &[
 
 /// Crates that must stay free of tensors and devices (the kernels crate is sources, a build
 /// script and plain parameter structs: the candle glue lives in `multilora-layers`).
-const PURE: &[&str] = &["multilora-prefix-cache", "multilora-scheduler", "multilora-kernels"];
+const PURE: &[&str] = &["multilora-types", "multilora-prefix-cache", "multilora-scheduler", "multilora-kernels"];
+
+/// The bottom crate everyone may use.
+const TYPES: &str = "multilora-types";
+
+/// The shared vocabulary: defined in `multilora-types` only, so no crate translates another's copy.
+const VOCABULARY: &[&str] = &[
+    "struct AdapterId",
+    "struct Fingerprint",
+    "struct AdapterGen",
+    "struct SlotId",
+    "struct LoraLimits",
+    "enum FinishReason",
+    "enum LogitsWanted",
+    "struct Histogram",
+    "enum ModuleKind",
+];
 
 pub(crate) fn run() -> Result<()> {
     let root = workspace_root()?;
     let mut problems = Vec::new();
     check_files(&root, &mut problems)?;
-    check_dependencies(&root, &mut problems)?;
+    let users = check_dependencies(&root, &mut problems)?;
     if problems.is_empty() {
+        println!("tidy: {TYPES} (depends on none of ours) is used by {}", users.join(", "));
         println!("tidy: ok");
         Ok(())
     } else {
@@ -78,6 +97,16 @@ fn check_files(root: &Path, problems: &mut Vec<String>) -> Result<()> {
             problems.push(format!("{rel}: {lines} lines, over {MAX_LINES}: split it"));
         }
         let shipped = rel.contains("/src/") && !rel.contains("/tests/");
+        if !rel.starts_with("crates/multilora-types/") && !rel.starts_with("xtask/") {
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                if let Some(item) =
+                    VOCABULARY.iter().find(|v| code.contains(&format!("{v} ")) || code.contains(&format!("{v}(")))
+                {
+                    problems.push(format!("{rel}:{}: `{item}` is shared vocabulary: use multilora-types'", n + 1));
+                }
+            }
+        }
         if shipped {
             for (n, line) in text.lines().enumerate() {
                 let code = line.split("//").next().unwrap_or("");
@@ -110,7 +139,9 @@ fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-fn check_dependencies(root: &Path, problems: &mut Vec<String>) -> Result<()> {
+/// Checks the dependency table; returns the crates that take the shared vocabulary from
+/// `multilora-types`.
+fn check_dependencies(root: &Path, problems: &mut Vec<String>) -> Result<Vec<String>> {
     let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
         .current_dir(root)
@@ -122,6 +153,7 @@ fn check_dependencies(root: &Path, problems: &mut Vec<String>) -> Result<()> {
     let meta: serde_json::Value = serde_json::from_slice(&output.stdout).context("parse cargo metadata")?;
     let packages = meta["packages"].as_array().context("metadata has no packages")?;
     let members: Vec<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
+    let mut users = Vec::new();
     for package in packages {
         let name = package["name"].as_str().unwrap_or("?");
         if name == "xtask" || name.starts_with("multilora-bench") {
@@ -139,6 +171,10 @@ fn check_dependencies(root: &Path, problems: &mut Vec<String>) -> Result<()> {
             if kind == Some("dev") {
                 continue;
             }
+            if dep_name == TYPES && name != TYPES {
+                users.push(name.to_string());
+                continue;
+            }
             if members.contains(&dep_name) && !allowed.contains(&dep_name) {
                 problems.push(format!("{name} depends on {dep_name}, which the design does not allow"));
             }
@@ -147,5 +183,6 @@ fn check_dependencies(root: &Path, problems: &mut Vec<String>) -> Result<()> {
             }
         }
     }
-    Ok(())
+    users.sort();
+    Ok(users)
 }

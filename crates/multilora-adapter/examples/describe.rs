@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use candle_core::Device;
-use multilora_adapter::{AdapterSource, LoadOptions, ModelShapes, load};
+use multilora_adapter::{AdapterSource, LoadOptions, load};
 
 fn main() -> Result<()> {
     let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny");
@@ -30,9 +30,7 @@ fn main() -> Result<()> {
         }
     }
 
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).context("read the base config.json")?)?;
-    let mut shapes = ModelShapes::from_config_json(&config).map_err(anyhow::Error::msg)?;
+    let mut shapes = multilora_adapter::ModelConfig::from_file(&base.join("config.json"))?.shapes();
     // The embedding digest lets adapters that carry a saved embedding (LoRA on embed_tokens) be
     // checked; without the weights file they are refused, and the output says so.
     let weights_path = base.join("model.safetensors");

@@ -2,43 +2,14 @@
 //! its content `Fingerprint`, and the `SlotSink` trait through which it is written into device slots.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use candle_core::{DType, Tensor};
+pub use multilora_types::{Fingerprint, SlotId};
 
 use crate::config::AdapterConfig;
 use crate::error::Result;
 use crate::module::{ModuleId, ModuleKind};
 use crate::shapes::ModelShapes;
-
-/// blake3-256 of an adapter's normalized config and tensor bytes: its identity in the prefix cache
-/// and the scheduler. Two adapters with the same fingerprint compute the same function.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Fingerprint(pub [u8; 32]);
-
-impl Fingerprint {
-    /// The raw digest.
-    pub fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
-    }
-
-    /// Lowercase hex of the whole digest.
-    pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
-    }
-}
-
-impl fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", &self.to_hex()[..16])
-    }
-}
-
-impl fmt::Display for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_hex())
-    }
-}
 
 /// One adapted module: `delta(x) = b · (a · x)` with PEFT's scaling already folded into `b`.
 ///
@@ -204,9 +175,9 @@ impl LoraAdapter {
 /// fused layout the model uses.
 pub trait SlotSink {
     /// Places `adapter` in `slot`, replacing whatever was there.
-    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> Result<()>;
+    fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> Result<()>;
     /// Zeroes `slot`.
-    fn clear_slot(&mut self, slot: usize) -> Result<()>;
+    fn clear_slot(&mut self, slot: SlotId) -> Result<()>;
 }
 
 /// A digest of a base embedding matrix `[vocab, hidden]`: blake3-256 over its values as f32

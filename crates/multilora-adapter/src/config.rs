@@ -10,10 +10,12 @@
 //! - for `rank_pattern` and `alpha_pattern`, the first key in file order for which
 //!   `(.*\.)?(key)$` matches the module name from its start wins.
 
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 /// `target_modules` / `exclude_modules`: a list of names, or one regex over the full module name.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
 pub enum ModuleSelector {
     /// Names; a module matches when its name equals one or ends with `.` + one.
     List(Vec<String>),
@@ -101,85 +103,44 @@ pub(crate) enum Refusal {
 }
 
 impl AdapterConfig {
-    /// Parses the text of an `adapter_config.json`. Structural problems come back as a reason.
+    /// Parses the text of an `adapter_config.json`. Structural problems come back as a reason
+    /// that names the field (`serde_path_to_error`).
     pub fn parse(text: &str) -> std::result::Result<AdapterConfig, String> {
-        let value: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let value: Value = serde_path_to_error::deserialize(de).map_err(|e| format!("not valid JSON: {e}"))?;
         let Value::Object(raw) = value else {
             return Err("the top level is not a JSON object".to_string());
         };
-        let peft_type = opt_str(&raw, "peft_type")?.unwrap_or_else(|| "LORA".to_string());
-        let r = match raw.get("r") {
-            None | Some(Value::Null) => 8,
-            Some(v) => as_int(v).ok_or_else(|| format!("field \"r\" is not an integer: {v}"))?,
-        };
-        let lora_alpha = match raw.get("lora_alpha") {
-            None | Some(Value::Null) => 8.0,
-            Some(v) => v.as_f64().ok_or_else(|| format!("field \"lora_alpha\" is not a number: {v}"))?,
-        };
-        let target_modules = match selector(&raw, "target_modules")? {
+        let fields: RawConfig =
+            serde_path_to_error::deserialize(Value::Object(raw.clone())).map_err(|e| format!("field {e}"))?;
+        let target_modules = match fields.target_modules {
             Some(ModuleSelector::Regex(s)) if s == "all-linear" => ModuleSelector::List(
                 crate::module::ModuleKind::PROJECTIONS.iter().map(|k| k.short_name().to_string()).collect(),
             ),
             Some(s) => s,
             None => return Err("field \"target_modules\" is missing or null".to_string()),
         };
-        let layers_to_transform = match raw.get("layers_to_transform") {
-            None | Some(Value::Null) => None,
-            Some(v) if as_int(v).is_some() => as_int(v).map(|i| vec![i]),
-            Some(Value::Array(items)) => Some(
-                items
-                    .iter()
-                    .map(|i| as_int(i).ok_or_else(|| format!("layers_to_transform entry {i} is not an integer")))
-                    .collect::<std::result::Result<Vec<_>, _>>()?,
-            ),
-            Some(v) => return Err(format!("field \"layers_to_transform\" is not an integer or a list: {v}")),
-        };
-        let layers_pattern = match raw.get("layers_pattern") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(vec![s.clone()]),
-            Some(Value::Array(items)) => Some(
-                items
-                    .iter()
-                    .map(|i| {
-                        i.as_str()
-                            .map(str::to_string)
-                            .ok_or_else(|| format!("layers_pattern entry {i} is not a string"))
-                    })
-                    .collect::<std::result::Result<Vec<_>, _>>()?,
-            ),
-            Some(v) => return Err(format!("field \"layers_pattern\" is not a string or a list: {v}")),
-        };
-        let rank_pattern = pattern(&raw, "rank_pattern", as_int)?;
-        let alpha_pattern = pattern(&raw, "alpha_pattern", Value::as_f64)?;
-        let modules_to_save = match raw.get("modules_to_save") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|i| {
-                    i.as_str().map(str::to_string).ok_or_else(|| format!("modules_to_save entry {i} is not a string"))
-                })
-                .collect::<std::result::Result<Vec<_>, _>>()?,
-            Some(v) => return Err(format!("field \"modules_to_save\" is not a list: {v}")),
-        };
         Ok(AdapterConfig {
-            peft_type,
-            task_type: opt_str(&raw, "task_type")?,
-            r,
-            lora_alpha,
-            use_rslora: opt_bool(&raw, "use_rslora")?,
+            peft_type: fields.peft_type.unwrap_or_else(|| "LORA".to_string()),
+            task_type: fields.task_type,
+            r: fields.r.map_or(8, |r| r.0),
+            lora_alpha: fields.lora_alpha.unwrap_or(8.0),
+            use_rslora: fields.use_rslora.unwrap_or(false),
             target_modules,
-            exclude_modules: selector(&raw, "exclude_modules")?,
-            layers_to_transform,
-            layers_pattern,
-            rank_pattern,
-            alpha_pattern,
-            fan_in_fan_out: opt_bool(&raw, "fan_in_fan_out")?,
-            bias: opt_str(&raw, "bias")?.unwrap_or_else(|| "none".to_string()),
-            use_dora: opt_bool(&raw, "use_dora")?,
-            lora_bias: opt_bool(&raw, "lora_bias")?,
-            modules_to_save,
-            init_lora_weights: raw.get("init_lora_weights").cloned().unwrap_or(Value::Bool(true)),
-            base_model_name_or_path: opt_str(&raw, "base_model_name_or_path")?,
+            exclude_modules: fields.exclude_modules,
+            layers_to_transform: fields.layers_to_transform.map(|l| l.into_vec().into_iter().map(|i| i.0).collect()),
+            layers_pattern: fields.layers_pattern.map(OneOrMany::into_vec),
+            rank_pattern: fields
+                .rank_pattern
+                .map_or_else(Vec::new, |p| p.0.into_iter().map(|(k, v)| (k, v.0)).collect()),
+            alpha_pattern: fields.alpha_pattern.map_or_else(Vec::new, |p| p.0),
+            fan_in_fan_out: fields.fan_in_fan_out.unwrap_or(false),
+            bias: fields.bias.unwrap_or_else(|| "none".to_string()),
+            use_dora: fields.use_dora.unwrap_or(false),
+            lora_bias: fields.lora_bias.unwrap_or(false),
+            modules_to_save: fields.modules_to_save.unwrap_or_default(),
+            init_lora_weights: fields.init_lora_weights.unwrap_or(Value::Bool(true)),
+            base_model_name_or_path: fields.base_model_name_or_path,
             raw,
         })
     }
@@ -391,53 +352,83 @@ impl Matcher {
     }
 }
 
-fn as_int(v: &Value) -> Option<i64> {
-    v.as_i64().or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 1e15).map(|f| f as i64))
+/// The fields of `adapter_config.json` this engine reads, as written (all optional here; the
+/// defaults are PEFT's, applied in [`AdapterConfig::parse`]). Unknown fields are kept in
+/// [`AdapterConfig::raw`] and checked against the math-changing ones by name.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    peft_type: Option<String>,
+    task_type: Option<String>,
+    r: Option<Int>,
+    lora_alpha: Option<f64>,
+    use_rslora: Option<bool>,
+    target_modules: Option<ModuleSelector>,
+    exclude_modules: Option<ModuleSelector>,
+    layers_to_transform: Option<OneOrMany<Int>>,
+    layers_pattern: Option<OneOrMany<String>>,
+    rank_pattern: Option<InOrder<Int>>,
+    alpha_pattern: Option<InOrder<f64>>,
+    fan_in_fan_out: Option<bool>,
+    bias: Option<String>,
+    use_dora: Option<bool>,
+    lora_bias: Option<bool>,
+    modules_to_save: Option<Vec<String>>,
+    init_lora_weights: Option<Value>,
+    base_model_name_or_path: Option<String>,
 }
 
-fn opt_str(raw: &Map<String, Value>, key: &str) -> std::result::Result<Option<String>, String> {
-    match raw.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(v) => Err(format!("field {key:?} is not a string: {v}")),
+/// An integer, also when written as an integral float (`8.0`), as Python's `json` may write it.
+#[derive(Clone, Copy, Debug)]
+struct Int(i64);
+
+impl<'de> Deserialize<'de> for Int {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Int, D::Error> {
+        let n = serde_json::Number::deserialize(d)?;
+        n.as_i64()
+            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 1e15).map(|f| f as i64))
+            .map(Int)
+            .ok_or_else(|| serde::de::Error::custom(format!("{n} is not an integer")))
     }
 }
 
-fn opt_bool(raw: &Map<String, Value>, key: &str) -> std::result::Result<bool, String> {
-    match raw.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(format!("field {key:?} is not a boolean: {v}")),
+/// One value or a list of them (`layers_to_transform: 3` or `[0, 1]`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T> OneOrMany<T> {
+    fn into_vec(self) -> Vec<T> {
+        match self {
+            OneOrMany::One(t) => vec![t],
+            OneOrMany::Many(v) => v,
+        }
     }
 }
 
-fn selector(raw: &Map<String, Value>, key: &str) -> std::result::Result<Option<ModuleSelector>, String> {
-    match raw.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(ModuleSelector::Regex(s.clone()))),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|i| i.as_str().map(str::to_string).ok_or_else(|| format!("{key} entry {i} is not a string")))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map(|l| Some(ModuleSelector::List(l))),
-        Some(v) => Err(format!("field {key:?} is not a string or a list: {v}")),
-    }
-}
+/// An object's entries in file order (the first matching `rank_pattern` key wins).
+#[derive(Debug)]
+struct InOrder<T>(Vec<(String, T)>);
 
-fn pattern<T>(
-    raw: &Map<String, Value>,
-    key: &str,
-    get: impl Fn(&Value) -> Option<T>,
-) -> std::result::Result<Vec<(String, T)>, String> {
-    match raw.get(key) {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::Object(m)) => m
-            .iter()
-            .map(|(k, v)| {
-                get(v).map(|t| (k.clone(), t)).ok_or_else(|| format!("{key} entry {k:?} has a bad value: {v}"))
-            })
-            .collect(),
-        Some(v) => Err(format!("field {key:?} is not an object: {v}")),
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for InOrder<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<InOrder<T>, D::Error> {
+        struct Entries<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Entries<T> {
+            type Value = InOrder<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<InOrder<T>, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, T>()? {
+                    entries.push(entry);
+                }
+                Ok(InOrder(entries))
+            }
+        }
+        d.deserialize_map(Entries(std::marker::PhantomData))
     }
 }
 

@@ -238,14 +238,15 @@ pub enum Error {
         source: Box<candle_core::Error>,
     },
     /// Writing an adapter into a device slot failed.
-    #[error("slot {slot}: cannot place adapter {adapter:?}: {reason}")]
+    #[error("slot {slot}: cannot place adapter {adapter:?}: {source}")]
     SlotWrite {
         /// The slot index.
         slot: usize,
         /// Adapter name.
         adapter: String,
-        /// Why.
-        reason: String,
+        /// Why (the layer's or the model's error).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 

@@ -7,7 +7,10 @@
 //! - the scale `alpha/r` (rsLoRA `alpha/√r`) is folded into B, so later code computes `B·A·x`;
 //! - [`Fingerprint`] identifies an adapter by content (blake3-256 of the normalized config and
 //!   the tensor bytes), for the prefix cache and the scheduler;
-//! - [`LoraAdapter`], [`ModuleId`], [`ModelShapes`] and [`SlotSink`] are the shared vocabulary.
+//! - [`ModelConfig`] reads a base model's `config.json` (one serde reader for the model, the
+//!   adapter shapes and the planner);
+//! - [`LoraAdapter`], [`ModuleId`], [`ModelShapes`] and [`SlotSink`] are the shared vocabulary of
+//!   the adapter format (the plain identifiers live in `multilora-types`).
 //!
 //! ```no_run
 //! use multilora_adapter::{AdapterSource, LoadOptions, ModelShapes};
@@ -37,15 +40,17 @@ mod config;
 mod error;
 #[allow(unsafe_code)]
 mod load;
+mod model_config;
 mod module;
 mod shapes;
 mod source;
 mod synth;
 
-pub use adapter::{Fingerprint, LoraAdapter, LoraModule, SlotSink, embedding_digest, with_embedding_digest};
+pub use adapter::{Fingerprint, LoraAdapter, LoraModule, SlotId, SlotSink, embedding_digest, with_embedding_digest};
 pub use config::{AdapterConfig, ModuleSelector};
 pub use error::{Error, Result};
 pub use load::{CONFIG_FILE, ConfigSummary, LoadOptions, ModuleSetting, WEIGHTS_FILE, load_dir, read_config};
+pub use model_config::{Architecture, ConfigError, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling};
 pub use module::{ModuleId, ModuleKind};
 pub use shapes::ModelShapes;
 pub use source::{AdapterSource, HubConfig};

@@ -5,8 +5,8 @@ use crate::module::{ModuleId, ModuleKind};
 
 /// Sizes of the base model that adapters must fit.
 ///
-/// Built by the model crate from the loaded model, or by [`ModelShapes::from_config_json`] from a
-/// Hugging Face `config.json` (the capacity planner and tests use that).
+/// Built by the model crate from the loaded model, or by [`crate::ModelConfig::shapes`] from a
+/// Hugging Face `config.json`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ModelShapes {
@@ -58,46 +58,6 @@ impl ModelShapes {
             tie_word_embeddings: false,
             embed_digest: None,
         }
-    }
-
-    /// Reads the sizes from a Hugging Face `config.json` value. Returns a description of the first
-    /// missing or malformed field on failure.
-    pub fn from_config_json(config: &serde_json::Value) -> std::result::Result<ModelShapes, String> {
-        let int = |key: &str| -> std::result::Result<Option<usize>, String> {
-            match config.get(key) {
-                None | Some(serde_json::Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .map(|n| Some(n as usize))
-                    .ok_or_else(|| format!("field {key:?} is not a non-negative integer: {v}")),
-            }
-        };
-        let need = |key: &str| -> std::result::Result<usize, String> {
-            int(key)?.ok_or_else(|| format!("field {key:?} is missing"))
-        };
-        let hidden_size = need("hidden_size")?;
-        let num_heads = need("num_attention_heads")?;
-        if num_heads == 0 {
-            return Err("field \"num_attention_heads\" is 0".to_string());
-        }
-        let num_kv_heads = int("num_key_value_heads")?.unwrap_or(num_heads);
-        let head_dim = int("head_dim")?.unwrap_or(hidden_size / num_heads);
-        let architecture =
-            config.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str()).unwrap_or("").to_string();
-        let model_type = config.get("model_type").and_then(|m| m.as_str()).unwrap_or("").to_string();
-        Ok(ModelShapes {
-            architecture,
-            model_type,
-            num_layers: need("num_hidden_layers")?,
-            hidden_size,
-            intermediate_size: need("intermediate_size")?,
-            vocab_size: need("vocab_size")?,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            tie_word_embeddings: config.get("tie_word_embeddings").and_then(|t| t.as_bool()).unwrap_or(false),
-            embed_digest: None,
-        })
     }
 
     /// `(in_features, out_features)` of a module kind. For `embed_tokens` that is `(vocab, hidden)`,
@@ -159,11 +119,11 @@ mod tests {
             "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512
         });
-        let s = ModelShapes::from_config_json(&cfg).unwrap();
+        let s = crate::ModelConfig::from_json(&cfg).unwrap().shapes();
         assert_eq!(s.in_out(ModuleKind::KProj), (128, 64));
         assert_eq!(s.in_out(ModuleKind::EmbedTokens), (512, 128));
         assert_eq!(s.modules().len(), 4 * 7 + 2);
-        assert!(ModelShapes::from_config_json(&serde_json::json!({"hidden_size": 1})).is_err());
+        assert!(crate::ModelConfig::from_json(&serde_json::json!({"hidden_size": 1})).is_err());
     }
 
     #[test]

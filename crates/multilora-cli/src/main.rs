@@ -85,7 +85,7 @@ impl From<anyhow::Error> for Failure {
 
 fn run_plan(a: PlanCli) -> Result<(), Failure> {
     let config = plan::load_config(&a.model).map_err(Failure::input)?;
-    let shapes = plan::Shapes::from_config(&config).map_err(Failure::input)?;
+    let shapes = plan::Shapes::from_config(&config);
     let args = plan::PlanArgs {
         max_loras: a.max_loras,
         max_lora_rank: a.max_lora_rank,

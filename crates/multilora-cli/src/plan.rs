@@ -8,8 +8,8 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
-use serde_json::Value;
+use anyhow::{Context, Result};
+use multilora::ModelConfig;
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: f64 = (1u64 << 20) as f64;
@@ -40,28 +40,19 @@ pub(crate) struct Shapes {
 }
 
 impl Shapes {
-    /// Reads the fields from a parsed `config.json` (Llama naming, as transformers writes it).
-    pub(crate) fn from_config(c: &Value) -> Result<Shapes> {
-        let get =
-            |k: &str| c.get(k).and_then(Value::as_u64).with_context(|| format!("config.json has no integer {k:?}"));
-        let hidden = get("hidden_size")?;
-        let heads = get("num_attention_heads")?;
-        let kv_heads = c.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(heads);
-        if heads == 0 {
-            bail!("config.json: num_attention_heads is 0");
+    /// The sizes of a model as the engine reads its `config.json` (the one reader the model and
+    /// the adapter shapes use too); weights are sized in the dtype `--dtype auto` serves.
+    pub(crate) fn from_config(c: &ModelConfig) -> Shapes {
+        Shapes {
+            layers: c.num_layers as u64,
+            hidden: c.hidden_size as u64,
+            q_out: c.q_size() as u64,
+            kv_out: c.kv_size() as u64,
+            intermediate: c.intermediate_size as u64,
+            vocab: c.vocab_size as u64,
+            tied: c.tie_word_embeddings,
+            dtype_bytes: c.auto_dtype().size_in_bytes() as u64,
         }
-        let head_dim = c.get("head_dim").and_then(Value::as_u64).unwrap_or(hidden / heads);
-        let dtype = c.get("torch_dtype").or_else(|| c.get("dtype")).and_then(Value::as_str).unwrap_or("bfloat16");
-        Ok(Shapes {
-            layers: get("num_hidden_layers")?,
-            hidden,
-            q_out: heads * head_dim,
-            kv_out: kv_heads * head_dim,
-            intermediate: get("intermediate_size")?,
-            vocab: get("vocab_size")?,
-            tied: c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
-            dtype_bytes: dtype_bytes(dtype).unwrap_or(2),
-        })
     }
 
     /// (in, out) of a linear module, or None for a name plan does not know.
@@ -212,10 +203,9 @@ pub(crate) fn report(s: &Shapes, a: &PlanArgs) -> Result<String> {
 }
 
 /// Reads `config.json` from a directory or a file path.
-pub(crate) fn load_config(path: &Path) -> Result<Value> {
+pub(crate) fn load_config(path: &Path) -> Result<ModelConfig> {
     let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
-    let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))
+    Ok(ModelConfig::from_file(&file)?)
 }
 
 /// Parses a memory budget: a number of GiB, optionally suffixed `GiB`, `G` or `GB` (all GiB).
@@ -238,9 +228,10 @@ mod tests {
     use super::*;
 
     fn seed() -> Shapes {
-        let c = serde_json::json!({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 100000, "torch_dtype": "bfloat16"});
-        Shapes::from_config(&c).unwrap()
+        let c = serde_json::json!({"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 100000,
+            "torch_dtype": "bfloat16"});
+        Shapes::from_config(&ModelConfig::from_json(&c).unwrap())
     }
 
     fn targets() -> Vec<String> {
@@ -274,6 +265,47 @@ mod tests {
         t.push("lm_head".into());
         assert_eq!(s.adapter_params(16, &t).unwrap(), seven + 2 * 16 * (100000 + 4096));
         assert!(s.adapter_params(16, &["nope".to_string()]).is_err());
+    }
+
+    /// The planner takes `config.json` from the engine's own reader: the same sizes as the adapter
+    /// shapes, the same dtype as `--dtype auto`, the same refusals.
+    #[test]
+    fn plan_reads_config_json_as_the_engine_does() {
+        let base = serde_json::json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+            "intermediate_size": 704, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 64, "vocab_size": 1000});
+        let with = |extra: serde_json::Value| {
+            let mut v = base.clone();
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            v
+        };
+        let table = [
+            (with(serde_json::json!({"torch_dtype": "bfloat16", "tie_word_embeddings": true})), 2, true),
+            (with(serde_json::json!({"dtype": "float16"})), 2, false),
+            (with(serde_json::json!({})), 4, false),
+            (
+                with(serde_json::json!({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})),
+                4,
+                false,
+            ),
+            (with(serde_json::json!({"model_type": "mistral", "sliding_window": 4096})), 4, false),
+        ];
+        for (json, bytes, tied) in table {
+            let cfg = ModelConfig::from_json(&json).unwrap();
+            let (s, m) = (Shapes::from_config(&cfg), cfg.shapes());
+            let got = (s.layers, s.hidden, s.intermediate, s.vocab, s.q_out, s.kv_out);
+            let want = (3, 256, 704, 1000, (m.num_heads * m.head_dim) as u64, (m.num_kv_heads * m.head_dim) as u64);
+            assert_eq!(got, want, "{json}");
+            assert_eq!((got.4, got.5), (512, 128), "{json}");
+            assert_eq!((s.dtype_bytes, s.tied, m.tie_word_embeddings), (bytes, tied, tied), "{json}");
+            assert_eq!(s.dtype_bytes as usize, cfg.auto_dtype().size_in_bytes(), "{json}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), with(serde_json::json!({"hidden_act": "gelu"})).to_string())
+            .unwrap();
+        let e = load_config(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("hidden_act") && e.contains("gelu"), "{e}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //!
 //! Sections, each a line per check or figure, then one summary table:
 //! - `kernels`: every CUDA kernel against its slow tensor-op reference (Llama-3-8B shapes, 1…4096
-//!   tokens, 1…16 adapters of ranks 4…64 in rank-64 slots, slot -1 rows, f32 / bf16 / f16);
+//!   tokens, 1…16 adapters of ranks 4…64 in rank-64 slots, base-model rows, f32 / bf16 / f16);
 //! - `golden`: the PEFT fixtures through the engine on CUDA, f32 and bf16;
 //! - `bandwidth`: the LoRA kernels in a decode step against a device-to-device copy;
 //! - `decode`: a Llama-3-8B-shaped bf16 decode step, LoRA / base at batch 1, 16, 64;

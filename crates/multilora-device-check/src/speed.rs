@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule};
-use multilora_layers::{LoraMapping, LoraSlots, ModuleId, ModuleKind, lora_apply};
-use multilora_models::{Batch, KvCacheConfig, Model, ModelConfig, ModelOptions, SeqInput};
+use multilora_layers::{LoraMapping, LoraSlots, ModuleId, ModuleKind, SlotId, lora_apply};
+use multilora_models::{Batch, KvCacheConfig, LoraLimits, Model, ModelConfig, ModelOptions, SeqInput};
 
 use crate::kernels::{LLAMA3_8B_LAYERS, random_slots};
 use crate::report::Report;
@@ -35,7 +35,7 @@ pub(crate) fn bandwidth(report: &mut Report, dev: &Device) -> Result<()> {
         "device-to-device copy of 1 GiB",
         format!("{:.0} GB/s copied ({:.0} GB/s of memory traffic)", copy / 1e9, 2.0 * copy / 1e9),
     );
-    let slot_list: Vec<i32> = (0..rows).map(|r| (r % adapters) as i32).collect();
+    let slot_list: Vec<Option<SlotId>> = (0..rows).map(|r| Some(SlotId::new(r % adapters))).collect();
     let mapping = LoraMapping::new(&slot_list, adapters, dev)?;
     let (mut all_bytes, mut all_secs) = (0f64, 0f64);
     for (name, inp, outs) in LLAMA3_8B_LAYERS {
@@ -143,15 +143,14 @@ pub(crate) fn decode(report: &mut Report, dev: &Device, quick: bool) -> Result<(
     let (adapters, rank, ctx, bs) = (8, 16, 512, 16);
     let cfg = llama3_8b(if quick { 4 } else { 32 })?;
     let dtype = DType::BF16;
-    let opts = ModelOptions::default()
-        .dtype(dtype)
-        .device(dev.clone())
-        .max_loras(adapters)
-        .max_lora_rank(rank)
-        .lora_target_modules(&ModuleKind::PROJECTIONS);
+    let opts = ModelOptions::default().dtype(dtype).device(dev.clone()).lora(LoraLimits::new(
+        adapters,
+        rank,
+        &ModuleKind::PROJECTIONS,
+    )?);
     let mut model = Model::from_tensors(cfg.clone(), random_weights(&cfg, dtype, dev)?, &opts)?;
     for k in 0..adapters {
-        model.write_slot(k, &random_adapter(&cfg, k, rank, dtype, dev)?)?;
+        model.write_slot(SlotId::new(k), &random_adapter(&cfg, k, rank, dtype, dev)?)?;
     }
     report.info(
         SECTION,
@@ -167,7 +166,7 @@ pub(crate) fn decode(report: &mut Report, dev: &Device, quick: bool) -> Result<(
                 (0..batch)
                     .map(|i| {
                         let table: Vec<u32> = (0..blocks_per_seq).map(|b| (i * blocks_per_seq + b) as u32).collect();
-                        let slot = if lora { (i % adapters) as i32 } else { -1 };
+                        let slot = lora.then(|| SlotId::new(i % adapters));
                         SeqInput::new(vec![100 + i as u32], ctx - 1, table, slot)
                     })
                     .collect(),

@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{Criterion, criterion_group, criterion_main};
 use multilora_adapter::{AdapterConfig, Fingerprint, LoadOptions, ModelShapes, SyntheticAdapter};
 use multilora_layers::{
-    LoraAdapter, LoraLinear, LoraMapping, LoraModule, LoraSlots, ModuleId, ModuleKind, SlotConfig, lora_expand,
+    LoraAdapter, LoraLinear, LoraMapping, LoraModule, LoraSlots, ModuleId, ModuleKind, SlotConfig, SlotId, lora_expand,
     lora_expand_slow, lora_shrink, lora_shrink_slow,
 };
 
@@ -46,8 +46,8 @@ impl Rng {
     }
 
     /// 64 tokens, 8 per adapter, shuffled as a real batch arrives.
-    fn slots(&mut self) -> Vec<i32> {
-        let mut s: Vec<i32> = (0..TOKENS).map(|i| (i % ADAPTERS) as i32).collect();
+    fn slots(&mut self) -> Vec<Option<SlotId>> {
+        let mut s: Vec<Option<SlotId>> = (0..TOKENS).map(|i| Some(SlotId::new(i % ADAPTERS))).collect();
         for i in (1..s.len()).rev() {
             let j = (self.next() % (i as u64 + 1)) as usize;
             s.swap(i, j);
@@ -118,7 +118,7 @@ fn bench_step(c: &mut Criterion) {
     sorted_slots.sort();
     let mixed = LoraMapping::new(&slots, ADAPTERS, &Device::Cpu).expect("mapping");
     let sorted = LoraMapping::new(&sorted_slots, ADAPTERS, &Device::Cpu).expect("mapping");
-    let none = LoraMapping::new(&[-1; TOKENS], ADAPTERS, &Device::Cpu).expect("mapping");
+    let none = LoraMapping::new(&[None; TOKENS], ADAPTERS, &Device::Cpu).expect("mapping");
 
     let mut g = c.benchmark_group("a_step");
     g.sample_size(20);
@@ -185,9 +185,9 @@ fn bench_step(c: &mut Criterion) {
     g.sample_size(20);
     let per_adapter: Vec<(Tensor, LoraMapping)> = (0..ADAPTERS)
         .map(|k| {
-            let rows: Vec<u32> = (0..TOKENS as u32).filter(|&r| slots[r as usize] == k as i32).collect();
+            let rows: Vec<u32> = (0..TOKENS as u32).filter(|&r| slots[r as usize] == Some(SlotId::new(k))).collect();
             let idx = Tensor::new(rows.as_slice(), &Device::Cpu).expect("idx");
-            let m = LoraMapping::new(&vec![k as i32; rows.len()], ADAPTERS, &Device::Cpu).expect("mapping");
+            let m = LoraMapping::new(&vec![Some(SlotId::new(k)); rows.len()], ADAPTERS, &Device::Cpu).expect("mapping");
             (x.index_select(&idx, 0).expect("rows"), m)
         })
         .collect();

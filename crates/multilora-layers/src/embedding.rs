@@ -7,6 +7,7 @@
 
 use candle_core::{DType, Tensor};
 use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
+use multilora_types::SlotId;
 
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
@@ -55,7 +56,7 @@ impl LoraEmbedding {
         let s = Tensor::zeros((n, width), DType::F32, ids.device())?;
         let Some(ids) = mapping.gather_lora_rows(ids)? else { return Ok(s) };
         for seg in mapping.lora_segments() {
-            let slot = seg.slot as usize;
+            let slot = seg.slot.index();
             let r = slots.rank(slot);
             if r == 0 {
                 continue;
@@ -105,11 +106,11 @@ impl LoraEmbedding {
 }
 
 impl SlotSink for LoraEmbedding {
-    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
-        Ok(LoraEmbedding::write_slot(self, slot, adapter)?)
+    fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
+        Ok(LoraEmbedding::write_slot(self, slot.index(), adapter)?)
     }
 
-    fn clear_slot(&mut self, slot: usize) -> multilora_adapter::Result<()> {
-        Ok(LoraEmbedding::clear_slot(self, slot)?)
+    fn clear_slot(&mut self, slot: SlotId) -> multilora_adapter::Result<()> {
+        Ok(LoraEmbedding::clear_slot(self, slot.index())?)
     }
 }

@@ -10,13 +10,13 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A slot list names a slot the layers do not have (or a negative slot other than -1).
-    #[error("row {row}: slot {slot} is out of range (max_loras is {max_loras}, -1 means the base model)")]
+    /// A slot list names a slot the layers do not have.
+    #[error("row {row}: slot {slot} is out of range (max_loras is {max_loras})")]
     SlotOutOfRange {
         /// The row of the slot list.
         row: usize,
         /// The slot it names.
-        slot: i64,
+        slot: usize,
         /// Number of slots the layers hold.
         max_loras: usize,
     },
@@ -117,23 +117,17 @@ impl Error {
     }
 }
 
-/// The store sees slot-write failures as its own `SlotWrite`; anything else keeps its message.
+/// The store sees slot-write failures as its own `SlotWrite`, the layer's error kept as the source.
 impl From<Error> for multilora_adapter::Error {
     fn from(e: Error) -> multilora_adapter::Error {
         match e {
-            Error::SlotWrite { slot, adapter, source } => {
-                multilora_adapter::Error::SlotWrite { slot, adapter, reason: source.to_string() }
-            }
+            Error::SlotWrite { slot, adapter, source } => multilora_adapter::Error::SlotWrite { slot, adapter, source },
             Error::Candle(source) => multilora_adapter::Error::Candle {
                 adapter: String::new(),
                 op: "lora layer".to_string(),
                 source: Box::new(source),
             },
-            other => multilora_adapter::Error::Candle {
-                adapter: String::new(),
-                op: "lora layer".to_string(),
-                source: Box::new(candle_core::Error::Msg(other.to_string())),
-            },
+            other => multilora_adapter::Error::SlotWrite { slot: 0, adapter: String::new(), source: Box::new(other) },
         }
     }
 }

@@ -1,7 +1,7 @@
 //! LoRA-aware layers for multilora: one batch, many adapters, one pass over the shared base weight.
 //!
 //! Every adapted linear computes `y = x · Wᵀ` for all rows, then adds each row's own
-//! `B_k · A_k · x`, with `k` the row's slot (`-1` = base model: the row keeps the base output bit
+//! `B_k · A_k · x`, with `k` the row's slot (none = base model: the row keeps the base output bit
 //! for bit). Rows are grouped by slot once per step in a [`LoraMapping`], shared by every layer, and
 //! each layer runs one small GEMM pair per adapter at its true rank ([`lora_shrink`] /
 //! [`lora_expand`], Punica's SGMV); [`lora_shrink_slow`] / [`lora_expand_slow`] gather each row's
@@ -18,14 +18,17 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
-//! use multilora_layers::{LoraLinear, LoraMapping, ModuleId, ModuleKind, SlotConfig};
+//! use multilora_layers::{LoraLinear, LoraMapping, ModuleId, ModuleKind, SlotConfig, SlotId};
 //! # fn main() -> multilora_layers::Result<()> {
 //! let dev = Device::Cpu;
 //! let cfg = SlotConfig::new(4, 16, DType::F32, &dev);
 //! let w = Tensor::randn(0f32, 1.0, (64, 32), &dev)?;
 //! let q = ModuleId::layer(0, ModuleKind::QProj);
 //! let layer = LoraLinear::new(w, None, vec![(q, 64)], Some(&cfg))?;
-//! let mapping = LoraMapping::new(&[2, 0, -1, 2, 3, 0], cfg.max_loras, &dev)?;
+//! // Six rows: slots 2 and 0, a base-model row (no slot), slots 2, 3 and 0.
+//! let s = |i| Some(SlotId::new(i));
+//! let slots = [s(2), s(0), None, s(2), s(3), s(0)];
+//! let mapping = LoraMapping::new(&slots, cfg.max_loras, &dev)?;
 //! let x = Tensor::randn(0f32, 1.0, (6, 32), &dev)?;
 //! assert_eq!(layer.forward(&x, &mapping)?.dims(), &[6, 64]);
 //! # Ok(()) }
@@ -48,8 +51,9 @@ pub use error::{Error, Result};
 pub use linear::{LoraLinear, lora_apply};
 pub use mapping::{LoraMapping, Segment};
 pub use multilora_adapter::{
-    Error as AdapterError, Fingerprint, HubConfig, LoraAdapter, LoraModule, ModelShapes, ModuleId, ModuleKind,
-    Result as AdapterResult, SlotSink, embedding_digest, with_embedding_digest,
+    Architecture, ConfigError, Error as AdapterError, Fingerprint, HiddenAct, HubConfig, LoraAdapter, LoraModule,
+    ModelConfig, ModelShapes, ModuleId, ModuleKind, Result as AdapterResult, RopeScaling, SlotId, SlotSink,
+    embedding_digest, with_embedding_digest,
 };
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::expand::lora_expand;

@@ -4,12 +4,13 @@
 //! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row (for f32 on the CPU
 //! with the crate's kernel over the weight packed at construction, [`PackedWeight`]; otherwise
 //! candle's matmul), then adds each LoRA
-//! row's own `B_k · A_k · x` with the segmented ops; rows with slot -1 keep the base output bit for
+//! row's own `B_k · A_k · x` with the segmented ops; rows without a slot keep the base output bit for
 //! bit. `merge(slot)` folds one adapter into the weight for deployments where one tenant carries
 //! nearly all the traffic.
 
 use candle_core::{DType, Tensor};
 use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
+use multilora_types::SlotId;
 
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
@@ -187,8 +188,9 @@ impl LoraLinear {
         let others: Vec<LoraSlots> = slots.iter().map(|s| s.without(m.slot)).collect();
         let refs: Vec<&LoraSlots> = others.iter().collect();
         let y = apply_lora(x, y, &refs, mapping)?;
-        let rows: Vec<u32> =
-            (0..mapping.num_rows() as u32).filter(|&r| mapping.slots()[r as usize] != m.slot as i32).collect();
+        let rows: Vec<u32> = (0..mapping.num_rows() as u32)
+            .filter(|&r| mapping.slots()[r as usize] != Some(SlotId::new(m.slot)))
+            .collect();
         if rows.is_empty() {
             return Ok(y);
         }
@@ -389,11 +391,11 @@ fn apply_lora(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMappin
 }
 
 impl SlotSink for LoraLinear {
-    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
-        Ok(LoraLinear::write_slot(self, slot, adapter)?)
+    fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
+        Ok(LoraLinear::write_slot(self, slot.index(), adapter)?)
     }
 
-    fn clear_slot(&mut self, slot: usize) -> multilora_adapter::Result<()> {
-        Ok(LoraLinear::clear_slot(self, slot)?)
+    fn clear_slot(&mut self, slot: SlotId) -> multilora_adapter::Result<()> {
+        Ok(LoraLinear::clear_slot(self, slot.index())?)
     }
 }

@@ -1,22 +1,25 @@
 //! `LoraMapping`: the per-step map from batch rows to adapter slots, sorted into segments.
 //!
-//! Built once per step from a slot list (`-1` = base model only) and shared by every layer of the
-//! step, it holds what vLLM's `LoRAKernelMeta` holds: a stable sort of the row indices by slot,
-//! the segments of that order (one per distinct slot, `-1` first), and a "no LoRA at all" flag.
+//! Built once per step from a slot list (`None` = base model only) and shared by every layer of
+//! the step, it holds what vLLM's `LoRAKernelMeta` holds: a stable sort of the row indices by slot
+//! (base rows first), the segments of that order (one per distinct slot), and a "no LoRA at all"
+//! flag.
 //! The LoRA segments are also cut into [`Tile`]s of at most [`TILE_ROWS`] rows, the unit of work
 //! of the CUDA kernels. The index the ops gather and scatter with and the tiles are put on the
 //! device here, once per step, in one copy, so no layer copies anything between host and device.
 
 use candle_core::{Device, Tensor};
 use multilora_kernels::params::{TILE_ROWS, Tile};
+use multilora_types::SlotId;
 
 use crate::error::{Error, Result};
 
-/// A run of rows that share a slot, in the sorted order of a [`LoraMapping`].
+/// A run of rows that share an adapter slot, in the sorted order of a [`LoraMapping`] (the base
+/// rows before them are not a segment: they are [`LoraMapping::num_base_rows`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {
-    /// The slot (`-1` = base model).
-    pub slot: i32,
+    /// The slot.
+    pub slot: SlotId,
     /// First position in [`LoraMapping::sorted_indices`].
     pub start: usize,
     /// Number of rows.
@@ -28,10 +31,10 @@ pub struct Segment {
 /// Cheap to share: layers take `&LoraMapping`; cloning shares the device index tensor.
 #[derive(Clone, Debug)]
 pub struct LoraMapping {
-    slots: Vec<i32>,
+    slots: Vec<Option<SlotId>>,
     sorted: Vec<u32>,
     segments: Vec<Segment>,
-    /// Rows with slot -1; they come first in the sorted order.
+    /// Rows without an adapter; they come first in the sorted order.
     num_base: usize,
     /// The sorted order is `0..n`: rows are already grouped by slot, so the ops skip the gather.
     identity: bool,
@@ -46,31 +49,35 @@ pub struct LoraMapping {
 }
 
 impl LoraMapping {
-    /// Builds the mapping of a step. `slots[i]` is row `i`'s slot, `-1` for the base model.
+    /// Builds the mapping of a step. `slots[i]` is row `i`'s slot, `None` for the base model.
     ///
-    /// Fails when a slot is `>= max_loras` or below -1.
-    pub fn new(slots: &[i32], max_loras: usize, device: &Device) -> Result<LoraMapping> {
-        // A counting sort: stable, O(rows + slots), and no comparison of rows.
+    /// Fails when a slot is `>= max_loras`: the one place a step's slots are checked.
+    pub fn new(slots: &[Option<SlotId>], max_loras: usize, device: &Device) -> Result<LoraMapping> {
+        // A counting sort: stable, O(rows + slots), and no comparison of rows. Bucket 0 holds the
+        // base rows, bucket `s + 1` slot `s`.
+        let bucket = |slot: Option<SlotId>| slot.map_or(0, |s| s.index() + 1);
         let mut counts = vec![0usize; max_loras + 1];
         for (row, &slot) in slots.iter().enumerate() {
-            if slot < -1 || slot as i64 >= max_loras as i64 {
-                return Err(Error::SlotOutOfRange { row, slot: slot as i64, max_loras });
+            if let Some(s) = slot
+                && s.index() >= max_loras
+            {
+                return Err(Error::SlotOutOfRange { row, slot: s.index(), max_loras });
             }
-            counts[(slot + 1) as usize] += 1;
+            counts[bucket(slot)] += 1;
         }
         let mut segments = Vec::new();
         let mut starts = vec![0usize; max_loras + 1];
         let mut at = 0;
-        for (bucket, &len) in counts.iter().enumerate() {
-            starts[bucket] = at;
-            if len > 0 {
-                segments.push(Segment { slot: bucket as i32 - 1, start: at, len });
+        for (b, &len) in counts.iter().enumerate() {
+            starts[b] = at;
+            if b > 0 && len > 0 {
+                segments.push(Segment { slot: SlotId::new(b - 1), start: at, len });
             }
             at += len;
         }
         let mut sorted = vec![0u32; slots.len()];
         for (row, &slot) in slots.iter().enumerate() {
-            let bucket = (slot + 1) as usize;
+            let bucket = bucket(slot);
             sorted[starts[bucket]] = row as u32;
             starts[bucket] += 1;
         }
@@ -118,24 +125,19 @@ impl LoraMapping {
         self.slots.len()
     }
 
-    /// Every row is `-1`: layers skip all LoRA work.
+    /// No row uses an adapter: layers skip all LoRA work.
     pub fn no_lora(&self) -> bool {
         self.num_base == self.slots.len()
     }
 
     /// The slot list the mapping was built from.
-    pub fn slots(&self) -> &[i32] {
+    pub fn slots(&self) -> &[Option<SlotId>] {
         &self.slots
     }
 
-    /// The segments of the sorted order, by ascending slot, `-1` included (first).
-    pub fn segments(&self) -> &[Segment] {
-        &self.segments
-    }
-
-    /// The segments of rows that use an adapter (slot ≥ 0).
+    /// The segments of rows that use an adapter, by ascending slot (after the base rows).
     pub fn lora_segments(&self) -> impl Iterator<Item = &Segment> {
-        self.segments.iter().filter(|s| s.slot >= 0)
+        self.segments.iter()
     }
 
     /// Stable sort of the row indices by slot.
@@ -144,7 +146,7 @@ impl LoraMapping {
     }
 
     /// Whether `slots` is the list this mapping was built from (so the previous step's can be reused).
-    pub fn same_slots(&self, slots: &[i32]) -> bool {
+    pub fn same_slots(&self, slots: &[Option<SlotId>]) -> bool {
         self.slots == slots
     }
 
@@ -205,14 +207,15 @@ impl LoraMapping {
     }
 }
 
-/// The LoRA segments (slot ≥ 0) cut into tiles of at most [`TILE_ROWS`] rows, in order.
+/// The LoRA segments cut into tiles of at most [`TILE_ROWS`] rows, in order: the kernels' own
+/// index buffers, where a slot is a plain `u32`.
 fn tiles_of(segments: &[Segment], num_base: usize) -> Vec<Tile> {
     let mut tiles = Vec::new();
-    for (seg, s) in segments.iter().filter(|s| s.slot >= 0).enumerate() {
+    for (seg, s) in segments.iter().enumerate() {
         let start = s.start - num_base;
         for at in (0..s.len).step_by(TILE_ROWS) {
             tiles.push(Tile {
-                slot: s.slot as u32,
+                slot: s.slot.index() as u32,
                 seg: seg as u32,
                 start: (start + at) as u32,
                 len: TILE_ROWS.min(s.len - at) as u32,
@@ -226,15 +229,21 @@ fn tiles_of(segments: &[Segment], num_base: usize) -> Vec<Tile> {
 mod tests {
     use super::*;
 
+    /// Slot lists spelled as the kernels spell them (-1: base).
+    fn slots(s: &[i32]) -> Vec<Option<SlotId>> {
+        s.iter().map(|&s| usize::try_from(s).ok().map(SlotId::new)).collect()
+    }
+
     #[test]
     fn seed_example_segments() {
-        let m = LoraMapping::new(&[2, 0, -1, 2, 3, 0], 4, &Device::Cpu).unwrap();
-        let segs: Vec<(i32, usize)> = m.segments().iter().map(|s| (s.slot, s.len)).collect();
-        assert_eq!(segs, vec![(-1, 1), (0, 2), (2, 2), (3, 1)]);
+        let m = LoraMapping::new(&slots(&[2, 0, -1, 2, 3, 0]), 4, &Device::Cpu).unwrap();
+        let segs: Vec<(usize, usize)> = m.lora_segments().map(|s| (s.slot.index(), s.len)).collect();
+        assert_eq!(m.num_base_rows(), 1);
+        assert_eq!(segs, vec![(0, 2), (2, 2), (3, 1)]);
         assert_eq!(m.sorted_indices(), &[2, 1, 5, 0, 3, 4]);
         assert_eq!(m.lora_rows(), &[1, 5, 0, 3, 4]);
         assert!(!m.no_lora() && !m.is_sorted());
-        assert!(m.same_slots(&[2, 0, -1, 2, 3, 0]) && !m.same_slots(&[2, 0, -1, 2, 3, 1]));
+        assert!(m.same_slots(&slots(&[2, 0, -1, 2, 3, 0])) && !m.same_slots(&slots(&[2, 0, -1, 2, 3, 1])));
         let tiles: Vec<[u32; 4]> = m.tiles().iter().map(|t| [t.slot, t.seg, t.start, t.len]).collect();
         assert_eq!(tiles, vec![[0, 0, 0, 2], [2, 1, 2, 2], [3, 2, 4, 1]]);
         // The device copy holds the rows, then the tiles.
@@ -245,10 +254,10 @@ mod tests {
     #[test]
     fn long_segments_are_cut_into_tiles() {
         // 3 base rows, 19 rows of slot 1, 8 of slot 0: tiles of at most TILE_ROWS (8) rows.
-        let mut slots = vec![-1; 3];
-        slots.extend([1; 19]);
-        slots.extend([0; 8]);
-        let m = LoraMapping::new(&slots, 2, &Device::Cpu).unwrap();
+        let mut list = vec![-1; 3];
+        list.extend([1; 19]);
+        list.extend([0; 8]);
+        let m = LoraMapping::new(&slots(&list), 2, &Device::Cpu).unwrap();
         let tiles: Vec<[u32; 4]> = m.tiles().iter().map(|t| [t.slot, t.seg, t.start, t.len]).collect();
         assert_eq!(tiles, vec![[0, 0, 0, 8], [1, 1, 8, 8], [1, 1, 16, 8], [1, 1, 24, 3]]);
         let covered: u32 = m.tiles().iter().map(|t| t.len).sum();
@@ -257,16 +266,15 @@ mod tests {
 
     #[test]
     fn flags_and_errors() {
-        let m = LoraMapping::new(&[-1, -1], 4, &Device::Cpu).unwrap();
+        let m = LoraMapping::new(&slots(&[-1, -1]), 4, &Device::Cpu).unwrap();
         assert!(m.no_lora() && m.lora_index().is_none());
-        let m = LoraMapping::new(&[-1, 0, 0, 3], 4, &Device::Cpu).unwrap();
+        let m = LoraMapping::new(&slots(&[-1, 0, 0, 3]), 4, &Device::Cpu).unwrap();
         assert!(m.is_sorted() && !m.no_lora());
-        let m = LoraMapping::new(&[], 4, &Device::Cpu).unwrap();
+        let m = LoraMapping::new(&slots(&[]), 4, &Device::Cpu).unwrap();
         assert!(m.no_lora() && m.num_rows() == 0);
-        let e = LoraMapping::new(&[0, 4], 4, &Device::Cpu).unwrap_err();
+        let e = LoraMapping::new(&slots(&[0, 4]), 4, &Device::Cpu).unwrap_err();
         assert_eq!(e.kind(), "slot_out_of_range");
         assert!(e.to_string().contains("row 1: slot 4"), "{e}");
-        assert!(LoraMapping::new(&[-2], 4, &Device::Cpu).is_err());
-        assert!(LoraMapping::new(&[0], 0, &Device::Cpu).is_err());
+        assert!(LoraMapping::new(&slots(&[0]), 0, &Device::Cpu).is_err());
     }
 }

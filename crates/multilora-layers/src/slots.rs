@@ -181,7 +181,7 @@ impl LoraSlots {
 
     /// The largest real rank among the slots `mapping` uses: the width the ops work at.
     pub(crate) fn active_rank(&self, mapping: &crate::LoraMapping) -> usize {
-        mapping.lora_segments().map(|s| self.rank(s.slot as usize)).max().unwrap_or(0)
+        mapping.lora_segments().map(|s| self.rank(s.slot.index())).max().unwrap_or(0)
     }
 
     /// A copy of these slots with `slot` treated as empty (the merged slot of a merged layer).

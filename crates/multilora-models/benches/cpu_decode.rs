@@ -13,7 +13,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use multilora_adapter::{LoadOptions, ModuleKind, SyntheticAdapter};
-use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelConfig, ModelOptions, SeqInput};
+use multilora_models::{Batch, KvCache, KvCacheConfig, LoraLimits, Model, ModelConfig, ModelOptions, SeqInput, SlotId};
 
 const CONTEXT: usize = 64;
 const BLOCK: usize = 16;
@@ -80,7 +80,7 @@ fn setup() -> Setup {
         ws.push(get("lm_head.weight"));
         ws
     };
-    let opts = ModelOptions::default().max_loras(8).max_lora_rank(16).lora_target_modules(&ModuleKind::PROJECTIONS);
+    let opts = ModelOptions::default().lora(LoraLimits::new(8, 16, &ModuleKind::PROJECTIONS).expect("limits"));
     let mut model = Model::from_tensors(cfg, tensors, &opts).expect("model");
     let dir = tempfile::tempdir().expect("tempdir");
     for slot in 0..8 {
@@ -93,7 +93,7 @@ fn setup() -> Setup {
             &LoadOptions::default().max_lora_rank(16),
         )
         .expect("load");
-        model.write_slot(slot, &a).expect("slot");
+        model.write_slot(SlotId::new(slot), &a).expect("slot");
     }
     let per_seq = (CONTEXT + 1).div_ceil(BLOCK);
     // The cache content does not change the cost of a step, so the context is left zeroed.
@@ -107,7 +107,7 @@ fn batch(n: usize, lora: bool) -> Batch {
         (0..n)
             .map(|i| {
                 let table = (i as u32 * per_seq..(i as u32 + 1) * per_seq).collect();
-                SeqInput::new(vec![(i * 31 % 32000) as u32], CONTEXT, table, if lora { (i % 8) as i32 } else { -1 })
+                SeqInput::new(vec![(i * 31 % 32000) as u32], CONTEXT, table, lora.then(|| SlotId::new(i % 8)))
             })
             .collect(),
     )

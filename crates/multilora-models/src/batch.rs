@@ -5,21 +5,9 @@
 
 use candle_core::{Device, Tensor};
 use multilora_layers::LoraMapping;
+use multilora_types::{LogitsWanted, SlotId};
 
 use crate::error::{Error, Result};
-
-/// Which positions of a sequence produce logits.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LogitsRows {
-    /// Only the last new token (decode, or the final prefill chunk).
-    #[default]
-    Last,
-    /// Every new token (prompt logprobs).
-    All,
-    /// None (a prefill chunk that is not the last one).
-    Skip,
-}
 
 /// One sequence's part of a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,31 +18,27 @@ pub struct SeqInput {
     pub start_pos: usize,
     /// The sequence's blocks, in order; it must cover `start_pos + tokens.len()` positions.
     pub block_table: Vec<u32>,
-    /// The LoRA slot, `-1` for the base model.
-    pub slot: i32,
+    /// The LoRA slot, `None` for the base model.
+    pub slot: Option<SlotId>,
     /// Which new tokens want logits.
-    pub logits: LogitsRows,
+    pub logits: LogitsWanted,
 }
 
 impl SeqInput {
     /// A sequence with logits for its last token.
-    pub fn new(tokens: Vec<u32>, start_pos: usize, block_table: Vec<u32>, slot: i32) -> SeqInput {
-        SeqInput { tokens, start_pos, block_table, slot, logits: LogitsRows::Last }
+    pub fn new(tokens: Vec<u32>, start_pos: usize, block_table: Vec<u32>, slot: Option<SlotId>) -> SeqInput {
+        SeqInput { tokens, start_pos, block_table, slot, logits: LogitsWanted::Last }
     }
 
     /// Sets which rows produce logits.
-    pub fn with_logits(mut self, logits: LogitsRows) -> SeqInput {
+    pub fn with_logits(mut self, logits: LogitsWanted) -> SeqInput {
         self.logits = logits;
         self
     }
 
     /// How many logit rows this sequence produces.
     pub fn num_logit_rows(&self) -> usize {
-        match self.logits {
-            LogitsRows::Last => 1,
-            LogitsRows::All => self.tokens.len(),
-            LogitsRows::Skip => 0,
-        }
+        self.logits.rows(self.tokens.len())
     }
 }
 
@@ -202,8 +186,8 @@ impl StepPlan {
             if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= lim.vocab) {
                 return Err(Error::batch(i, format!("token {t} is out of the vocabulary of {}", lim.vocab)));
             }
-            if s.slot < -1 || s.slot as i64 >= lim.max_loras as i64 {
-                return Err(Error::batch(i, format!("slot {} is out of range (max_loras {})", s.slot, lim.max_loras)));
+            if let Some(slot) = s.slot.filter(|slot| slot.index() >= lim.max_loras) {
+                return Err(Error::batch(i, format!("{slot} is out of range (max_loras {})", lim.max_loras)));
             }
             let row = |p: usize| s.block_table[p / bs] * bs as u32 + (p % bs) as u32;
             let offset = ids.len();
@@ -212,9 +196,9 @@ impl StepPlan {
             write_rows.extend((s.start_pos..ctx).map(row));
             token_slots.extend(std::iter::repeat_n(s.slot, len));
             let wanted = match s.logits {
-                LogitsRows::Last => offset + len - 1..offset + len,
-                LogitsRows::All => offset..offset + len,
-                LogitsRows::Skip => offset..offset,
+                LogitsWanted::Last => offset + len - 1..offset + len,
+                LogitsWanted::AllPrompt => offset..offset + len,
+                LogitsWanted::None => offset..offset,
             };
             logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
             logit_rows.extend(wanted.map(|r| r as u32));

@@ -14,25 +14,16 @@ pub enum Error {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// `config.json` (or a shard index) is missing a field or holds a malformed one.
+    /// `config.json` was refused (its kind says why: `config`, `unsupported_architecture`, …).
+    #[error(transparent)]
+    ModelConfig(#[from] multilora_layers::ConfigError),
+    /// A checkpoint file is missing, or a shard index is malformed.
     #[error("{path}: {reason}")]
     Config {
         /// The file.
         path: PathBuf,
         /// What is wrong.
         reason: String,
-    },
-    /// The architecture named by `config.json` is not one this crate implements.
-    #[error("unsupported architecture {name:?} (supported: llama, mistral, qwen2)")]
-    UnsupportedArchitecture {
-        /// `model_type` / `architectures[0]` as written.
-        name: String,
-    },
-    /// A RoPE scaling type this crate does not implement.
-    #[error("unsupported rope scaling type {kind:?} (supported: default, llama3)")]
-    UnsupportedRopeScaling {
-        /// `rope_type` as written.
-        kind: String,
     },
     /// A tensor the architecture needs is absent from the checkpoint.
     #[error("tensor {tensor} is missing from the checkpoint in {dir}")]
@@ -97,9 +88,8 @@ impl Error {
     pub fn kind(&self) -> &'static str {
         match self {
             Error::Io { .. } => "io",
+            Error::ModelConfig(e) => e.kind(),
             Error::Config { .. } => "config",
-            Error::UnsupportedArchitecture { .. } => "unsupported_architecture",
-            Error::UnsupportedRopeScaling { .. } => "unsupported_rope_scaling",
             Error::TensorMissing { .. } => "tensor_missing",
             Error::ShapeMismatch { .. } => "shape_mismatch",
             Error::Hub { .. } => "hub",

@@ -16,7 +16,7 @@
 //! # fn main() -> multilora_models::Result<()> {
 //! let model = Model::load(&ModelSource::parse("tests/fixtures/peft-tiny/base")?, &ModelOptions::default())?;
 //! let mut cache = model.new_kv_cache(KvCacheConfig::new(64, 16))?;
-//! let batch = Batch::new(vec![SeqInput::new(vec![1, 294, 488], 0, vec![0], -1)]);
+//! let batch = Batch::new(vec![SeqInput::new(vec![1, 294, 488], 0, vec![0], None)]); // no adapter
 //! let logits = model.forward(&batch, &mut cache)?; // [1, vocab]
 //! # let _ = logits; Ok(()) }
 //! ```
@@ -30,15 +30,13 @@
 
 mod attention;
 mod batch;
-mod config;
 mod error;
 mod kv_cache;
 mod llama;
 mod rope;
 mod weights;
 
-pub use batch::{Batch, LogitsRows, SeqInput};
-pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use batch::{Batch, SeqInput};
 pub use error::{Error, Result};
 pub use kv_cache::{
     DeviceMemory, KvCache, KvCacheConfig, device_memory, kv_bytes_per_token, num_blocks_for_budget,
@@ -46,4 +44,6 @@ pub use kv_cache::{
 };
 pub use llama::{Model, ModelOptions};
 pub use multilora_layers::HubConfig;
+pub use multilora_layers::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
+pub use multilora_types::{LogitsWanted, LoraLimits, SlotId};
 pub use weights::{CheckpointFiles, ModelSource};

@@ -11,15 +11,16 @@ use candle_core::{DType, Device, Tensor};
 use multilora_layers::{
     LoraAdapter, LoraEmbedding, LoraLinear, ModelShapes, ModuleId, ModuleKind, SlotConfig, with_embedding_digest,
 };
+use multilora_types::{LoraLimits, SlotId};
 
 use crate::attention::{AttnDims, paged_attention, write_kv};
 use crate::batch::{Batch, Limits, StepPlan};
-use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
 use crate::weights::{CheckpointFiles, ModelSource, Weights};
 use multilora_layers::HubConfig;
+use multilora_layers::{HiddenAct, ModelConfig};
 
 /// How to load a model.
 #[derive(Clone, Debug)]
@@ -29,13 +30,10 @@ pub struct ModelOptions {
     pub dtype: DType,
     /// Where the model runs.
     pub device: Device,
-    /// Adapter slots (distinct adapters per step); 0 builds no LoRA buffers at all.
-    pub max_loras: usize,
-    /// Largest adapter rank a slot holds.
-    pub max_lora_rank: usize,
-    /// Modules that get slot buffers; adapters targeting anything else are refused at `write_slot`.
-    /// Default: the seven projections and `embed_tokens`.
-    pub lora_target_modules: Vec<ModuleKind>,
+    /// Adapter slots (distinct adapters per step), the rank they hold, and the modules that get
+    /// slot buffers (adapters targeting anything else are refused at `write_slot`);
+    /// [`LoraLimits::off`] builds no LoRA buffers at all.
+    pub lora: LoraLimits,
     /// Dtype of the slot buffers; the model dtype when `None`.
     pub lora_dtype: Option<DType>,
     /// The hub cache used for repo ids.
@@ -44,14 +42,10 @@ pub struct ModelOptions {
 
 impl Default for ModelOptions {
     fn default() -> ModelOptions {
-        let mut targets = ModuleKind::PROJECTIONS.to_vec();
-        targets.push(ModuleKind::EmbedTokens);
         ModelOptions {
             dtype: DType::F32,
             device: Device::Cpu,
-            max_loras: 8,
-            max_lora_rank: 16,
-            lora_target_modules: targets,
+            lora: LoraLimits::default(),
             lora_dtype: None,
             hub: HubConfig::from_env(),
         }
@@ -71,21 +65,9 @@ impl ModelOptions {
         self
     }
 
-    /// Sets `max_loras`.
-    pub fn max_loras(mut self, n: usize) -> ModelOptions {
-        self.max_loras = n;
-        self
-    }
-
-    /// Sets `max_lora_rank`.
-    pub fn max_lora_rank(mut self, r: usize) -> ModelOptions {
-        self.max_lora_rank = r;
-        self
-    }
-
-    /// Sets `lora_target_modules`.
-    pub fn lora_target_modules(mut self, kinds: &[ModuleKind]) -> ModelOptions {
-        self.lora_target_modules = kinds.to_vec();
+    /// Sets the LoRA limits (`max_loras`, `max_lora_rank`, `lora_target_modules`).
+    pub fn lora(mut self, limits: LoraLimits) -> ModelOptions {
+        self.lora = limits;
         self
     }
 
@@ -119,8 +101,7 @@ pub struct Model {
     dtype: DType,
     lora_dtype: DType,
     device: Device,
-    max_loras: usize,
-    targets: Vec<ModuleKind>,
+    lora: LoraLimits,
     embed: LoraEmbedding,
     layers: Vec<Layer>,
     norm: Tensor,
@@ -158,10 +139,14 @@ impl Model {
     fn build(cfg: ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<Model> {
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qs, kvs) = (cfg.q_size(), cfg.kv_size());
-        let slot_cfg =
-            SlotConfig::new(opts.max_loras, opts.max_lora_rank, opts.lora_dtype.unwrap_or(opts.dtype), &opts.device);
-        let targets = opts.lora_target_modules.clone();
-        let lora_for = |kinds: &[ModuleKind]| kinds.iter().any(|k| targets.contains(k)).then_some(&slot_cfg);
+        let lora = &opts.lora;
+        let slot_cfg = SlotConfig::new(
+            lora.max_loras(),
+            lora.max_lora_rank(),
+            opts.lora_dtype.unwrap_or(opts.dtype),
+            &opts.device,
+        );
+        let lora_for = |kinds: &[ModuleKind]| kinds.iter().any(|&k| lora.targets(k)).then_some(&slot_cfg);
         // The digest is taken over the checkpoint's values, not the converted ones: adapters carry
         // the embedding as saved, and must match it whatever dtype the model runs in.
         let embed_stored = w.get_as_stored("model.embed_tokens.weight", &[v, h])?;
@@ -256,8 +241,7 @@ impl Model {
             dtype: opts.dtype,
             lora_dtype: opts.lora_dtype.unwrap_or(opts.dtype),
             device: opts.device.clone(),
-            max_loras: opts.max_loras,
-            targets,
+            lora: opts.lora.clone(),
             embed,
             layers,
             norm,
@@ -289,12 +273,12 @@ impl Model {
 
     /// Number of adapter slots.
     pub fn max_loras(&self) -> usize {
-        self.max_loras
+        self.lora.max_loras()
     }
 
     /// The modules that hold slot buffers.
     pub fn lora_target_modules(&self) -> &[ModuleKind] {
-        &self.targets
+        self.lora.target_modules()
     }
 
     /// Bytes of K and V per token over all layers, in the model dtype.
@@ -348,7 +332,7 @@ impl Model {
         let lim = Limits {
             vocab: self.cfg.vocab_size,
             max_len: self.cfg.max_model_len(),
-            max_loras: self.max_loras,
+            max_loras: self.lora.max_loras(),
             num_blocks: kc.num_blocks,
             block_size: kc.block_size,
             kv_width: self.cfg.kv_size(),
@@ -382,7 +366,10 @@ impl Model {
             let h = candle_nn::ops::rms_norm(&x, &layer.post_norm, eps)?;
             let gu = layer.gate_up.forward(&h, map)?;
             let inter = self.cfg.intermediate_size;
-            let act = (candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?)?;
+            let gate = match self.cfg.hidden_act {
+                HiddenAct::Silu => candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)?,
+            };
+            let act = (gate * gu.narrow(1, inter, inter)?)?;
             x = (x + layer.down.forward(&act, map)?)?;
         }
         if batch.num_logit_rows() == 0 {
@@ -399,13 +386,13 @@ impl Model {
     /// Places `adapter` in `slot` at every LoRA site, zeroing the modules it does not target.
     /// An adapter that targets a module without slot buffers is refused before anything is
     /// written; if a later write fails, the slot is cleared so no half-written adapter remains.
-    pub fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> Result<()> {
-        if let Some(id) = adapter.modules().keys().find(|id| !self.targets.contains(&id.kind) || self.max_loras == 0) {
+    pub fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> Result<()> {
+        if let Some(id) = adapter.modules().keys().find(|id| !self.lora.targets(id.kind)) {
             return Err(Error::NotATarget { adapter: adapter.name().to_string(), module: id.peft_name() });
         }
         // Off the CPU, the adapter goes to the device in one copy; the sites copy from there.
         let staged = multilora_layers::stage_adapter(adapter, self.lora_dtype, &self.device)?;
-        let written = self.for_each_site(|site| site.write(slot, &staged));
+        let written = self.for_each_site(|site| site.write(slot.index(), &staged));
         if written.is_err() {
             // Best effort: the write error is the one worth reporting.
             let _ = self.clear_slot(slot);
@@ -414,8 +401,8 @@ impl Model {
     }
 
     /// Zeroes `slot` at every LoRA site.
-    pub fn clear_slot(&mut self, slot: usize) -> Result<()> {
-        self.for_each_site(|site| site.clear(slot))
+    pub fn clear_slot(&mut self, slot: SlotId) -> Result<()> {
+        self.for_each_site(|site| site.clear(slot.index()))
     }
 
     fn for_each_site(&mut self, mut f: impl FnMut(Site<'_>) -> multilora_layers::Result<()>) -> Result<()> {
@@ -459,21 +446,23 @@ impl Site<'_> {
 }
 
 impl multilora_layers::SlotSink for Model {
-    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_layers::AdapterResult<()> {
+    fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> multilora_layers::AdapterResult<()> {
         Model::write_slot(self, slot, adapter).map_err(|e| into_adapter_error(e, slot, adapter.name()))
     }
 
-    fn clear_slot(&mut self, slot: usize) -> multilora_layers::AdapterResult<()> {
+    fn clear_slot(&mut self, slot: SlotId) -> multilora_layers::AdapterResult<()> {
         Model::clear_slot(self, slot).map_err(|e| into_adapter_error(e, slot, ""))
     }
 }
 
-fn into_adapter_error(e: Error, slot: usize, adapter: &str) -> multilora_layers::AdapterError {
+fn into_adapter_error(e: Error, slot: SlotId, adapter: &str) -> multilora_layers::AdapterError {
     match e {
         Error::Layer(e) => e.into(),
-        other => {
-            multilora_layers::AdapterError::SlotWrite { slot, adapter: adapter.to_string(), reason: other.to_string() }
-        }
+        other => multilora_layers::AdapterError::SlotWrite {
+            slot: slot.index(),
+            adapter: adapter.to_string(),
+            source: Box::new(other),
+        },
     }
 }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use candle_core::{D, DType, Device, Tensor};
-use multilora_models::{Batch, KvCacheConfig, LogitsRows, Model, ModelOptions, SeqInput};
+use multilora_models::{Batch, KvCacheConfig, LogitsWanted, LoraLimits, Model, ModelOptions, SeqInput};
 use serde_json::{Value, json};
 
 const H: usize = 64;
@@ -191,18 +191,23 @@ fn check(cfg: Value, sharded: bool) -> Result<Model> {
     let dir = tempfile::tempdir()?;
     let w = random_weights(&cfg, 7)?;
     write_checkpoint(dir.path(), &cfg, &w, sharded)?;
-    let model = Model::load_dir(dir.path(), &ModelOptions::default().max_loras(2).max_lora_rank(8))?;
+    let model = Model::load_dir(
+        dir.path(),
+        &ModelOptions::default().lora(LoraLimits::new(2, 8, &LoraLimits::default_targets())?),
+    )?;
     let ids: Vec<u32> = (0..37).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
     let want = reference(&cfg, &w, &ids)?;
     // Paged: a 20-token prefill chunk, then the rest as a second chunk, in blocks of 8.
     let mut kv = model.new_kv_cache(KvCacheConfig::new(8, 8))?;
     let table: Vec<u32> = vec![5, 1, 7, 0, 2];
     let a = model.forward(
-        &Batch::new(vec![SeqInput::new(ids[..20].to_vec(), 0, table.clone(), -1).with_logits(LogitsRows::All)]),
+        &Batch::new(vec![
+            SeqInput::new(ids[..20].to_vec(), 0, table.clone(), None).with_logits(LogitsWanted::AllPrompt),
+        ]),
         &mut kv,
     )?;
     let b = model.forward(
-        &Batch::new(vec![SeqInput::new(ids[20..].to_vec(), 20, table, -1).with_logits(LogitsRows::All)]),
+        &Batch::new(vec![SeqInput::new(ids[20..].to_vec(), 20, table, None).with_logits(LogitsWanted::AllPrompt)]),
         &mut kv,
     )?;
     let got = Tensor::cat(&[a, b], 0)?;
@@ -234,7 +239,7 @@ fn mistral_loads_and_refuses_beyond_its_window() -> Result<()> {
     assert_eq!(model.config().max_model_len(), 40);
     let mut kv = model.new_kv_cache(KvCacheConfig::new(8, 8))?;
     let err = model
-        .forward(&Batch::new(vec![SeqInput::new(vec![3; 41], 0, vec![0, 1, 2, 3, 4, 5], -1)]), &mut kv)
+        .forward(&Batch::new(vec![SeqInput::new(vec![3; 41], 0, vec![0, 1, 2, 3, 4, 5], None)]), &mut kv)
         .unwrap_err();
     assert_eq!(err.kind(), "invalid_batch", "{err}");
     Ok(())

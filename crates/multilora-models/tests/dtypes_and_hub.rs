@@ -7,7 +7,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use multilora_models::{
-    Batch, HubConfig, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, ModelSource, SeqInput,
+    Batch, HubConfig, KvCache, KvCacheConfig, LogitsWanted, Model, ModelOptions, ModelSource, SeqInput, SlotId,
 };
 
 /// bf16 / f16 logits against f32 on every fixture row, one flat batch each.
@@ -53,7 +53,7 @@ fn loads_by_hub_id_offline_from_the_cache() -> Result<()> {
     let run = |m: &Model| -> Result<Tensor> {
         let mut kv = m.new_kv_cache(KvCacheConfig::new(2, 8))?;
         Ok(m.forward(
-            &Batch::new(vec![SeqInput::new(ids.clone(), 0, vec![1], -1).with_logits(LogitsRows::All)]),
+            &Batch::new(vec![SeqInput::new(ids.clone(), 0, vec![1], None).with_logits(LogitsWanted::AllPrompt)]),
             &mut kv,
         )?)
     };
@@ -79,11 +79,11 @@ fn capacity_numbers_and_batch_errors() -> Result<()> {
     assert!(model.lora_slot_bytes() > 0);
     let mut kv = model.new_kv_cache(KvCacheConfig::new(2, 4))?;
     for (seq, kind) in [
-        (SeqInput::new(vec![1, 2, 3, 4, 5], 0, vec![0], -1), "blocks"),
-        (SeqInput::new(vec![600], 0, vec![0], -1), "vocabulary"),
-        (SeqInput::new(vec![1], 0, vec![9], -1), "block 9"),
-        (SeqInput::new(vec![1], 0, vec![0], 42), "slot 42"),
-        (SeqInput::new(vec![], 0, vec![0], -1), "no new tokens"),
+        (SeqInput::new(vec![1, 2, 3, 4, 5], 0, vec![0], None), "blocks"),
+        (SeqInput::new(vec![600], 0, vec![0], None), "vocabulary"),
+        (SeqInput::new(vec![1], 0, vec![9], None), "block 9"),
+        (SeqInput::new(vec![1], 0, vec![0], Some(SlotId::new(42))), "slot 42"),
+        (SeqInput::new(vec![], 0, vec![0], None), "no new tokens"),
     ] {
         let err = model.forward(&Batch::new(vec![seq]), &mut kv).unwrap_err();
         assert_eq!(err.kind(), "invalid_batch");

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use multilora_models::{Batch, LogitsRows, SeqInput};
+use multilora_models::{Batch, LogitsWanted, SeqInput, SlotId};
 
 fn check(label: &str, rows: &[Row], got: &[Tensor]) -> Result<()> {
     let mut per_batch: BTreeMap<String, f32> = BTreeMap::new();
@@ -83,7 +83,7 @@ fn chunked(chunk: usize, dev: &Device) -> Result<()> {
             let toks = r.ids[done[i]..done[i] + step].to_vec();
             seqs.push(
                 SeqInput::new(toks, done[i], tables[i].clone(), slot_of(&slots, &r.adapter))
-                    .with_logits(LogitsRows::All),
+                    .with_logits(LogitsWanted::AllPrompt),
             );
             which.push((i, step));
         }
@@ -117,7 +117,9 @@ fn greedy_generation_reproduces_exactly(dev: &Device) -> Result<()> {
     let bs = 8;
     let mut kv = cache(&model, 256, bs)?;
     let mut blocks = Blocks::default();
-    let mut seqs: Vec<(Vec<u32>, Vec<u32>, i32, usize)> = Vec::new();
+    // Per case: prompt, block table, slot, new tokens.
+    type Case = (Vec<u32>, Vec<u32>, Option<SlotId>, usize);
+    let mut seqs: Vec<Case> = Vec::new();
     for g in &gens {
         let prompt = ids(&g["input_ids"]);
         let n = g["max_new_tokens"].as_u64().expect("fixture: a case without max_new_tokens") as usize;

@@ -6,7 +6,7 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device};
 use common::*;
-use multilora_models::{Batch, LogitsRows, SeqInput};
+use multilora_models::{Batch, LogitsWanted, SeqInput};
 
 fn reused_full_blocks_give_the_cold_logits(dev: &Device) -> Result<()> {
     let (model, slots) = model_with_adapters_on(DType::F32, dev)?;
@@ -23,7 +23,7 @@ fn reused_full_blocks_give_the_cold_logits(dev: &Device) -> Result<()> {
     let mut blocks = Blocks::default();
     let t1 = blocks.table(first.ids.len(), bs);
     let cold1 = model.forward(
-        &Batch::new(vec![SeqInput::new(first.ids.clone(), 0, t1.clone(), slot).with_logits(LogitsRows::All)]),
+        &Batch::new(vec![SeqInput::new(first.ids.clone(), 0, t1.clone(), slot).with_logits(LogitsWanted::AllPrompt)]),
         &mut kv,
     )?;
     assert!(max_abs_diff(&cold1, &first.expected)? <= TOL);
@@ -32,13 +32,15 @@ fn reused_full_blocks_give_the_cold_logits(dev: &Device) -> Result<()> {
     let mut t2 = t1[..full].to_vec();
     t2.extend(blocks.table(second.ids.len() - start, bs));
     let warm = model.forward(
-        &Batch::new(vec![SeqInput::new(second.ids[start..].to_vec(), start, t2, slot).with_logits(LogitsRows::All)]),
+        &Batch::new(vec![
+            SeqInput::new(second.ids[start..].to_vec(), start, t2, slot).with_logits(LogitsWanted::AllPrompt),
+        ]),
         &mut kv,
     )?;
     // Cold run of the second sequence in its own blocks.
     let t3 = blocks.table(second.ids.len(), bs);
     let cold2 = model.forward(
-        &Batch::new(vec![SeqInput::new(second.ids.clone(), 0, t3, slot).with_logits(LogitsRows::All)]),
+        &Batch::new(vec![SeqInput::new(second.ids.clone(), 0, t3, slot).with_logits(LogitsWanted::AllPrompt)]),
         &mut kv,
     )?;
     let tail = second.ids.len() - start;
@@ -66,7 +68,9 @@ fn skipped_chunks_fill_the_cache_without_logits(dev: &Device) -> Result<()> {
     let n = row.ids.len();
     // A non-final chunk wants no logits; the final one only its last row.
     let none = model.forward(
-        &Batch::new(vec![SeqInput::new(row.ids[..10].to_vec(), 0, table.clone(), slot).with_logits(LogitsRows::Skip)]),
+        &Batch::new(vec![
+            SeqInput::new(row.ids[..10].to_vec(), 0, table.clone(), slot).with_logits(LogitsWanted::None),
+        ]),
         &mut kv,
     )?;
     assert_eq!(none.dims(), &[0, 512]);

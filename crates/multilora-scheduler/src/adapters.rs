@@ -145,9 +145,10 @@ impl AdapterTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{AdapterId, Fingerprint};
 
     fn g(id: u64, fp: u8) -> Option<AdapterGen> {
-        Some(AdapterGen::new(id, [fp; 32]))
+        Some(AdapterGen::new(AdapterId(id), Fingerprint([fp; 32])))
     }
 
     #[test]
@@ -172,7 +173,7 @@ mod tests {
         assert!(!t.is_running(b));
         t.add_waiting(b);
         assert_eq!(t.waiting_not_running(), 1);
-        assert_eq!(t.running_gens(), vec![AdapterGen::new(1, [1; 32])]);
-        assert_eq!(t.waiting_gens(), vec![AdapterGen::new(2, [3; 32])]);
+        assert_eq!(t.running_gens(), vec![AdapterGen::new(AdapterId(1), Fingerprint([1; 32]))]);
+        assert_eq!(t.waiting_gens(), vec![AdapterGen::new(AdapterId(2), Fingerprint([3; 32]))]);
     }
 }

@@ -2,19 +2,7 @@
 
 use multilora_prefix_cache::{BlockId, KvMetrics, RequestId};
 
-use crate::AdapterGen;
-
-/// Which logits the model must produce for a scheduled request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum LogitsWanted {
-    /// None: a prefill chunk that does not reach the end of the sequence.
-    None,
-    /// At the last new token only: the final prefill chunk, or a decode. One token is sampled.
-    Last,
-    /// At every new token of this chunk (prompt logprobs were asked for); when the chunk reaches
-    /// the end of the sequence the last position's logits are also sampled from.
-    AllPrompt,
-}
+use multilora_types::{AdapterGen, FinishReason, LogitsWanted};
 
 /// One request's share of a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,32 +57,6 @@ impl SchedulerOutput {
     /// Whether nothing was scheduled.
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty()
-    }
-}
-
-/// Why a request finished.
-#[non_exhaustive]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum FinishReason {
-    /// `max_new_tokens` generated, or the sequence reached `max_model_len`.
-    Length,
-    /// A stop token was sampled, or the engine reported a stop (e.g. a stop string).
-    Stop,
-    /// Aborted by the caller.
-    Aborted,
-    /// The engine failed the request.
-    Error,
-}
-
-impl FinishReason {
-    /// A stable snake_case label, as OpenAI's `finish_reason` spells the first two.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            FinishReason::Length => "length",
-            FinishReason::Stop => "stop",
-            FinishReason::Aborted => "abort",
-            FinishReason::Error => "error",
-        }
     }
 }
 

@@ -1,35 +1,9 @@
 //! Requests as the scheduler sees them: plain data in, per-request bookkeeping inside.
 
-use multilora_prefix_cache::{AdapterKey, ExtraKeys, RequestId};
+use multilora_prefix_cache::{ExtraKeys, RequestId};
+use multilora_types::AdapterGen;
 
 use crate::FinishReason;
-
-/// An adapter generation: the adapter's id plus its content fingerprint.
-///
-/// An adapter reloaded in place keeps its id but gets a new fingerprint, so it is a new generation;
-/// while requests of the old one still run, the two count as two adapters toward `max_loras`.
-/// The prefix cache keys on the fingerprint alone.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AdapterGen {
-    /// The adapter's id, as the engine's registry assigns it.
-    pub id: u64,
-    /// blake3-256 of the adapter's normalized config and tensor bytes.
-    pub fingerprint: AdapterKey,
-}
-
-impl AdapterGen {
-    /// A generation key.
-    pub fn new(id: u64, fingerprint: AdapterKey) -> Self {
-        Self { id, fingerprint }
-    }
-}
-
-impl std::fmt::Display for AdapterGen {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let fp = &self.fingerprint;
-        write!(f, "{}@{:02x}{:02x}{:02x}{:02x}", self.id, fp[0], fp[1], fp[2], fp[3])
-    }
-}
 
 /// A request handed to [`Scheduler::add_request`](crate::Scheduler::add_request).
 ///
@@ -139,17 +113,5 @@ impl ReqState {
 
     pub(crate) fn num_output_tokens(&self) -> usize {
         self.tokens.len() - self.num_prompt_tokens
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn adapter_gen_display_is_id_and_fingerprint_prefix() {
-        let mut fp = [0u8; 32];
-        fp[..4].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
-        assert_eq!(AdapterGen::new(7, fp).to_string(), "7@deadbeef");
     }
 }

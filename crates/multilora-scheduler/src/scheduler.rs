@@ -69,12 +69,12 @@ struct WaitEntry {
 /// [`Scheduler::abort`] may be called at any time.
 ///
 /// ```
-/// use multilora_scheduler::{AdapterGen, Request, RequestResult, Scheduler, SchedulerConfig};
+/// use multilora_scheduler::{AdapterGen, AdapterId, Fingerprint, Request, RequestResult, Scheduler, SchedulerConfig};
 ///
 /// let mut s = Scheduler::new(SchedulerConfig::default().max_loras(1))?;
-/// let sql = AdapterGen::new(1, [7; 32]);
+/// let sql = AdapterGen::new(AdapterId(1), Fingerprint([7; 32]));
 /// s.add_request(Request::new(10, vec![1, 2, 3], 2).adapter(sql))?;
-/// s.add_request(Request::new(11, vec![4, 5], 2).adapter(AdapterGen::new(2, [8; 32])))?;
+/// s.add_request(Request::new(11, vec![4, 5], 2).adapter(AdapterGen::new(AdapterId(2), Fingerprint([8; 32]))))?;
 ///
 /// let step = s.schedule();
 /// assert_eq!(step.scheduled.len(), 1); // one adapter at a time
@@ -216,7 +216,7 @@ impl Scheduler {
             stop_token_ids: request.stop_token_ids,
             prompt_logprobs: request.prompt_logprobs,
             extra: multilora_prefix_cache::ExtraKeys {
-                adapter: request.adapter.map(|g| g.fingerprint),
+                adapter: request.adapter.map(|g| g.fingerprint.0),
                 cache_salt: request.cache_salt,
             },
             arrival: self.next_arrival,

@@ -20,7 +20,7 @@ use std::fmt::Write as _;
 
 use multilora_prefix_cache::{KvConfig, RequestId};
 
-use crate::{AdapterGen, Policy, Request, RequestResult, Result, Scheduler, SchedulerConfig};
+use crate::{AdapterGen, AdapterId, Fingerprint, Policy, Request, RequestResult, Result, Scheduler, SchedulerConfig};
 
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,7 +65,7 @@ pub fn adapter_gen(a: usize) -> AdapterGen {
     let mut fingerprint = [0u8; 32];
     fingerprint[..8].copy_from_slice(&(a as u64).to_le_bytes());
     fingerprint[31] = 0x5a;
-    AdapterGen::new(a as u64, fingerprint)
+    AdapterGen::new(AdapterId(a as u64), Fingerprint(fingerprint))
 }
 
 /// Timings of one simulated request, in steps (counted from 1).

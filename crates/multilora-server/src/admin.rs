@@ -109,6 +109,6 @@ pub(crate) async fn blocking<T: Send + 'static>(
 ) -> Result<T> {
     match tokio::task::spawn_blocking(f).await {
         Ok(r) => r.map_err(Error::Engine),
-        Err(e) => Err(Error::Engine(EngineError::Internal(format!("blocking task failed: {e}")))),
+        Err(e) => Err(Error::Blocking(e)),
     }
 }

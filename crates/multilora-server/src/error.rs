@@ -1,6 +1,8 @@
 //! `Error`: every way a request to the server fails, with its HTTP status, rendered in OpenAI's
 //! error shape `{"error": {"message", "type", "param", "code"}}`.
 
+use std::path::PathBuf;
+
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -43,14 +45,38 @@ pub enum Error {
         model: String,
     },
     /// The chat template failed to compile or render.
-    #[error("chat template: {0}")]
-    Template(String),
+    #[error("chat template: {0:#}")]
+    Template(#[source] minijinja::Error),
     /// The engine refused or failed the request.
     #[error(transparent)]
     Engine(#[from] EngineError),
-    /// Setting the server up failed (reading a template, binding a socket).
-    #[error("{0}")]
-    Startup(String),
+    /// A file the server reads at start-up (a chat template, `tokenizer_config.json`) could not be
+    /// read or parsed.
+    #[error("{what} {}: {source}", path.display())]
+    File {
+        /// What the file is for.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The model's own chat template does not compile.
+    #[error("{} chat_template: {source}", model_dir.display())]
+    ModelTemplate {
+        /// The model directory whose `tokenizer_config.json` holds it.
+        model_dir: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<Error>,
+    },
+    /// Encoding the metrics page failed.
+    #[error("encoding metrics: {0}")]
+    Metrics(#[source] std::fmt::Error),
+    /// A blocking engine call's task panicked or was cancelled.
+    #[error("blocking task failed: {0}")]
+    Blocking(#[source] tokio::task::JoinError),
 }
 
 impl Error {
@@ -69,14 +95,24 @@ impl Error {
                 EngineError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
                 EngineError::InvalidRequest { .. }
                 | EngineError::PromptTooLong { .. }
-                | EngineError::Adapter { .. } => StatusCode::BAD_REQUEST,
+                | EngineError::Adapter { .. }
+                | EngineError::AdapterTargets { .. } => StatusCode::BAD_REQUEST,
                 EngineError::RuntimeUpdatesDisabled => StatusCode::FORBIDDEN,
                 EngineError::Shutdown => StatusCode::SERVICE_UNAVAILABLE,
-                EngineError::Config(_) | EngineError::Model(_) | EngineError::Internal(_) => {
-                    StatusCode::INTERNAL_SERVER_ERROR
-                }
+                EngineError::LoraOff { .. }
+                | EngineError::GpuMemoryUtilization { .. }
+                | EngineError::Limits(_)
+                | EngineError::Store { .. }
+                | EngineError::Scheduler { .. }
+                | EngineError::Model(_)
+                | EngineError::Tokenizer { .. }
+                | EngineError::Step { .. }
+                | EngineError::Spawn { .. }
+                | EngineError::AdapterEvicted { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             },
-            Error::Startup(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Error::File { .. } | Error::ModelTemplate { .. } | Error::Metrics(_) | Error::Blocking(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -89,7 +125,7 @@ impl Error {
             Error::NoChatTemplate { .. } => "no_chat_template",
             Error::Template(_) => "chat_template_error",
             Error::Engine(e) => e.kind(),
-            Error::Startup(_) => "internal",
+            Error::File { .. } | Error::ModelTemplate { .. } | Error::Metrics(_) | Error::Blocking(_) => "internal",
         }
     }
 

@@ -26,8 +26,7 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Result<Response> {
     let engine = state.engine.clone();
     let (metrics, models) = blocking(move || Ok((engine.metrics(), engine.models()))).await?;
     let model_name = state.engine.config().served_model_name.clone();
-    let text = render(Snapshot { metrics, models, model_name })
-        .map_err(|e| Error::Startup(format!("encoding metrics: {e}")))?;
+    let text = render(Snapshot { metrics, models, model_name }).map_err(Error::Metrics)?;
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response())
 }
 
@@ -96,9 +95,9 @@ fn histogram(e: &mut DescriptorEncoder, name: &str, help: &str, labels: &Labels,
     buckets.push((f64::MAX, h.counts.last().copied().unwrap_or(0)));
     let mut m = e.encode_descriptor(name, help, None, MetricType::Histogram)?;
     if labels.is_empty() {
-        return m.encode_histogram::<NoLabelSet>(h.sum_seconds, h.count, &buckets, None);
+        return m.encode_histogram::<NoLabelSet>(h.sum, h.count, &buckets, None);
     }
-    m.encode_family(labels)?.encode_histogram::<NoLabelSet>(h.sum_seconds, h.count, &buckets, None)
+    m.encode_family(labels)?.encode_histogram::<NoLabelSet>(h.sum, h.count, &buckets, None)
 }
 
 impl Collector for Snapshot {

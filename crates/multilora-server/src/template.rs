@@ -30,14 +30,17 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_template_owned(NAME, source.to_string()).map_err(|e| Error::Template(format!("{e:#}")))?;
+        env.add_template_owned(NAME, source.to_string()).map_err(Error::Template)?;
         Ok(ChatTemplate { env: Arc::new(env), bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 
     /// A template file (`--chat-template`), with the special tokens of the model in `model_dir`.
     pub fn from_file(path: &Path, model_dir: &Path) -> Result<ChatTemplate> {
-        let source = std::fs::read_to_string(path)
-            .map_err(|e| Error::Startup(format!("reading chat template {}: {e}", path.display())))?;
+        let source = std::fs::read_to_string(path).map_err(|e| Error::File {
+            what: "reading chat template",
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        })?;
         let cfg = read_tokenizer_config(model_dir)?;
         ChatTemplate::new(&source, &special(&cfg, "bos_token"), &special(&cfg, "eos_token"))
     }
@@ -59,7 +62,7 @@ impl ChatTemplate {
         };
         ChatTemplate::new(&source, &special(&cfg, "bos_token"), &special(&cfg, "eos_token"))
             .map(Some)
-            .map_err(|e| Error::Startup(format!("{} chat_template: {e}", model_dir.display())))
+            .map_err(|e| Error::ModelTemplate { model_dir: model_dir.to_path_buf(), source: Box::new(e) })
     }
 
     /// Renders `messages` (`{"role", "content"}` objects); `extra` is `chat_template_kwargs`.
@@ -69,7 +72,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, Value>,
     ) -> Result<String> {
-        let tmpl = self.env.get_template(NAME).map_err(|e| Error::Template(e.to_string()))?;
+        let tmpl = self.env.get_template(NAME).map_err(Error::Template)?;
         // The fixed names win over `chat_template_kwargs` of the same name.
         let ctx = context! {
             messages => messages,
@@ -78,7 +81,7 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
             ..minijinja::Value::from_serialize(extra)
         };
-        tmpl.render(ctx).map_err(|e| Error::Template(format!("{e:#}")))
+        tmpl.render(ctx).map_err(Error::Template)
     }
 }
 
@@ -87,9 +90,10 @@ fn read_tokenizer_config(model_dir: &Path) -> Result<Value> {
     if !path.is_file() {
         return Ok(Value::Null);
     }
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| Error::Startup(format!("reading {}: {e}", path.display())))?;
-    serde_json::from_str(&text).map_err(|e| Error::Startup(format!("{}: {e}", path.display())))
+    let file =
+        |what, source: Box<dyn std::error::Error + Send + Sync>| Error::File { what, path: path.clone(), source };
+    let text = std::fs::read_to_string(&path).map_err(|e| file("reading", Box::new(e)))?;
+    serde_json::from_str(&text).map_err(|e| file("parsing", Box::new(e)))
 }
 
 /// A special token of `tokenizer_config.json`: a string or `{"content": ...}`.

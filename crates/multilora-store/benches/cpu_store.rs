@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use multilora_adapter::{LoraAdapter, ModelShapes, ModuleKind, SlotSink, SyntheticAdapter};
-use multilora_store::{AdapterGen, AdapterStatus, LoadEvent, Store, StoreConfig};
+use multilora_store::{AdapterGen, AdapterStatus, LoadEvent, SlotId, Store, StoreConfig};
+use multilora_types::LoraLimits;
 
 const REGISTERED: usize = 10_000;
 const CACHED: usize = 64;
@@ -22,12 +23,12 @@ struct CountingSink {
 }
 
 impl SlotSink for CountingSink {
-    fn write_slot(&mut self, _slot: usize, _adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
+    fn write_slot(&mut self, _slot: SlotId, _adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
         self.writes += 1;
         Ok(())
     }
 
-    fn clear_slot(&mut self, _slot: usize) -> multilora_adapter::Result<()> {
+    fn clear_slot(&mut self, _slot: SlotId) -> multilora_adapter::Result<()> {
         Ok(())
     }
 }
@@ -42,7 +43,7 @@ fn setup() -> anyhow::Result<(tempfile::TempDir, Store, Vec<String>)> {
             SyntheticAdapter::new(8, &[ModuleKind::QProj, ModuleKind::VProj], i).write(&dir, &shapes).map(|()| dir)
         })
         .collect::<Result<_, _>>()?;
-    let config = StoreConfig::new("base", shapes).max_loras(SLOTS).max_cpu_loras(CACHED);
+    let config = StoreConfig::new("base", shapes).lora(LoraLimits::slots(SLOTS)).max_cpu_loras(CACHED);
     let store = Store::builder(config).build()?;
     let names: Vec<String> = (0..REGISTERED).map(|i| format!("lora-{i:05}")).collect();
     for (i, name) in names.iter().enumerate() {

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 use multilora_adapter::{LoadOptions, ModelShapes};
+use multilora_types::LoraLimits;
 
 use crate::error::{Error, Result};
 
@@ -13,12 +14,11 @@ use crate::error::{Error, Result};
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct StoreConfig {
-    /// Device slots: distinct adapter generations per step (0 = no LoRA at all).
-    pub max_loras: usize,
+    /// Device slots (`max_loras`, distinct adapter generations per step) and the rank they
+    /// hold: adapters whose rank exceeds `max_lora_rank` are refused at load.
+    pub lora: LoraLimits,
     /// Capacity of the CPU tier; at least `max_loras`.
     pub max_cpu_loras: usize,
-    /// Adapters whose rank exceeds this are refused at load; device slots hold this rank.
-    pub max_lora_rank: usize,
     /// The dtype adapters are held in.
     pub lora_dtype: DType,
     /// The served base model's name: no adapter may take it.
@@ -36,13 +36,12 @@ pub struct StoreConfig {
 }
 
 impl Default for StoreConfig {
-    /// vLLM's defaults where it has them (`max_loras` 1, `max_cpu_loras` = `max_loras`,
-    /// `max_lora_rank` 16), float32, and an empty model: set [`StoreConfig::shapes`].
+    /// vLLM's defaults where it has them ([`LoraLimits::default`], `max_cpu_loras` =
+    /// `max_loras`), float32, and an empty model: set [`StoreConfig::shapes`].
     fn default() -> StoreConfig {
         StoreConfig {
-            max_loras: 1,
-            max_cpu_loras: 1,
-            max_lora_rank: 16,
+            lora: LoraLimits::default(),
+            max_cpu_loras: LoraLimits::default().max_loras(),
             lora_dtype: DType::F32,
             base_model_name: String::new(),
             shapes: ModelShapes::llama(0, 0, 0, 0, 0, 0),
@@ -60,21 +59,15 @@ impl StoreConfig {
         StoreConfig { base_model_name: base_model_name.into(), shapes, ..StoreConfig::default() }
     }
 
-    /// Sets `max_loras`.
-    pub fn max_loras(mut self, n: usize) -> StoreConfig {
-        self.max_loras = n;
+    /// Sets the LoRA limits (`max_loras`, `max_lora_rank`).
+    pub fn lora(mut self, limits: LoraLimits) -> StoreConfig {
+        self.lora = limits;
         self
     }
 
     /// Sets `max_cpu_loras`.
     pub fn max_cpu_loras(mut self, n: usize) -> StoreConfig {
         self.max_cpu_loras = n;
-        self
-    }
-
-    /// Sets `max_lora_rank`.
-    pub fn max_lora_rank(mut self, rank: usize) -> StoreConfig {
-        self.max_lora_rank = rank;
         self
     }
 
@@ -110,20 +103,18 @@ impl StoreConfig {
 
     /// The options every load uses: the LoRA dtype and `max_lora_rank`.
     pub fn load_options(&self) -> LoadOptions {
-        LoadOptions::new(self.lora_dtype).max_lora_rank(self.max_lora_rank)
+        LoadOptions::new(self.lora_dtype).max_lora_rank(self.lora.max_lora_rank())
     }
 
     /// Checks the invariants the tiers rely on.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::Config { reason });
-        if self.max_cpu_loras < self.max_loras {
+        if self.max_cpu_loras < self.lora.max_loras() {
             return bad(format!(
                 "max_cpu_loras ({}) must be at least max_loras ({})",
-                self.max_cpu_loras, self.max_loras
+                self.max_cpu_loras,
+                self.lora.max_loras()
             ));
-        }
-        if self.max_lora_rank == 0 && self.max_loras > 0 {
-            return bad("max_lora_rank must be positive".into());
         }
         if self.loader_threads == 0 {
             return bad("loader_threads must be at least 1".into());
@@ -138,11 +129,11 @@ mod tests {
 
     #[test]
     fn cpu_tier_must_hold_the_slots() {
-        let config = StoreConfig::default().max_loras(4).max_cpu_loras(2);
+        let config = StoreConfig::default().lora(LoraLimits::slots(4)).max_cpu_loras(2);
         let err = config.validate().unwrap_err();
         assert_eq!(err.kind(), "config");
         assert!(err.to_string().contains("max_cpu_loras (2) must be at least max_loras (4)"), "{err}");
-        assert!(StoreConfig::default().max_loras(4).max_cpu_loras(4).validate().is_ok());
+        assert!(StoreConfig::default().lora(LoraLimits::slots(4)).max_cpu_loras(4).validate().is_ok());
         assert!(StoreConfig::default().loader_threads(0).validate().is_err());
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use lru::LruCache;
 use multilora_adapter::LoraAdapter;
 
-use crate::registry::AdapterGen;
+use multilora_types::AdapterGen;
 
 /// Loaded adapters on the CPU.
 ///

@@ -90,6 +90,15 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A loader thread could not be started.
+    #[error("cannot start loader thread {index}: {source}")]
+    LoaderThread {
+        /// Which thread.
+        index: usize,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// Reading or validating the adapter failed.
     #[error(transparent)]
     Adapter(#[from] multilora_adapter::Error),
@@ -129,7 +138,7 @@ impl Error {
             Error::AllSlotsPinned { .. } => "all_slots_pinned",
             Error::CpuTierFull { .. } => "cpu_tier_full",
             Error::NotReady { .. } => "not_ready",
-            Error::Config { .. } => "config",
+            Error::Config { .. } | Error::LoaderThread { .. } => "config",
             Error::Adapter(e) => e.kind(),
             Error::LoaderPanicked { .. } => "loader_panicked",
             Error::Shutdown { .. } => "shutdown",

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::registry::AdapterGen;
 use crate::store::Shared;
+use multilora_types::AdapterGen;
 
 /// One pin on `generation`, returned on drop. From [`crate::Store::lease`].
 #[must_use = "a lease pins its generation only while it is held"]

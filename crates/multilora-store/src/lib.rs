@@ -10,17 +10,17 @@
 //!   slot that no running request pins: a running request holds a [`SlotLease`]
 //!   ([`Store::lease`]), and dropping it is the only way a pin is returned.
 //! - **Loads never run on the engine's thread**: [`Store::request`] answers at once (Ready /
-//!   Loading / Failed) and a loader thread does the reading; [`Store::poll_completed`] reports the
-//!   loads that finished.
+//!   Loading / Failed) and a loader thread does the reading; the finished loads go to the sink
+//!   given to [`StoreBuilder::events`], or else to [`Store::poll_completed`].
 //! - **Lifecycle** at run time ([`Store::load`], [`Store::unload`], [`Store::reload_in_place`],
 //!   resolvers) is off unless enabled and confined to configured roots.
 //!
 //! ```no_run
 //! use multilora_adapter::{AdapterSource, ModelShapes};
-//! use multilora_store::{AdapterStatus, Store, StoreConfig};
+//! use multilora_store::{AdapterStatus, LoraLimits, Store, StoreConfig};
 //! # fn main() -> multilora_store::Result<()> {
 //! let shapes = ModelShapes::llama(4, 128, 352, 512, 4, 2);
-//! let config = StoreConfig::new("tiny-llama", shapes).max_loras(4).max_cpu_loras(64);
+//! let config = StoreConfig::new("tiny-llama", shapes).lora(LoraLimits::slots(4)).max_cpu_loras(64);
 //! let store = Store::builder(config).startup("sql", AdapterSource::Local("adapters/sql".into())).build()?;
 //! if let AdapterStatus::Ready(generation) = store.request("sql")? {
 //!     let lease = store.lease(generation)?; // while the request runs
@@ -52,7 +52,8 @@ pub use error::{Error, Result};
 pub use lease::SlotLease;
 pub use loader::{AdapterLoader, FsLoader};
 pub use metrics::{Histogram, LOAD_TIME_BUCKETS_S, StoreMetrics, TierMetrics};
-pub use registry::{AdapterGen, AdapterId, AdapterInfo, MAX_NAME_LEN, validate_name};
+pub use multilora_types::{AdapterGen, AdapterId, LoraLimits, SlotId};
+pub use registry::{AdapterInfo, MAX_NAME_LEN, validate_name};
 pub use resolver::{DirectoryResolver, HubResolver, Resolver};
 pub use status::{AdapterStatus, LoadEvent, Unloaded};
 pub use store::{Store, StoreBuilder};

@@ -13,10 +13,11 @@ use multilora_adapter::{AdapterSource, LoraAdapter};
 
 use crate::cpu_tier::TierFull;
 use crate::error::{Error, Result};
-use crate::registry::{AdapterGen, AdapterId, LoadState};
+use crate::registry::LoadState;
 use crate::security::confine;
 use crate::status::{LoadEvent, Unloaded};
 use crate::store::{Inner, Job, JobKind, Shared, Store};
+use multilora_types::{AdapterGen, AdapterId};
 
 impl Shared {
     /// Runs the loader on `source`, outside the lock, timing it. A panicking loader becomes an error.

@@ -78,7 +78,7 @@ impl LoaderPool {
                         }
                     }
                 })
-                .map_err(|e| Error::Config { reason: format!("cannot start loader thread {i}: {e}") })?;
+                .map_err(|source| Error::LoaderThread { index: i, source })?;
             pool.threads.push(handle);
         }
         Ok(pool)

@@ -2,47 +2,12 @@
 //! evictions), the load time histogram and failures by kind. The engine turns it into Prometheus.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+
+pub use multilora_types::Histogram;
 
 /// Upper bounds of the load time buckets, in seconds; a last bucket catches everything above.
 /// Fixed, so that histograms from different replicas add up.
 pub const LOAD_TIME_BUCKETS_S: [f64; 12] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
-
-/// A histogram over [`LOAD_TIME_BUCKETS_S`].
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct Histogram {
-    /// Upper bounds in seconds (the last bucket, not listed, is unbounded).
-    pub bounds: &'static [f64],
-    /// Observations per bucket (not cumulative), `bounds.len() + 1` of them.
-    pub counts: Vec<u64>,
-    /// The sum of all observations, in seconds.
-    pub sum_seconds: f64,
-    /// The number of observations.
-    pub count: u64,
-}
-
-impl Default for Histogram {
-    fn default() -> Histogram {
-        Histogram {
-            bounds: &LOAD_TIME_BUCKETS_S,
-            counts: vec![0; LOAD_TIME_BUCKETS_S.len() + 1],
-            sum_seconds: 0.0,
-            count: 0,
-        }
-    }
-}
-
-impl Histogram {
-    /// Records one observation.
-    pub fn observe(&mut self, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        let bucket = self.bounds.iter().position(|&b| secs <= b).unwrap_or(self.bounds.len());
-        self.counts[bucket] += 1;
-        self.sum_seconds += secs;
-        self.count += 1;
-    }
-}
 
 /// One tier's occupancy and traffic.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -91,7 +56,7 @@ pub struct StoreMetrics {
 }
 
 /// The counters the store keeps under its lock; occupancy is read off the tiers at snapshot time.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Counters {
     pub(crate) cpu_hits: u64,
     pub(crate) cpu_misses: u64,
@@ -104,6 +69,22 @@ pub(crate) struct Counters {
     pub(crate) failures: BTreeMap<&'static str, u64>,
 }
 
+impl Default for Counters {
+    fn default() -> Counters {
+        Counters {
+            cpu_hits: 0,
+            cpu_misses: 0,
+            cpu_evictions: 0,
+            device_hits: 0,
+            device_misses: 0,
+            device_evictions: 0,
+            loads: 0,
+            load_time: Histogram::new(&LOAD_TIME_BUCKETS_S),
+            failures: BTreeMap::new(),
+        }
+    }
+}
+
 impl Counters {
     pub(crate) fn failure(&mut self, kind: &'static str) {
         *self.failures.entry(kind).or_insert(0) += 1;
@@ -113,10 +94,11 @@ impl Counters {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn observations_land_in_their_bucket() {
-        let mut h = Histogram::default();
+        let mut h = Histogram::new(&LOAD_TIME_BUCKETS_S);
         h.observe(Duration::from_micros(500));
         h.observe(Duration::from_millis(30));
         h.observe(Duration::from_secs(100));
@@ -124,6 +106,6 @@ mod tests {
         assert_eq!(h.counts[0], 1);
         assert_eq!(h.counts[4], 1);
         assert_eq!(h.counts[LOAD_TIME_BUCKETS_S.len()], 1);
-        assert!((h.sum_seconds - 100.0305).abs() < 1e-9);
+        assert!((h.sum - 100.0305).abs() < 1e-9);
     }
 }

@@ -5,25 +5,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use multilora_adapter::{AdapterSource, Fingerprint, LoraAdapter, ModuleKind};
+use multilora_types::{AdapterGen, AdapterId};
 
 use crate::error::{Error, Result};
 
 /// The longest adapter name accepted, in bytes.
 pub const MAX_NAME_LEN: usize = 256;
-
-/// An adapter's identity for the life of the store, assigned at registration and never reused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AdapterId(pub u64);
-
-/// An adapter generation: what occupies a slot and counts toward `max_loras`. An in-place reload
-/// keeps the id and changes the fingerprint, so running requests keep the generation they started on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AdapterGen {
-    /// The adapter.
-    pub id: AdapterId,
-    /// The content it had when this generation was loaded.
-    pub fingerprint: Fingerprint,
-}
 
 /// What the registry knows about one adapter (for `/v1/models` and the operator).
 #[derive(Clone, Debug)]

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::registry::AdapterGen;
+use multilora_types::AdapterGen;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {

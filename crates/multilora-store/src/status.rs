@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::error::Error;
-use crate::registry::{AdapterGen, AdapterId};
+use multilora_types::{AdapterGen, AdapterId};
 
 /// Where an adapter stands for a new request.
 #[derive(Clone, Debug)]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use lru::LruCache;
 use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, SlotSink};
+use multilora_types::SlotId;
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::StoreConfig;
@@ -17,10 +18,11 @@ use crate::error::{Error, Result};
 use crate::lease::SlotLease;
 use crate::loader::{AdapterLoader, FsLoader, LoaderPool};
 use crate::metrics::{Counters, StoreMetrics, TierMetrics};
-use crate::registry::{AdapterGen, AdapterId, AdapterInfo, LoadState, Registry, validate_name};
+use crate::registry::{AdapterInfo, LoadState, Registry, validate_name};
 use crate::resolver::Resolver;
 use crate::slots::{AllPinned, Placement, SlotTable};
 use crate::status::{AdapterStatus, LoadEvent};
+use multilora_types::{AdapterGen, AdapterId};
 
 /// How many failed resolutions of unknown names are remembered (so waiters see the failure)
 /// before the oldest is forgotten; bounded because the names come from clients.
@@ -40,7 +42,7 @@ pub(crate) struct Shared {
     pub(crate) opts: LoadOptions,
     pub(crate) loader: Arc<dyn AdapterLoader>,
     pub(crate) resolvers: Vec<Arc<dyn Resolver>>,
-    notify: Option<Box<dyn Fn() + Send + Sync>>,
+    sink: Option<EventSink>,
     pub(crate) state: Mutex<Inner>,
     events_ready: Condvar,
     pub(crate) shutdown: AtomicBool,
@@ -83,8 +85,11 @@ pub struct StoreBuilder {
     loader: Arc<dyn AdapterLoader>,
     resolvers: Vec<Arc<dyn Resolver>>,
     startup: Vec<(String, AdapterSource)>,
-    notify: Option<Box<dyn Fn() + Send + Sync>>,
+    sink: Option<EventSink>,
 }
+
+/// Where load events go when the store is built with [`StoreBuilder::events`].
+type EventSink = Box<dyn Fn(LoadEvent) + Send + Sync>;
 
 impl std::fmt::Debug for StoreBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -116,10 +121,11 @@ impl StoreBuilder {
         self
     }
 
-    /// Called on a loader thread after each background load completes (the engine wakes its
-    /// loop); it must not block.
-    pub fn notify(mut self, f: impl Fn() + Send + Sync + 'static) -> StoreBuilder {
-        self.notify = Some(Box::new(f));
+    /// Hands every load event to `sink` (on the thread that finished the load) instead of
+    /// queueing it for [`Store::poll_completed`]: the engine sends them down its command channel,
+    /// the one channel its loop drains every iteration. `sink` must not block.
+    pub fn events(mut self, sink: impl Fn(LoadEvent) + Send + Sync + 'static) -> StoreBuilder {
+        self.sink = Some(Box::new(sink));
         self
     }
 
@@ -130,7 +136,7 @@ impl StoreBuilder {
         let inner = Inner {
             registry: Registry::new(self.config.base_model_name.clone()),
             cpu: CpuTier::new(self.config.max_cpu_loras),
-            slots: SlotTable::new(self.config.max_loras),
+            slots: SlotTable::new(self.config.lora.max_loras()),
             counters: Counters::default(),
             resolving: HashMap::new(),
             resolve_failures: LruCache::new(NonZeroUsize::new(RESOLVE_FAILURES_KEPT).unwrap_or(NonZeroUsize::MIN)),
@@ -143,7 +149,7 @@ impl StoreBuilder {
             config: self.config,
             loader: self.loader,
             resolvers: self.resolvers,
-            notify: self.notify,
+            sink: self.sink,
             state: Mutex::new(inner),
             events_ready: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -176,7 +182,7 @@ impl Drop for Store {
 impl Store {
     /// A builder with the default loader, no resolvers and no startup adapters.
     pub fn builder(config: StoreConfig) -> StoreBuilder {
-        StoreBuilder { config, loader: Arc::new(FsLoader), resolvers: Vec::new(), startup: Vec::new(), notify: None }
+        StoreBuilder { config, loader: Arc::new(FsLoader), resolvers: Vec::new(), startup: Vec::new(), sink: None }
     }
 
     /// A store with the default loader, loading `startup` adapters (trusted) before returning.
@@ -285,7 +291,8 @@ impl Store {
         }
     }
 
-    /// The background loads completed since the last call (or `wait_completed`), oldest first.
+    /// The background loads completed since the last call (or `wait_completed`), oldest first;
+    /// always empty for a store built with [`StoreBuilder::events`], whose events go to the sink.
     pub fn poll_completed(&self) -> Vec<LoadEvent> {
         std::mem::take(&mut self.shared.state.lock().events)
     }
@@ -365,23 +372,23 @@ impl Store {
     ///
     /// The lock is held while `sink` copies (a device copy, never file I/O), so a slot's contents
     /// and its entry in the table change together.
-    pub fn activate(&self, generation: AdapterGen, sink: &mut dyn SlotSink) -> Result<usize> {
+    pub fn activate(&self, generation: AdapterGen, sink: &mut dyn SlotSink) -> Result<SlotId> {
         let mut guard = self.shared.state.lock();
         let inner = &mut *guard;
         if let Some(slot) = inner.slots.slot_of(&generation) {
             inner.slots.place(generation, 0).ok();
             inner.cpu.get(&generation);
             inner.counters.device_hits += 1;
-            return Ok(slot);
+            return Ok(SlotId::new(slot));
         }
         let Some(adapter) = inner.cpu.get(&generation) else {
             return Err(Error::NotReady { name: inner.name_of(generation.id) });
         };
-        let bytes =
-            adapter.nbytes_at_rank(self.shared.config.max_lora_rank, self.shared.config.lora_dtype.size_in_bytes());
+        let bytes = adapter
+            .nbytes_at_rank(self.shared.config.lora.max_lora_rank(), self.shared.config.lora_dtype.size_in_bytes());
         let placement = inner.slots.place(generation, bytes).map_err(|AllPinned| Error::AllSlotsPinned {
             name: adapter.name().to_string(),
-            max_loras: self.shared.config.max_loras,
+            max_loras: self.shared.config.lora.max_loras(),
         })?;
         let slot = match placement {
             Placement::Resident(slot) | Placement::Free(slot) => slot,
@@ -391,23 +398,23 @@ impl Store {
             }
         };
         inner.counters.device_misses += 1;
-        if let Err(e) = sink.write_slot(slot, &adapter) {
+        if let Err(e) = sink.write_slot(SlotId::new(slot), &adapter) {
             // The slot's old contents are gone and the new ones incomplete: it is free now.
             inner.slots.vacate(slot);
             inner.counters.failure(e.kind());
             return Err(Error::Adapter(e));
         }
-        Ok(slot)
+        Ok(SlotId::new(slot))
     }
 
     /// The slot `generation` occupies, if any.
-    pub fn slot_of(&self, generation: AdapterGen) -> Option<usize> {
-        self.shared.state.lock().slots.slot_of(&generation)
+    pub fn slot_of(&self, generation: AdapterGen) -> Option<SlotId> {
+        self.shared.state.lock().slots.slot_of(&generation).map(SlotId::new)
     }
 
     /// `(slot, generation)` of every occupied slot.
-    pub fn resident_slots(&self) -> Vec<(usize, AdapterGen)> {
-        self.shared.state.lock().slots.resident()
+    pub fn resident_slots(&self) -> Vec<(SlotId, AdapterGen)> {
+        self.shared.state.lock().slots.resident().into_iter().map(|(slot, g)| (SlotId::new(slot), g)).collect()
     }
 
     /// A snapshot of occupancy, traffic, load times and failures.
@@ -474,16 +481,21 @@ impl Inner {
 }
 
 impl Shared {
-    /// Records `events` and wakes whoever waits for them.
+    /// Hands `events` to the sink, or queues them and wakes whoever waits for them.
     pub(crate) fn publish(&self, mut inner: parking_lot::MutexGuard<'_, Inner>, events: Vec<LoadEvent>) {
         if events.is_empty() {
             return;
         }
-        inner.events.extend(events);
-        drop(inner);
-        self.events_ready.notify_all();
-        if let Some(notify) = &self.notify {
-            notify();
+        match &self.sink {
+            Some(sink) => {
+                drop(inner);
+                events.into_iter().for_each(sink);
+            }
+            None => {
+                inner.events.extend(events);
+                drop(inner);
+                self.events_ready.notify_all();
+            }
         }
     }
 }

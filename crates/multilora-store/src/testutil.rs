@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule, ModuleId, ModuleKind};
 
-use crate::registry::{AdapterGen, AdapterId};
+use multilora_types::{AdapterGen, AdapterId};
 
 /// Generation `fp` of adapter `id`.
 pub(crate) fn generation(id: u64, fp: u8) -> AdapterGen {

@@ -8,7 +8,10 @@ use std::sync::{Arc, Barrier, mpsc};
 use common::wait_ready;
 use common::{BlockingLoader, CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_for};
 use multilora_adapter::AdapterSource;
-use multilora_store::{AdapterGen, AdapterStatus, DirectoryResolver, HubResolver, LoadEvent, Store, StoreConfig};
+use multilora_store::{
+    AdapterGen, AdapterStatus, DirectoryResolver, HubResolver, LoadEvent, SlotId, Store, StoreConfig,
+};
+use multilora_types::LoraLimits;
 use parking_lot::Mutex;
 
 fn ready(store: &Store, name: &str) -> AdapterGen {
@@ -25,7 +28,7 @@ fn loading_never_blocks_stepping() -> anyhow::Result<()> {
     let (release_tx, release_rx) = mpsc::channel();
     let loader = BlockingLoader { blocked: "slow".into(), started: started_tx, release: Mutex::new(release_rx) };
     let others = ["a", "b", "c", "d"];
-    let config = StoreConfig::new("base", tiny_shapes()).max_loras(2).max_cpu_loras(8);
+    let config = StoreConfig::new("base", tiny_shapes()).lora(LoraLimits::slots(2)).max_cpu_loras(8);
     let store = others
         .iter()
         .enumerate()
@@ -68,7 +71,7 @@ fn loading_never_blocks_stepping() -> anyhow::Result<()> {
 fn concurrent_requests_load_once() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let loader = CountingLoader::default();
-    let config = StoreConfig::new("base", tiny_shapes()).max_loras(1).max_cpu_loras(2).loader_threads(4);
+    let config = StoreConfig::new("base", tiny_shapes()).lora(LoraLimits::slots(1)).max_cpu_loras(2).loader_threads(4);
     let store = Arc::new(Store::builder(config).loader(loader.clone()).build()?);
     store.register("a", synthetic(tmp.path(), "a", 0))?;
     let barrier = Arc::new(Barrier::new(8));
@@ -95,7 +98,7 @@ fn concurrent_requests_load_once() -> anyhow::Result<()> {
 #[test]
 fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> {
     let loader = CountingLoader::default();
-    let config = StoreConfig::new("base", fixture_shapes()).max_loras(1).max_cpu_loras(2).max_lora_rank(16);
+    let config = StoreConfig::new("base", fixture_shapes()).lora(LoraLimits::slots(1)).max_cpu_loras(2);
     let store = Store::builder(config).loader(loader.clone()).startup("good", fixture("adapters/qv_r8")).build()?;
     store.register("bad", fixture("invalid_adapters/shape_mismatch"))?;
     // Three requests wait on "bad" before its load finishes (or find it failed already).
@@ -118,7 +121,7 @@ fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> 
     // The store keeps serving the others.
     let good = ready(&store, "good");
     let lease = store.lease(good)?;
-    assert_eq!(store.activate(good, &mut CountingSink::default())?, 0);
+    assert_eq!(store.activate(good, &mut CountingSink::default())?, SlotId::new(0));
     drop(lease);
     // An explicit retry loads again.
     store.retry("bad");
@@ -131,7 +134,7 @@ fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> 
 
 fn runtime_store(root: &std::path::Path, max_cpu_loras: usize) -> anyhow::Result<Store> {
     let config = StoreConfig::new("base", tiny_shapes())
-        .max_loras(2)
+        .lora(LoraLimits::slots(2))
         .max_cpu_loras(max_cpu_loras)
         .allow_runtime_updates(true)
         .allowed_root(root);
@@ -257,7 +260,7 @@ fn resolvers_provide_unknown_names_in_order() -> anyhow::Result<()> {
     let root = tmp.path().join("loras");
     synthetic(&root, "found", 0);
     let config = StoreConfig::new("base", tiny_shapes())
-        .max_loras(1)
+        .lora(LoraLimits::slots(1))
         .max_cpu_loras(2)
         .allow_runtime_updates(true)
         .allowed_root(&root);

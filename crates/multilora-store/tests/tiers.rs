@@ -7,7 +7,8 @@ use std::sync::OnceLock;
 
 use common::{CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_ready};
 use multilora_adapter::AdapterSource;
-use multilora_store::{AdapterGen, AdapterStatus, Store, StoreConfig};
+use multilora_store::{AdapterGen, AdapterStatus, SlotId, Store, StoreConfig};
+use multilora_types::LoraLimits;
 use proptest::prelude::*;
 
 fn ready(store: &Store, name: &str) -> AdapterGen {
@@ -28,7 +29,7 @@ fn the_store_is_send_and_sync() {
 #[test]
 fn startup_adapters_are_ready_without_a_load_at_request_time() -> anyhow::Result<()> {
     let loader = CountingLoader::default();
-    let config = StoreConfig::new("base", fixture_shapes()).max_loras(2).max_cpu_loras(4);
+    let config = StoreConfig::new("base", fixture_shapes()).lora(LoraLimits::slots(2)).max_cpu_loras(4);
     let store = Store::builder(config)
         .loader(loader.clone())
         .startup("qv", fixture("adapters/qv_r8"))
@@ -46,19 +47,19 @@ fn startup_adapters_are_ready_without_a_load_at_request_time() -> anyhow::Result
 
 #[test]
 fn a_bad_startup_adapter_fails_the_build() {
-    let config = StoreConfig::new("base", fixture_shapes()).max_lora_rank(16);
+    let config = StoreConfig::new("base", fixture_shapes());
     let err = Store::new(config, vec![("big".into(), fixture("adapters/rank32"))]).unwrap_err();
     assert_eq!(err.kind(), "rank_too_large");
     assert!(matches!(&err, multilora_store::Error::Startup { name, .. } if name == "big"), "{err:?}");
     assert!(err.to_string().contains("\"big\"") && err.to_string().contains("exceeds max_lora_rank 16"), "{err}");
-    let config = StoreConfig::new("base", fixture_shapes()).max_loras(4).max_cpu_loras(2);
+    let config = StoreConfig::new("base", fixture_shapes()).lora(LoraLimits::slots(4)).max_cpu_loras(2);
     assert_eq!(Store::new(config, vec![]).unwrap_err().kind(), "config");
 }
 
 #[test]
 fn cpu_tier_is_lru_and_never_exceeds_its_capacity() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
-    let config = StoreConfig::new("base", tiny_shapes()).max_loras(1).max_cpu_loras(3);
+    let config = StoreConfig::new("base", tiny_shapes()).lora(LoraLimits::slots(1)).max_cpu_loras(3);
     let store = Store::builder(config).build()?;
     for (i, name) in ["a", "b", "c", "d"].iter().enumerate() {
         store.register(name, synthetic(tmp.path(), name, i as u64))?;
@@ -89,7 +90,7 @@ fn cpu_tier_is_lru_and_never_exceeds_its_capacity() -> anyhow::Result<()> {
 fn slots_are_lru_and_pins_keep_them() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let names = ["a", "b", "c", "d"];
-    let config = StoreConfig::new("base", tiny_shapes()).max_loras(2).max_cpu_loras(4);
+    let config = StoreConfig::new("base", tiny_shapes()).lora(LoraLimits::slots(2)).max_cpu_loras(4);
     let store = names
         .iter()
         .enumerate()
@@ -97,37 +98,37 @@ fn slots_are_lru_and_pins_keep_them() -> anyhow::Result<()> {
         .build()?;
     let g: Vec<AdapterGen> = names.iter().map(|n| ready(&store, n)).collect();
     let mut sink = CountingSink::default();
-    assert_eq!(store.activate(g[0], &mut sink)?, 0);
-    assert_eq!(store.activate(g[1], &mut sink)?, 1);
-    assert_eq!(store.activate(g[0], &mut sink)?, 0); // hit: no write, "b" is now the LRU
+    assert_eq!(store.activate(g[0], &mut sink)?, SlotId::new(0));
+    assert_eq!(store.activate(g[1], &mut sink)?, SlotId::new(1));
+    assert_eq!(store.activate(g[0], &mut sink)?, SlotId::new(0)); // hit: no write, "b" is now the LRU
     assert_eq!(sink.writes, 2);
     assert_eq!(store.slot_lru_order(), [g[1], g[0]]);
-    assert_eq!(store.activate(g[2], &mut sink)?, 1);
+    assert_eq!(store.activate(g[2], &mut sink)?, SlotId::new(1));
     assert_eq!(store.slot_of(g[1]), None);
-    assert_eq!(sink.slots[&1], g[2].fingerprint);
+    assert_eq!(sink.slots[&SlotId::new(1)], g[2].fingerprint);
 
     // Pinned by a running request, "a" stays even though it is the LRU.
     let lease_a = store.lease(g[0])?;
-    assert_eq!(store.activate(g[3], &mut sink)?, 1);
-    assert_eq!(store.slot_of(g[0]), Some(0));
+    assert_eq!(store.activate(g[3], &mut sink)?, SlotId::new(1));
+    assert_eq!(store.slot_of(g[0]), Some(SlotId::new(0)));
     // With both slots pinned, activation is a typed error and changes nothing.
     let lease_d = store.lease(g[3])?;
     let err = store.activate(g[1], &mut sink).unwrap_err();
     assert_eq!(err.kind(), "all_slots_pinned");
     assert!(err.to_string().contains("\"b\"") && err.to_string().contains("all 2 slots are pinned"), "{err}");
-    assert_eq!(store.resident_slots(), [(0, g[0]), (1, g[3])]);
+    assert_eq!(store.resident_slots(), [(SlotId::new(0), g[0]), (SlotId::new(1), g[3])]);
     drop(lease_d);
-    assert_eq!(store.activate(g[1], &mut sink)?, 1);
+    assert_eq!(store.activate(g[1], &mut sink)?, SlotId::new(1));
 
     // The operator's pin keeps "b" resident after its requests are gone.
     drop(lease_a);
     assert_eq!(store.pin_adapter("b")?, g[1]);
     assert!(store.info("b").unwrap().operator_pinned);
-    assert_eq!(store.activate(g[2], &mut sink)?, 0);
-    assert_eq!(store.activate(g[3], &mut sink)?, 0);
-    assert_eq!(store.slot_of(g[1]), Some(1));
+    assert_eq!(store.activate(g[2], &mut sink)?, SlotId::new(0));
+    assert_eq!(store.activate(g[3], &mut sink)?, SlotId::new(0));
+    assert_eq!(store.slot_of(g[1]), Some(SlotId::new(1)));
     store.unpin_adapter("b")?;
-    assert_eq!(store.activate(g[0], &mut sink)?, 1);
+    assert_eq!(store.activate(g[0], &mut sink)?, SlotId::new(1));
     let m = store.metrics();
     assert_eq!((m.device.entries, m.device.capacity, m.pinned_slots), (2, 2, 0));
     assert_eq!((m.device.hits, m.device.misses, m.device.evictions), (1, 8, 6));
@@ -138,7 +139,7 @@ fn slots_are_lru_and_pins_keep_them() -> anyhow::Result<()> {
 #[test]
 fn activation_needs_the_cpu_tier() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
-    let config = StoreConfig::new("base", tiny_shapes()).max_loras(1).max_cpu_loras(1);
+    let config = StoreConfig::new("base", tiny_shapes()).lora(LoraLimits::slots(1)).max_cpu_loras(1);
     let store = Store::builder(config).startup("a", synthetic(tmp.path(), "a", 0)).build()?;
     store.register("b", synthetic(tmp.path(), "b", 1))?;
     let a = ready(&store, "a");
@@ -148,7 +149,7 @@ fn activation_needs_the_cpu_tier() -> anyhow::Result<()> {
     let err = store.activate(a, &mut CountingSink::default()).unwrap_err();
     assert_eq!(err.kind(), "not_ready");
     assert_eq!(store.lease(a).unwrap_err().kind(), "not_ready");
-    assert_eq!(store.activate(b, &mut CountingSink::default())?, 0);
+    assert_eq!(store.activate(b, &mut CountingSink::default())?, SlotId::new(0));
     Ok(())
 }
 
@@ -156,9 +157,8 @@ fn activation_needs_the_cpu_tier() -> anyhow::Result<()> {
 fn a_failing_validation_evicts_nothing() -> anyhow::Result<()> {
     let root = common::fixtures();
     let config = StoreConfig::new("base", fixture_shapes())
-        .max_loras(1)
+        .lora(LoraLimits::slots(1))
         .max_cpu_loras(2)
-        .max_lora_rank(16)
         .allow_runtime_updates(true)
         .allowed_root(&root);
     let store = Store::builder(config)
@@ -195,7 +195,7 @@ fn a_failing_validation_evicts_nothing() -> anyhow::Result<()> {
 
 #[test]
 fn memory_accounting_follows_the_tiers() -> anyhow::Result<()> {
-    let config = StoreConfig::new("base", fixture_shapes()).max_loras(2).max_cpu_loras(3).max_lora_rank(16);
+    let config = StoreConfig::new("base", fixture_shapes()).lora(LoraLimits::slots(2)).max_cpu_loras(3);
     let store = Store::builder(config)
         .startup("qv", fixture("adapters/qv_r8"))
         .startup("rs", fixture("adapters/rslora_r4"))
@@ -254,7 +254,7 @@ proptest! {
     #[test]
     fn pinned_slots_are_never_evicted(max_loras in 1..4usize, ops in proptest::collection::vec(op(), 1..80)) {
         let (_, sources) = prop_sources();
-        let config = StoreConfig::new("base", tiny_shapes()).max_loras(max_loras).max_cpu_loras(5);
+        let config = StoreConfig::new("base", tiny_shapes()).lora(LoraLimits::slots(max_loras)).max_cpu_loras(5);
         let builder = sources.iter().enumerate().fold(Store::builder(config), |b, (i, s)| b.startup(format!("p{i}"), s.clone()));
         let store = builder.build().unwrap();
         let gens: Vec<AdapterGen> = (0..5).map(|i| ready(&store, &format!("p{i}"))).collect();

@@ -1,15 +1,20 @@
 //! `EngineBuilder`: vLLM's knobs, this engine's defaults (and why they differ), and the start-up
-//! sequence: model config → startup adapters' configs (rank, targets) → model with slot buffers
-//! → tokenizer → store → KV cache from what the slots left of the budget → the loop thread.
+//! sequence, one named step each: model config → LoRA limits from the startup adapters' configs
+//! (rank, targets) → model with slot buffers → tokenizer → store → KV cache from what the slots
+//! left of the budget → scheduler → the loop thread.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
 
 use candle_core::{DType, Device};
 use multilora_adapter::{AdapterSource, LoadOptions, ModuleKind};
-use multilora_models::{HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
+use multilora_models::{CheckpointFiles, HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
+use multilora_types::{DEFAULT_MAX_LORA_RANK, LoraLimits};
 
+use crate::command::{Command, EventCount};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::handle::Engine;
@@ -191,106 +196,42 @@ impl EngineBuilder {
         self
     }
 
-    /// Loads the model, tokenizer and startup adapters, sizes the KV cache, and starts the loop.
+    /// Loads the model, tokenizer and startup adapters, sizes the KV cache, and starts the loop:
+    /// read config → LoRA limits from the startup adapters' shapes → model → tokenizer → store →
+    /// KV budget → scheduler → loop.
     pub fn build(mut self) -> Result<Engine> {
-        if self.max_loras == 0 && !self.loras.is_empty() {
-            return Err(EngineError::Config(format!(
-                "{} lora adapters given but max_loras is 0 (lora is off)",
-                self.loras.len()
-            )));
-        }
+        self.check()?;
         let source = ModelSource::parse(&self.model)?;
         let hub = HubConfig::from_env();
-        let files = source.resolve(&hub)?;
-        let cfg = ModelConfig::from_file(&files.config)?;
-        if let ModelSource::Hub { repo, revision } = &source {
-            // The tokenizer files sit next to config.json in the snapshot; fetch them too.
-            for f in ["tokenizer.json", "tokenizer_config.json"] {
-                if let Err(e) = hub.file(repo, revision, f) {
-                    tracing::warn!(repo = %repo, file = f, error = %e, "tokenizer file not fetched");
-                }
-            }
-        }
-        let (startup_rank, startup_targets) = self.scan_startup(&cfg)?;
-        let max_lora_rank = self.max_lora_rank.unwrap_or(if startup_rank > 0 { startup_rank } else { 16 });
-        let targets = self.lora_target_modules.clone().unwrap_or_else(|| {
-            let mut t = ModuleKind::PROJECTIONS.to_vec();
-            t.extend(startup_targets.iter().copied().filter(|k| !ModuleKind::PROJECTIONS.contains(k)));
-            t
-        });
+        let (files, cfg) = self.read_config(&source, &hub)?;
+        let lora = self.lora_limits(&cfg)?;
         let dtype = self.resolve_dtype(&cfg);
         let lora_dtype = self.lora_dtype.unwrap_or(dtype);
-        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
-            return Err(EngineError::Config(format!(
-                "gpu_memory_utilization must be in (0, 1], got {}",
-                self.gpu_memory_utilization
-            )));
-        }
         let opts = ModelOptions::default()
             .dtype(dtype)
             .device(self.device.clone())
-            .max_loras(self.max_loras)
-            .max_lora_rank(max_lora_rank)
-            .lora_target_modules(&targets)
+            .lora(lora.clone())
             .lora_dtype(lora_dtype)
             .hub(hub.clone());
         let model = Model::load(&source, &opts)?;
-        let tokenizer_path = files.dir.join("tokenizer.json");
-        let tokenizer = if tokenizer_path.is_file() {
-            let t = tokenizers::Tokenizer::from_file(&tokenizer_path)
-                .map_err(|e| EngineError::Model(format!("{}: {e}", tokenizer_path.display())))?;
-            Some(t)
-        } else {
-            tracing::warn!(path = %tokenizer_path.display(), "no tokenizer.json: only token-id prompts are accepted");
-            None
-        };
-
+        let tokenizer = load_tokenizer(&files.dir)?;
         let served = self.served_model_name.clone().unwrap_or_else(|| self.model.clone());
-        let max_cpu_loras = self.max_cpu_loras.unwrap_or(self.max_loras.max(32));
-        let mut store_cfg = StoreConfig::new(served.clone(), model.shapes().clone())
-            .max_loras(self.max_loras)
-            .max_cpu_loras(max_cpu_loras)
-            .max_lora_rank(max_lora_rank)
-            .lora_dtype(lora_dtype)
-            .allow_runtime_updates(self.allow_runtime_lora_updating);
-        for root in &self.allowed_lora_roots {
-            store_cfg = store_cfg.allowed_root(root.clone());
-        }
+        let max_cpu_loras = self.max_cpu_loras.unwrap_or(lora.max_loras().max(32));
         let (tx, rx) = std::sync::mpsc::channel();
-        let wake = tx.clone();
-        let mut store = Store::builder(store_cfg).notify(move || {
-            let _ = wake.send(crate::command::Command::Wake);
-        });
-        for add in std::mem::take(&mut self.resolvers.0) {
-            store = add(store);
-        }
-        for (name, src) in &self.loras {
-            let parsed = AdapterSource::parse(src).map_err(|e| adapter_err(name, &e))?;
-            store = store.startup(name.clone(), parsed);
-        }
-        let store = store.build().map_err(|e| match e {
-            multilora_store::Error::Startup { name, source } => EngineError::from_store(&name, &source),
-            other => EngineError::Config(other.to_string()),
-        })?;
+        let events = EventCount::default();
+        let store_cfg = StoreConfig::new(served.clone(), model.shapes().clone())
+            .lora(lora.clone())
+            .max_cpu_loras(max_cpu_loras)
+            .lora_dtype(lora_dtype);
+        let store = self.build_store(store_cfg, &tx, &events)?;
 
         let max_model_len = self.max_model_len.unwrap_or(cfg.max_model_len());
         let slot_bytes = model.lora_slot_bytes();
         let (kv_budget, budget_from) = self.kv_budget(&model, slot_bytes, max_model_len)?;
         let kv_cfg = KvCacheConfig::for_budget(model.config(), dtype, self.block_size, kv_budget);
-        let sched_cfg = SchedulerConfig::default()
-            .max_num_seqs(self.max_num_seqs)
-            .max_num_batched_tokens(self.max_num_batched_tokens)
-            .step_time(self.step_time)
-            .max_model_len(max_model_len)
-            .max_loras(self.max_loras)
-            .kv(KvConfig {
-                num_blocks: kv_cfg.num_blocks,
-                block_size: self.block_size,
-                enable_prefix_caching: self.enable_prefix_caching,
-                ..KvConfig::default()
-            });
-        let scheduler = Scheduler::new(sched_cfg)
-            .map_err(|e| EngineError::Config(format!("{e} (kv cache of {kv_budget} bytes: {budget_from})")))?;
+        let scheduler = self.build_scheduler(&lora, max_model_len, kv_cfg.num_blocks).map_err(|e| {
+            EngineError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
+        })?;
         let kv = model.new_kv_cache(kv_cfg)?;
         tracing::info!(
             model = %self.model,
@@ -299,8 +240,8 @@ impl EngineBuilder {
             checkpoint_dtype = cfg.torch_dtype.as_deref().unwrap_or("unknown"),
             decode_attention = model.decode_attention(),
             kv_budget = %budget_from,
-            max_loras = self.max_loras,
-            max_lora_rank,
+            max_loras = lora.max_loras(),
+            max_lora_rank = lora.max_lora_rank(),
             lora_slot_bytes = slot_bytes,
             kv_blocks = kv_cfg.num_blocks,
             kv_tokens = kv_cfg.num_blocks * self.block_size,
@@ -310,10 +251,8 @@ impl EngineBuilder {
             model: self.model,
             model_dir: files.dir.clone(),
             served_model_name: served,
-            max_loras: self.max_loras,
+            lora,
             max_cpu_loras,
-            max_lora_rank,
-            lora_target_modules: targets,
             lora_dtype,
             dtype,
             max_model_len,
@@ -328,14 +267,111 @@ impl EngineBuilder {
             vocab_size: cfg.vocab_size,
             eos_token_ids: cfg.eos_token_ids.clone(),
         };
-        Engine::start(config, model, kv, scheduler, store, tokenizer, tx, rx)
+        Engine::start(config, model, kv, scheduler, store, tokenizer, (tx, rx, events))
+    }
+
+    /// The checks that need no file: startup adapters with LoRA off, a utilization outside (0, 1].
+    fn check(&self) -> Result<()> {
+        if self.max_loras == 0 && !self.loras.is_empty() {
+            return Err(EngineError::LoraOff { adapters: self.loras.len() });
+        }
+        let value = self.gpu_memory_utilization;
+        if !(value > 0.0 && value <= 1.0) {
+            return Err(EngineError::GpuMemoryUtilization { value });
+        }
+        Ok(())
+    }
+
+    /// The model's files (fetched for a hub id, with its tokenizer files) and its `config.json`.
+    fn read_config(&self, source: &ModelSource, hub: &HubConfig) -> Result<(CheckpointFiles, ModelConfig)> {
+        let files = source.resolve(hub)?;
+        let cfg = ModelConfig::from_file(&files.config).map_err(multilora_models::Error::from)?;
+        if let ModelSource::Hub { repo, revision } = source {
+            // The tokenizer files sit next to config.json in the snapshot; fetch them too.
+            for f in ["tokenizer.json", "tokenizer_config.json"] {
+                if let Err(e) = hub.file(repo, revision, f) {
+                    tracing::warn!(repo = %repo, file = f, error = %e, "tokenizer file not fetched");
+                }
+            }
+        }
+        Ok((files, cfg))
+    }
+
+    /// The LoRA limits, built once: `max_loras`; `max_lora_rank` (default: the largest startup
+    /// rank, else 16); the target modules (default: the seven projections plus whatever the
+    /// startup adapters target). `max_loras` 0 is [`LoraLimits::off`]: from here on, "LoRA off" is
+    /// that value, not a zero checked again.
+    fn lora_limits(&self, cfg: &ModelConfig) -> Result<LoraLimits> {
+        if self.max_loras == 0 {
+            return Ok(LoraLimits::off());
+        }
+        let (startup_rank, startup_targets) = self.scan_startup(cfg)?;
+        let max_lora_rank =
+            self.max_lora_rank.unwrap_or(if startup_rank > 0 { startup_rank } else { DEFAULT_MAX_LORA_RANK });
+        let targets = self.lora_target_modules.clone().unwrap_or_else(|| {
+            let mut t = ModuleKind::PROJECTIONS.to_vec();
+            t.extend(startup_targets.iter().copied().filter(|k| !ModuleKind::PROJECTIONS.contains(k)));
+            t
+        });
+        Ok(LoraLimits::new(self.max_loras, max_lora_rank, &targets)?)
+    }
+
+    /// The adapter store over `store_cfg` (sized by the limits and the model), with the runtime
+    /// update settings, resolvers and startup adapters (loaded here; the first that fails names
+    /// itself), its load events sent down the loop's command channel.
+    fn build_store(&mut self, store_cfg: StoreConfig, tx: &Sender<Command>, counter: &EventCount) -> Result<Store> {
+        let mut store_cfg = store_cfg.allow_runtime_updates(self.allow_runtime_lora_updating);
+        for root in &self.allowed_lora_roots {
+            store_cfg = store_cfg.allowed_root(root.clone());
+        }
+        let (events, count) = (tx.clone(), counter.clone());
+        let mut store = Store::builder(store_cfg).events(move |ev| {
+            count.sent();
+            // The loop is gone only at shutdown, when no one waits for the event.
+            if events.send(Command::Adapter(ev)).is_err() {
+                count.taken();
+            }
+        });
+        for add in std::mem::take(&mut self.resolvers.0) {
+            store = add(store);
+        }
+        for (name, src) in &self.loras {
+            let parsed = AdapterSource::parse(src).map_err(|e| EngineError::adapter_format(name, e))?;
+            store = store.startup(name.clone(), parsed);
+        }
+        store.build().map_err(|e| match e {
+            multilora_store::Error::Startup { name, source } => EngineError::from_store(&name, *source),
+            other => EngineError::Store { source: Arc::new(other) },
+        })
+    }
+
+    /// The scheduler over `num_blocks` KV blocks.
+    fn build_scheduler(
+        &self,
+        lora: &LoraLimits,
+        max_model_len: usize,
+        num_blocks: usize,
+    ) -> std::result::Result<Scheduler, multilora_scheduler::Error> {
+        let cfg = SchedulerConfig::default()
+            .max_num_seqs(self.max_num_seqs)
+            .max_num_batched_tokens(self.max_num_batched_tokens)
+            .step_time(self.step_time)
+            .max_model_len(max_model_len)
+            .max_loras(lora.max_loras())
+            .kv(KvConfig {
+                num_blocks,
+                block_size: self.block_size,
+                enable_prefix_caching: self.enable_prefix_caching,
+                ..KvConfig::default()
+            });
+        Scheduler::new(cfg)
     }
 
     /// `auto` (no dtype given): the checkpoint's own dtype on CUDA; f32 on the CPU.
     fn resolve_dtype(&self, cfg: &ModelConfig) -> DType {
         match self.dtype {
             Some(d) => d,
-            None if self.device.is_cuda() => cfg.checkpoint_dtype().unwrap_or(DType::F32),
+            None if self.device.is_cuda() => cfg.auto_dtype(),
             None => DType::F32,
         }
     }
@@ -386,9 +422,11 @@ impl EngineBuilder {
         let opts = LoadOptions::new(DType::F32);
         let (mut rank, mut kinds) = (0, Vec::new());
         for (name, src) in &self.loras {
-            let dir = AdapterSource::parse(src).and_then(|s| s.resolve()).map_err(|e| adapter_err(name, &e))?;
-            let summary =
-                multilora_adapter::read_config(name, &dir, &shapes, &opts).map_err(|e| adapter_err(name, &e))?;
+            let dir = AdapterSource::parse(src)
+                .and_then(|s| s.resolve())
+                .map_err(|e| EngineError::adapter_format(name, e))?;
+            let summary = multilora_adapter::read_config(name, &dir, &shapes, &opts)
+                .map_err(|e| EngineError::adapter_format(name, e))?;
             rank = rank.max(summary.max_rank());
             for id in summary.modules.keys() {
                 if !kinds.contains(&id.kind) {
@@ -400,6 +438,15 @@ impl EngineBuilder {
     }
 }
 
-fn adapter_err(name: &str, e: &multilora_adapter::Error) -> EngineError {
-    EngineError::Adapter { name: name.to_string(), message: e.to_string(), cause_kind: e.kind() }
+/// The model's `tokenizer.json`, if it has one (without, only token-id prompts are accepted).
+fn load_tokenizer(dir: &Path) -> Result<Option<tokenizers::Tokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        tracing::warn!(path = %path.display(), "no tokenizer.json: only token-id prompts are accepted");
+        return Ok(None);
+    }
+    match tokenizers::Tokenizer::from_file(&path) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) => Err(EngineError::Tokenizer { path, source: Arc::from(e) }),
+    }
 }

@@ -1,9 +1,12 @@
-//! `Command`: what handles send to the engine loop, and `Submission`, a request as the handle
-//! validated and prepared it. Below the handle and the loop, which both use them.
+//! `Command`: what handles and the adapter store send to the engine loop (its one channel), and
+//! `Submission`, a request as the handle validated and prepared it. Below the handle and the loop, which both use them.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::time::Instant;
 
+use multilora_store::LoadEvent;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::Result;
@@ -21,10 +24,33 @@ pub(crate) enum Command {
     Unload(String, SyncSender<Result<()>>),
     /// Send a metrics snapshot.
     Metrics(SyncSender<MetricsSnapshot>),
-    /// A background load finished: look at the deferred requests again.
-    Wake,
+    /// A background load finished (the store's events come down this same channel): the
+    /// deferred requests are looked at again.
+    Adapter(LoadEvent),
     /// Stop: fail what is left and exit.
     Shutdown,
+}
+
+/// The store's load events sent down the loop's channel and not yet taken by the loop: the
+/// length of the event channel, for `MetricsSnapshot::adapter_events_pending`.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct EventCount(Arc<AtomicUsize>);
+
+impl EventCount {
+    /// One more event is on its way to the loop.
+    pub(crate) fn sent(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The loop took one.
+    pub(crate) fn taken(&self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Events sent and not yet taken.
+    pub(crate) fn pending(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 /// A request as the handle prepared it.

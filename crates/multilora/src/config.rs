@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
-use multilora_adapter::ModuleKind;
 use multilora_scheduler::StepTime;
+use multilora_types::LoraLimits;
 
 /// The resolved configuration an engine runs with.
 #[derive(Clone, Debug)]
@@ -18,14 +18,11 @@ pub struct EngineConfig {
     pub model_dir: PathBuf,
     /// The name requests use for the base model.
     pub served_model_name: String,
-    /// Adapter slots (distinct adapters per step); 0 = LoRA off.
-    pub max_loras: usize,
+    /// Adapter slots (distinct adapters per step), the rank of every slot and the modules with
+    /// slot buffers; [`LoraLimits::off`] when LoRA is off.
+    pub lora: LoraLimits,
     /// Adapters held in host memory.
     pub max_cpu_loras: usize,
-    /// Rank of every slot.
-    pub max_lora_rank: usize,
-    /// Modules with slot buffers.
-    pub lora_target_modules: Vec<ModuleKind>,
     /// Dtype of adapters and slots.
     pub lora_dtype: DType,
     /// Model dtype.

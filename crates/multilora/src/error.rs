@@ -1,9 +1,18 @@
-//! `EngineError`: why one request, or one engine call, failed; `kind()` is a stable label.
+//! `EngineError`: why one request, or one engine call, failed; `kind()` is a stable label. Every
+//! variant that wraps another crate's failure keeps it as its `source()` (behind an `Arc`, since
+//! one error may go to several requests' streams).
 
+use std::path::PathBuf;
 use std::sync::Arc;
+
+use multilora_adapter::ModuleKind;
+use multilora_types::LimitsError;
 
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// Any error, shared: the source of a failed step or start-up call.
+pub type SharedError = Arc<dyn std::error::Error + Send + Sync>;
 
 /// Errors of the engine. Each fails only the request or call that got it; the engine goes on.
 ///
@@ -32,30 +41,101 @@ pub enum EngineError {
         max_model_len: usize,
     },
     /// The adapter could not be loaded, validated or activated.
-    #[error("{}", adapter_message(name, message))]
+    #[error("{}", adapter_message(name, source))]
     Adapter {
         /// The adapter.
         name: String,
-        /// The store's message.
-        message: String,
-        /// The store's error kind (e.g. `truncated`, `shape_mismatch`).
-        cause_kind: &'static str,
+        /// The store's error (its `kind()` says why: `truncated`, `shape_mismatch`, …).
+        #[source]
+        source: Arc<multilora_store::Error>,
+    },
+    /// A runtime adapter targets modules that have no slot buffers.
+    #[error(
+        "adapter {name:?}: targets {:?}, which have no lora slots (add them to lora_target_modules)",
+        modules.iter().map(|k| k.short_name()).collect::<Vec<_>>()
+    )]
+    AdapterTargets {
+        /// The adapter.
+        name: String,
+        /// The modules it targets that have no slots.
+        modules: Vec<ModuleKind>,
     },
     /// Runtime adapter updates are off (`allow_runtime_lora_updating`).
     #[error("runtime lora updating is disabled (set allow_runtime_lora_updating)")]
     RuntimeUpdatesDisabled,
-    /// The engine configuration cannot work.
+    /// Startup adapters were given with `max_loras` 0.
+    #[error("invalid engine config: {adapters} lora adapters given but max_loras is 0 (lora is off)")]
+    LoraOff {
+        /// How many were given.
+        adapters: usize,
+    },
+    /// `gpu_memory_utilization` is outside (0, 1].
+    #[error("invalid engine config: gpu_memory_utilization must be in (0, 1], got {value}")]
+    GpuMemoryUtilization {
+        /// The value given.
+        value: f64,
+    },
+    /// The LoRA limits cannot work.
     #[error("invalid engine config: {0}")]
-    Config(String),
-    /// Loading the model or tokenizer failed.
+    Limits(#[from] LimitsError),
+    /// The adapter store refused its configuration.
+    #[error("invalid engine config: {source}")]
+    Store {
+        /// Why.
+        #[source]
+        source: Arc<multilora_store::Error>,
+    },
+    /// The scheduler refused its configuration (a KV cache too small for one sequence, …).
+    #[error("invalid engine config: {source} (kv cache of {kv_bytes} bytes: {budget_from})")]
+    Scheduler {
+        /// The KV budget the scheduler was given.
+        kv_bytes: u64,
+        /// Where that budget came from.
+        budget_from: String,
+        /// Why.
+        #[source]
+        source: Arc<multilora_scheduler::Error>,
+    },
+    /// Loading the model failed.
     #[error("model: {0}")]
-    Model(String),
+    Model(#[source] Arc<multilora_models::Error>),
+    /// The model's `tokenizer.json` could not be read.
+    #[error("model: {}: {source}", path.display())]
+    Tokenizer {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: SharedError,
+    },
     /// The engine has shut down.
     #[error("the engine has shut down")]
     Shutdown,
-    /// A bug or an unexpected failure inside a step.
-    #[error("internal error: {0}")]
-    Internal(String),
+    /// A step failed (the forward pass or the scheduler's update): its requests fail, the
+    /// engine goes on.
+    #[error("internal error: {stage}: {source}")]
+    Step {
+        /// Which part of the step.
+        stage: &'static str,
+        /// Why.
+        #[source]
+        source: SharedError,
+    },
+    /// The engine's threads could not be started.
+    #[error("internal error: {what}: {source}")]
+    Spawn {
+        /// Which threads.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: SharedError,
+    },
+    /// An adapter left host memory while one of its requests ran (the store's pins rule it out).
+    #[error("internal error: adapter {name:?} left host memory mid-request")]
+    AdapterEvicted {
+        /// The adapter.
+        name: String,
+    },
 }
 
 impl EngineError {
@@ -65,12 +145,26 @@ impl EngineError {
             EngineError::ModelNotFound { .. } => "model_not_found",
             EngineError::InvalidRequest { .. } => "invalid_request",
             EngineError::PromptTooLong { .. } => "prompt_too_long",
-            EngineError::Adapter { .. } => "adapter_error",
+            EngineError::Adapter { .. } | EngineError::AdapterTargets { .. } => "adapter_error",
             EngineError::RuntimeUpdatesDisabled => "runtime_updates_disabled",
-            EngineError::Config(_) => "invalid_config",
-            EngineError::Model(_) => "model_error",
+            EngineError::LoraOff { .. }
+            | EngineError::GpuMemoryUtilization { .. }
+            | EngineError::Limits(_)
+            | EngineError::Store { .. }
+            | EngineError::Scheduler { .. } => "invalid_config",
+            EngineError::Model(_) | EngineError::Tokenizer { .. } => "model_error",
             EngineError::Shutdown => "shutdown",
-            EngineError::Internal(_) => "internal",
+            EngineError::Step { .. } | EngineError::Spawn { .. } | EngineError::AdapterEvicted { .. } => "internal",
+        }
+    }
+
+    /// For adapter errors, the underlying reason's label (`truncated`, `shape_mismatch`,
+    /// `not_a_target`, …).
+    pub fn cause_kind(&self) -> Option<&'static str> {
+        match self {
+            EngineError::Adapter { source, .. } => Some(source.kind()),
+            EngineError::AdapterTargets { .. } => Some("not_a_target"),
+            _ => None,
         }
     }
 
@@ -78,10 +172,25 @@ impl EngineError {
         EngineError::InvalidRequest { reason: reason.into() }
     }
 
+    /// A step's failure at `stage`, for each of its requests.
+    pub(crate) fn step(stage: &'static str, source: &SharedError) -> EngineError {
+        EngineError::Step { stage, source: Arc::clone(source) }
+    }
+
+    /// An adapter format error about `name` (a startup adapter's config or source).
+    pub(crate) fn adapter_format(name: &str, e: multilora_adapter::Error) -> EngineError {
+        EngineError::Adapter { name: name.to_string(), source: Arc::new(multilora_store::Error::Adapter(e)) }
+    }
+
     /// Maps a store error about adapter `name` onto the engine's kinds.
-    pub(crate) fn from_store(name: &str, e: &multilora_store::Error) -> EngineError {
+    pub(crate) fn from_store(name: &str, e: multilora_store::Error) -> EngineError {
+        EngineError::from_store_arc(name, &Arc::new(e))
+    }
+
+    /// [`EngineError::from_store`] for an error shared by several requests (a failed load).
+    pub(crate) fn from_store_arc(name: &str, e: &Arc<multilora_store::Error>) -> EngineError {
         use multilora_store::Error as S;
-        match e {
+        match &**e {
             S::UnknownAdapter { .. } => EngineError::ModelNotFound { name: name.to_string() },
             S::RuntimeUpdatesDisabled { .. } => EngineError::RuntimeUpdatesDisabled,
             S::InvalidName { .. }
@@ -89,29 +198,20 @@ impl EngineError {
             | S::PathOutsideRoots { .. }
             | S::HubDisabled { .. } => EngineError::InvalidRequest { reason: e.to_string() },
             S::Shutdown { .. } => EngineError::Shutdown,
-            _ => EngineError::Adapter { name: name.to_string(), message: e.to_string(), cause_kind: e.kind() },
+            _ => EngineError::Adapter { name: name.to_string(), source: Arc::clone(e) },
         }
-    }
-
-    pub(crate) fn from_store_arc(name: &str, e: &Arc<multilora_store::Error>) -> EngineError {
-        EngineError::from_store(name, e)
     }
 }
 
 impl From<multilora_models::Error> for EngineError {
     fn from(e: multilora_models::Error) -> EngineError {
-        EngineError::Model(e.to_string())
-    }
-}
-
-impl From<candle_core::Error> for EngineError {
-    fn from(e: candle_core::Error) -> EngineError {
-        EngineError::Internal(e.to_string())
+        EngineError::Model(Arc::new(e))
     }
 }
 
 /// The store's message, prefixed with the adapter's name unless it already leads with it.
-fn adapter_message(name: &str, message: &str) -> String {
+fn adapter_message(name: &str, source: &multilora_store::Error) -> String {
+    let message = source.to_string();
     let prefix = format!("adapter {name:?}");
-    if message.starts_with(&prefix) { message.to_string() } else { format!("{prefix}: {message}") }
+    if message.starts_with(&prefix) { message } else { format!("{prefix}: {message}") }
 }

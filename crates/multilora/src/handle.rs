@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use crate::command::{Command, Submission};
+use crate::command::{Command, EventCount, Submission};
 use crate::config::EngineConfig;
 use crate::engine_loop::EngineLoop;
 use crate::error::{EngineError, Result};
@@ -86,8 +86,7 @@ impl Engine {
         scheduler: Scheduler,
         store: Store,
         tokenizer: Option<Tokenizer>,
-        tx: Sender<Command>,
-        rx: Receiver<Command>,
+        (tx, rx, events): (Sender<Command>, Receiver<Command>, EventCount),
     ) -> Result<Engine> {
         let store = Arc::new(store);
         let tokenizer = tokenizer.map(Arc::new);
@@ -97,7 +96,7 @@ impl Engine {
             .num_threads(rayon::current_num_threads())
             .thread_name(|i| format!("multilora-compute-{i}"))
             .build()
-            .map_err(|e| EngineError::Internal(format!("starting the engine's compute threads: {e}")))?;
+            .map_err(|e| EngineError::Spawn { what: "the engine's compute threads", source: Arc::new(e) })?;
         let lp = EngineLoop::new(
             config.clone(),
             model,
@@ -105,14 +104,14 @@ impl Engine {
             scheduler,
             Arc::clone(&store),
             tokenizer.clone(),
-            rx,
+            (rx, events),
             Arc::clone(&last_metrics),
             pool,
         );
         let thread = std::thread::Builder::new()
             .name("multilora-engine".into())
             .spawn(move || lp.run())
-            .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
+            .map_err(|e| EngineError::Spawn { what: "the engine thread", source: Arc::new(e) })?;
         let shared = Shared { tx, store, tokenizer, config, next_id: AtomicU64::new(1), last_metrics };
         Ok(Engine { handle: EngineHandle { shared: Arc::new(shared) }, thread: Some(thread) })
     }
@@ -208,14 +207,14 @@ impl EngineHandle {
         if model == config.served_model_name {
             return Ok(true);
         }
-        if config.max_loras == 0 {
+        if config.lora.is_off() {
             return Err(EngineError::ModelNotFound { name: model.to_string() });
         }
         match self.shared.store.lookup(model) {
             Ok(AdapterStatus::Ready(_)) => Ok(true),
             Ok(AdapterStatus::Failed(e)) => Err(EngineError::from_store_arc(model, &e)),
             Ok(_) => Ok(false),
-            Err(e) => Err(EngineError::from_store(model, &e)),
+            Err(e) => Err(EngineError::from_store(model, e)),
         }
     }
 
@@ -298,7 +297,7 @@ impl EngineHandle {
     pub fn load_adapter(&self, name: &str, source: &str) -> Result<()> {
         let src = self.runtime_source(source)?;
         let store = &self.shared.store;
-        store.load(name, src).map_err(|e| EngineError::from_store(name, &e))?;
+        store.load(name, src).map_err(|e| EngineError::from_store(name, e))?;
         if let Err(e) = self.check_targets(name) {
             let _ = store.unload(name);
             return Err(e);
@@ -310,7 +309,7 @@ impl EngineHandle {
     /// finish on the old; prefix-cache blocks of the old generation are never reused.
     pub fn reload_adapter(&self, name: &str, source: &str) -> Result<()> {
         let src = self.runtime_source(source)?;
-        self.shared.store.reload_in_place(name, src).map_err(|e| EngineError::from_store(name, &e))?;
+        self.shared.store.reload_in_place(name, src).map_err(|e| EngineError::from_store(name, e))?;
         self.check_targets(name)
     }
 
@@ -334,19 +333,14 @@ impl EngineHandle {
 
     /// A runtime adapter may only target modules that have slot buffers.
     fn check_targets(&self, name: &str) -> Result<()> {
-        let targets = &self.shared.config.lora_target_modules;
+        let lora = &self.shared.config.lora;
         let info = self.shared.store.info(name);
         let missing: Vec<ModuleKind> =
-            info.map(|i| i.target_modules.into_iter().filter(|k| !targets.contains(k)).collect()).unwrap_or_default();
+            info.map(|i| i.target_modules.into_iter().filter(|&k| !lora.targets(k)).collect()).unwrap_or_default();
         if missing.is_empty() {
             return Ok(());
         }
-        let names: Vec<&str> = missing.iter().map(|k| k.short_name()).collect();
-        Err(EngineError::Adapter {
-            name: name.to_string(),
-            message: format!("targets {names:?}, which have no lora slots (add them to lora_target_modules)"),
-            cause_kind: "not_a_target",
-        })
+        Err(EngineError::AdapterTargets { name: name.to_string(), modules: missing })
     }
 }
 

@@ -60,7 +60,7 @@ mod step_cost;
 pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder};
 pub use candle_core::{DType, Device};
 pub use config::EngineConfig;
-pub use error::{EngineError, Result};
+pub use error::{EngineError, Result, SharedError};
 pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};
 pub use metrics::{
     AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
@@ -68,9 +68,12 @@ pub use metrics::{
 };
 /// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
 pub use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};
+pub use multilora_models::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
 /// The step-time budget (`EngineBuilder::step_time`) and the step cost model it is applied with.
 pub use multilora_scheduler::{DEFAULT_STEP_FACTOR, StepCost, StepTime};
 pub use multilora_store::{DirectoryResolver, Resolver};
+/// The LoRA limits an engine runs with ([`EngineConfig::lora`]) and why a set is refused.
+pub use multilora_types::{LimitsError, LoraLimits};
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, Prompt, PromptLogprob, SamplingParams,
     TokenLogprob, Usage,

@@ -2,7 +2,8 @@
 //! any exporter (names follow vLLM's `vllm:*` metrics where one exists).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+
+pub use multilora_types::Histogram;
 
 /// Bucket bounds (seconds) of time to first token and end-to-end latency.
 pub const LATENCY_BUCKETS_S: [f64; 14] =
@@ -20,47 +21,6 @@ pub const STEP_TOKEN_BUCKETS: [f64; 14] =
 pub const STEP_ROW_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 /// Bucket bounds (adapters) of the distinct adapters of a step (0: base-model rows only).
 pub const STEP_ADAPTER_BUCKETS: [f64; 10] = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0];
-
-/// A histogram with fixed upper bounds; one more count for `+Inf`. Latencies are in seconds; the
-/// step-token histograms count tokens (their `sum_seconds` is then a sum of tokens).
-#[derive(Clone, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct Histogram {
-    /// Upper bounds in seconds, ascending.
-    pub bounds: Vec<f64>,
-    /// Counts per bucket (not cumulative), `bounds.len() + 1` of them.
-    pub counts: Vec<u64>,
-    /// Sum of the observations in seconds.
-    pub sum_seconds: f64,
-    /// Number of observations.
-    pub count: u64,
-}
-
-impl Histogram {
-    /// An empty histogram over `bounds`.
-    pub fn new(bounds: &[f64]) -> Histogram {
-        Histogram { bounds: bounds.to_vec(), counts: vec![0; bounds.len() + 1], sum_seconds: 0.0, count: 0 }
-    }
-
-    /// Adds one observation.
-    pub fn observe(&mut self, d: Duration) {
-        self.observe_value(d.as_secs_f64());
-    }
-
-    /// The mean of the observations (exact: the sum and the count are kept exactly); 0 when
-    /// there are none.
-    pub fn mean(&self) -> f64 {
-        if self.count == 0 { 0.0 } else { self.sum_seconds / self.count as f64 }
-    }
-
-    /// Adds one observation of a plain value (tokens, for the step-token histograms).
-    pub fn observe_value(&mut self, v: f64) {
-        let i = self.bounds.iter().position(|&b| v <= b).unwrap_or(self.bounds.len());
-        self.counts[i] += 1;
-        self.sum_seconds += v;
-        self.count += 1;
-    }
-}
 
 /// Occupancy of one adapter tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -130,8 +90,9 @@ pub struct MetricsSnapshot {
     pub preemptions: u64,
     /// Adapter loads into the CPU tier.
     pub adapter_loads: u64,
-    /// The store's load events the engine loop has not consumed yet; it takes them every
-    /// iteration, so this stays near 0 however many loads an engine's life sees.
+    /// The store's load events on their way down the engine loop's command channel, not yet
+    /// taken (the loop takes them every iteration, so this stays near 0 however many loads an
+    /// engine's life sees).
     pub adapter_events_pending: usize,
     /// Adapter evictions from the CPU tier and from device slots.
     pub adapter_evictions: u64,
@@ -215,6 +176,8 @@ impl Counters {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -228,6 +191,6 @@ mod tests {
         let mut t = Histogram::new(&STEP_TOKEN_BUCKETS);
         t.observe_value(16.0);
         t.observe_value(17.0);
-        assert_eq!((t.counts[2], t.counts[3], t.sum_seconds), (1, 1, 33.0));
+        assert_eq!((t.counts[2], t.counts[3], t.sum), (1, 1, 33.0));
     }
 }

@@ -188,7 +188,7 @@ impl SamplingParams {
 }
 
 /// Why a request finished: the scheduler's own type (`length`, `stop`, `abort`, `error`).
-pub use multilora_scheduler::FinishReason;
+pub use multilora_types::FinishReason;
 
 /// Token counts of a finished request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -25,9 +25,14 @@ fn public_enums_and_structs_are_non_exhaustive() -> Result<()> {
     // The one exception: `EngineError` is exhaustive so that every match over it (the server's
     // HTTP statuses) must handle a new variant.
     const EXHAUSTIVE: &[&str] = &["pub enum EngineError {"];
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    for entry in std::fs::read_dir(src)? {
-        let path = entry?.path();
+    let mut files = vec![std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
+    while let Some(path) = files.pop() {
+        if path.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                files.push(entry?.path());
+            }
+            continue;
+        }
         let text = std::fs::read_to_string(&path)?;
         let lines: Vec<&str> = text.lines().collect();
         for (i, line) in lines.iter().enumerate() {
@@ -94,9 +99,13 @@ fn streaming_text_seeds_stops_and_logprobs() -> Result<()> {
 fn defaults_follow_the_startup_adapters_and_max_loras_zero_turns_lora_off() -> Result<()> {
     let engine = Engine::builder(path("base")).lora("sql", path("adapters/qv_r8")).kv_cache_bytes(16 << 20).build()?;
     let c = engine.config();
-    assert_eq!((c.max_loras, c.max_cpu_loras, c.max_lora_rank), (4, 32, 8), "rank from the startup adapter");
+    assert_eq!(
+        (c.lora.max_loras(), c.max_cpu_loras, c.lora.max_lora_rank()),
+        (4, 32, 8),
+        "rank from the startup adapter"
+    );
     assert_eq!(c.served_model_name, path("base"), "served under the source string as given");
-    assert_eq!(c.lora_target_modules.len(), 7, "the seven projections");
+    assert_eq!(c.lora.target_modules().len(), 7, "the seven projections");
     assert!(c.lora_slot_bytes > 0);
     let models = engine.models();
     assert_eq!(models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), vec![path("base").as_str(), "sql"]);
@@ -107,8 +116,8 @@ fn defaults_follow_the_startup_adapters_and_max_loras_zero_turns_lora_off() -> R
         .lora("big", path("adapters/rank32"))
         .kv_cache_bytes(16 << 20)
         .build()?;
-    assert_eq!(with_embed.config().max_lora_rank, 32);
-    assert!(with_embed.config().lora_target_modules.contains(&multilora::ModuleKind::EmbedTokens));
+    assert_eq!(with_embed.config().lora.max_lora_rank(), 32);
+    assert!(with_embed.config().lora.targets(multilora::ModuleKind::EmbedTokens));
     drop(with_embed);
 
     let off = Engine::builder(path("base")).served_model_name(BASE).max_loras(0).kv_cache_bytes(16 << 20).build()?;
@@ -150,10 +159,10 @@ fn step_metrics_count_every_step_exactly() -> Result<()> {
     assert_eq!(m.step_adapters.count - before.step_adapters.count, steps);
     // A short prompt is one row in the step that prefills it, then one per decode step: each
     // request is in exactly as many steps as it has tokens.
-    let rows = m.step_rows.sum_seconds - before.step_rows.sum_seconds;
+    let rows = m.step_rows.sum - before.step_rows.sum;
     assert_eq!(rows, work.iter().map(|&(_, n)| n as f64).sum::<f64>(), "{m:?}");
     // Two adapters at most in any step, and at least one in each step with adapter rows.
-    let adapters = m.step_adapters.sum_seconds - before.step_adapters.sum_seconds;
+    let adapters = m.step_adapters.sum - before.step_adapters.sum;
     assert!(adapters >= 7.0 && adapters <= 2.0 * steps as f64, "{adapters} over {steps} steps");
     let over_two: u64 = m.step_adapters.counts.iter().skip(3).sum();
     assert_eq!(over_two, 0, "bucket bounds 0, 1, 2 hold every step: {:?}", m.step_adapters);

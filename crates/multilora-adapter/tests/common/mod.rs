@@ -13,9 +13,7 @@ pub fn fixtures() -> PathBuf {
 
 /// The fixture base model's shapes, with the digest of its real embedding.
 pub fn base_shapes() -> ModelShapes {
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("base/config.json")).unwrap()).unwrap();
-    let shapes = ModelShapes::from_config_json(&config).unwrap();
+    let shapes = multilora_adapter::ModelConfig::from_file(&fixtures().join("base/config.json")).unwrap().shapes();
     let weights = candle_core::safetensors::load(fixtures().join("base/model.safetensors"), &Device::Cpu).unwrap();
     let embed: &Tensor = &weights["model.embed_tokens.weight"];
     multilora_adapter::with_embedding_digest(shapes, embed).unwrap()

@@ -266,7 +266,7 @@ impl SegmentedPlan {
                 ),
             });
         }
-        let seg_slots: Vec<usize> = mapping.lora_segments().map(|s| s.slot as usize).collect();
+        let seg_slots: Vec<usize> = mapping.lora_segments().map(|s| s.slot.index()).collect();
         let shapes: Vec<SliceShape<'_>> =
             slices.iter().map(|s| SliceShape { ranks: s.ranks(), width: s.out_features() }).collect();
         SegmentedPlan::new(mapping.tiles(), &seg_slots, &shapes, first.in_features(), first.max_rank(), k_split)

@@ -2,7 +2,7 @@
 //! on any device: every row gathers its own slot's A and B and multiplies them, in f32.
 //!
 //! - shrink: `s_i[t, :] = x[t, :] · A_i[slot_t]ᵀ` over the whole padded rank, `[rows, max_rank]`
-//!   f32 in row order, zero for rows with slot -1;
+//!   f32 in row order, zero for base-model rows (no slot);
 //! - expand: `y[t, off_i .. off_i + out_i] += s_i[t, :] · B_i[slot_t]ᵀ`, `off_i = Σ_{i' < i} out_i'`.
 //!
 //! They read the zero padding of every slot and gather `rows · max_rank · (in + out)` values, so
@@ -15,11 +15,11 @@ use crate::mapping::LoraMapping;
 use crate::ops::{check_input, check_output};
 use crate::slots::LoraSlots;
 
-/// Per-row slot indices (-1 clamped to 0) and a `[rows, 1]` f32 mask that zeroes base rows.
+/// Per-row slot indices (0 for base rows) and a `[rows, 1]` f32 mask that zeroes base rows.
 fn gather_index(mapping: &LoraMapping) -> Result<(Tensor, Tensor)> {
     let rows = mapping.num_rows();
-    let idx: Vec<u32> = mapping.slots().iter().map(|&s| s.max(0) as u32).collect();
-    let mask: Vec<f32> = mapping.slots().iter().map(|&s| if s >= 0 { 1.0 } else { 0.0 }).collect();
+    let idx: Vec<u32> = mapping.slots().iter().map(|s| s.map_or(0, |s| s.index() as u32)).collect();
+    let mask: Vec<f32> = mapping.slots().iter().map(|s| if s.is_some() { 1.0 } else { 0.0 }).collect();
     let device = mapping.device();
     Ok((Tensor::from_vec(idx, rows, device)?, Tensor::from_vec(mask, (rows, 1), device)?))
 }

@@ -10,7 +10,7 @@ use multilora_kernels::emulate::buffer_ptr;
 use multilora_kernels::{Emulator, KernelDtype, kernel};
 
 use super::ops::random_slots;
-use super::{Rng, bits, rel_err};
+use super::{Rng, bits, rel_err, slot_map};
 use crate::ops::attention::decode_params;
 use crate::ops::plan::{ExpandPtrs, SegmentedPlan, ShrinkPtrs};
 use crate::{LoraMapping, LoraSlots, PagedDecodeDims, lora_expand_slow, lora_shrink_slow, paged_decode_attention_slow};
@@ -144,7 +144,7 @@ fn check(emu: &Emulator, rng: &mut Rng, c: &Case) -> anyhow::Result<()> {
     for s in slot_list.iter_mut().take(c.rows / 2) {
         *s = run;
     }
-    let mapping = LoraMapping::new(&slot_list, c.max_loras, dev)?;
+    let mapping = slot_map(&slot_list, c.max_loras, dev)?;
     if mapping.no_lora() {
         return Ok(());
     }

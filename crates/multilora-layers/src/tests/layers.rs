@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, IndexOp, Tensor};
 use multilora_adapter::{LoraAdapter, ModuleId, ModuleKind};
 
-use super::{Rng, adapter, bits, rel_err, test_device};
+use super::{Rng, adapter, bits, rel_err, slot_map, test_device};
 use crate::{LoraEmbedding, LoraLinear, LoraMapping, SlotConfig};
 
 fn q() -> ModuleId {
@@ -35,9 +35,10 @@ fn seed_example(dev: &Device) -> anyhow::Result<()> {
         layer.write_slot(slot, a)?;
     }
     let slots = [2, 0, -1, 2, 3, 0];
-    let mapping = LoraMapping::new(&slots, 4, dev)?;
-    let segs: Vec<(i32, usize)> = mapping.segments().iter().map(|s| (s.slot, s.len)).collect();
-    assert_eq!(segs, vec![(-1, 1), (0, 2), (2, 2), (3, 1)]);
+    let mapping = slot_map(&slots, 4, dev)?;
+    let segs: Vec<(usize, usize)> = mapping.lora_segments().map(|s| (s.slot.index(), s.len)).collect();
+    assert_eq!(mapping.num_base_rows(), 1);
+    assert_eq!(segs, vec![(0, 2), (2, 2), (3, 1)]);
 
     let x = rng.tensor(&[6, inp], 1.0, DType::F32, dev)?;
     let y = layer.forward(&x, &mapping)?;
@@ -87,10 +88,10 @@ fn base_rows_exact(dev: &Device) -> anyhow::Result<()> {
     let mut rng = Rng::new(5);
     let (layer, _, x) = random_layer(&mut rng, dev, DType::F32)?;
     let base = base_product(&layer, &x)?.broadcast_add(layer.bias().ok_or_else(|| anyhow::anyhow!("bias"))?)?;
-    let none = LoraMapping::new(&[-1; 40], 6, dev)?;
+    let none = slot_map(&[-1; 40], 6, dev)?;
     assert_eq!(bits(&layer.forward(&x, &none)?)?, bits(&base)?);
     let slots = rng.slots(40, 6);
-    let mixed = layer.forward(&x, &LoraMapping::new(&slots, 6, dev)?)?;
+    let mixed = layer.forward(&x, &slot_map(&slots, 6, dev)?)?;
     for (row, &s) in slots.iter().enumerate() {
         if s < 0 {
             assert_eq!(bits(&mixed.i(row)?)?, bits(&base.i(row)?)?, "row {row}");
@@ -105,14 +106,14 @@ fn rows_are_independent(dev: &Device) -> anyhow::Result<()> {
     let mut rng = Rng::new(9);
     let (layer, _, x) = random_layer(&mut rng, dev, DType::F32)?;
     let slots = rng.slots(40, 6);
-    let y = layer.forward(&x, &LoraMapping::new(&slots, 6, dev)?)?;
+    let y = layer.forward(&x, &slot_map(&slots, 6, dev)?)?;
     for trial in 0..4 {
         // Same rows 0..4, different rows and slots around them, different batch sizes.
         let n = [40, 7, 64, 5][trial];
         let mut other_slots = rng.slots(n, 6);
         other_slots[..5].copy_from_slice(&slots[..5]);
         let other_x = Tensor::cat(&[x.i(0..5)?, rng.tensor(&[n - 5, 64], 1.0, DType::F32, dev)?], 0)?;
-        let other = layer.forward(&other_x, &LoraMapping::new(&other_slots, 6, dev)?)?;
+        let other = layer.forward(&other_x, &slot_map(&other_slots, 6, dev)?)?;
         let err = rel_err(&other.i(0..5)?, &y.i(0..5)?)?;
         assert!(err <= 1e-6, "trial {trial}: rows changed with their neighbours, relative error {err:e}");
     }
@@ -127,21 +128,21 @@ fn lora_equals_merged(dev: &Device) -> anyhow::Result<()> {
     let bias = layer.bias().cloned().ok_or_else(|| anyhow::anyhow!("bias"))?;
     let w0 = layer.weight()?;
     for slot in [1usize, 2] {
-        let all = LoraMapping::new(&[slot as i32; 40], 6, dev)?;
+        let all = slot_map(&[slot as i32; 40], 6, dev)?;
         let y = layer.forward(&x, &all)?;
         let want = merged_row(&x, &w0, &adapters[slot], q())?.broadcast_add(&bias.to_dtype(DType::F64)?)?;
         let err = rel_err(&y, &want)?;
         assert!(err < 1e-5, "slot {slot}: lora vs merged weight, relative error {err:e}");
     }
     let slots = rng.slots(40, 6);
-    let mixed = LoraMapping::new(&slots, 6, dev)?;
+    let mixed = slot_map(&slots, 6, dev)?;
     let before = layer.forward(&x, &mixed)?;
     layer.merge(2)?;
     assert_eq!(layer.merged_slot(), Some(2));
     let merged = layer.forward(&x, &mixed)?;
     let err = rel_err(&merged, &before)?;
     assert!(err < 1e-5, "mixed batch while merged: relative error {err:e}");
-    let all2 = LoraMapping::new(&[2; 40], 6, dev)?;
+    let all2 = slot_map(&[2; 40], 6, dev)?;
     let plain = base_product(&layer, &x)?.broadcast_add(&bias)?;
     assert_eq!(bits(&layer.forward(&x, &all2)?)?, bits(&plain)?, "merged slot rows cost only the base matmul");
     layer.merge(4)?;
@@ -188,7 +189,7 @@ fn fused_qkv(dev: &Device) -> anyhow::Result<()> {
     }
     assert_eq!(fused.lora_slots().map(|s| s[1].ranks().to_vec()), Some(vec![0, 16, 16]));
     let slots = rng.slots(50, 3);
-    let mapping = LoraMapping::new(&slots, 3, dev)?;
+    let mapping = slot_map(&slots, 3, dev)?;
     let x = rng.tensor(&[50, hidden], 1.0, DType::F32, dev)?;
     let want = Tensor::cat(&parts.iter().map(|p| p.forward(&x, &mapping)).collect::<crate::Result<Vec<_>>>()?, 1)?;
     let err = rel_err(&fused.forward(&x, &mapping)?, &want)?;
@@ -210,7 +211,7 @@ fn embedding_matches_reference(dev: &Device) -> anyhow::Result<()> {
     emb.write_slot(2, &adapters[1])?;
     let ids: Vec<u32> = (0..30).map(|_| rng.range(0, vocab - 1) as u32).collect();
     let slots = rng.slots(30, 3);
-    let mapping = LoraMapping::new(&slots, 3, dev)?;
+    let mapping = slot_map(&slots, 3, dev)?;
     let y = emb.forward(&Tensor::new(ids.as_slice(), dev)?, &mapping)?;
     for (row, (&t, &s)) in ids.iter().zip(&slots).enumerate() {
         let base = e.i(t as usize)?;

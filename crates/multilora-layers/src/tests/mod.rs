@@ -10,6 +10,9 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule, ModuleId};
+use multilora_types::SlotId;
+
+use crate::LoraMapping;
 
 /// Runs `$body(&Device)` as a CPU test, and as a CUDA test when built with the feature. Without
 /// a GPU the CUDA test says so on its output and passes (`MULTILORA_REQUIRE_CUDA=1`, which the
@@ -84,6 +87,13 @@ impl Rng {
     pub(crate) fn slots(&mut self, rows: usize, max_loras: usize) -> Vec<i32> {
         (0..rows).map(|_| self.range(0, max_loras) as i32 - 1).collect()
     }
+}
+
+/// The mapping of a slot list written compactly, `-1` for a base-model row (the tests' reference
+/// computations index with these numbers).
+pub(crate) fn slot_map(slots: &[i32], max_loras: usize, dev: &Device) -> crate::Result<LoraMapping> {
+    let ids: Vec<Option<SlotId>> = slots.iter().map(|&s| usize::try_from(s).ok().map(SlotId::new)).collect();
+    LoraMapping::new(&ids, max_loras, dev)
 }
 
 /// An in-memory adapter with random `(A, B)` for each `(module, rank, in, out)`, on the CPU in f32.

@@ -3,10 +3,10 @@
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{ModuleId, ModuleKind};
 
-use super::{Rng, bits, rel_err, test_device};
+use super::{Rng, bits, rel_err, slot_map, test_device};
 use crate::ops::expand::expand_tensor_ops;
 use crate::ops::shrink::shrink_tensor_ops;
-use crate::{LoraMapping, LoraSlots, lora_expand, lora_expand_slow, lora_shrink, lora_shrink_slow};
+use crate::{LoraSlots, lora_expand, lora_expand_slow, lora_shrink, lora_shrink_slow};
 
 /// Random slots whose padding past each slot's rank is zero, as a real slot write leaves it.
 pub(super) fn random_slots(
@@ -54,7 +54,7 @@ fn check_case(rng: &mut Rng, c: &Case, dev: &Device) -> anyhow::Result<()> {
     if c.map == 3 {
         slot_list.sort();
     }
-    let mapping = LoraMapping::new(&slot_list, c.max_loras, dev)?;
+    let mapping = slot_map(&slot_list, c.max_loras, dev)?;
     let x = rng.tensor(&[c.rows, c.inp], 1.0, c.dtype, dev)?;
     let total: usize = c.outs.iter().sum();
     let what = format!(
@@ -151,7 +151,7 @@ fn bf16_shrink_accumulates_in_f32(dev: &Device) -> anyhow::Result<()> {
     let a = Tensor::ones((1, 1, inp), DType::BF16, dev)?;
     let b = Tensor::ones((1, 1, 1), DType::BF16, dev)?;
     let slots = LoraSlots::from_parts(ModuleId::layer(0, ModuleKind::QProj), a, b, vec![1])?;
-    let mapping = LoraMapping::new(&[0], 1, dev)?;
+    let mapping = slot_map(&[0], 1, dev)?;
     let exact = 1.0 + 3.0 * 2f32.powi(-9);
     for s in [lora_shrink(&x, &[&slots], &mapping)?, lora_shrink_slow(&x, &[&slots], &mapping)?] {
         anyhow::ensure!(s[0].dtype() == DType::F32);
@@ -165,7 +165,7 @@ test_device!(bf16_shrink_accumulates_in_f32, bf16_shrink_accumulates_in_f32_cpu,
 fn ops_reject_bad_shapes(dev: &Device) -> anyhow::Result<()> {
     let mut rng = Rng::new(3);
     let slots = random_slots(&mut rng, ModuleId::layer(1, ModuleKind::OProj), (2, 4, 8, 6), DType::F32, dev)?;
-    let mapping = LoraMapping::new(&[0, 1, -1], 2, dev)?;
+    let mapping = slot_map(&[0, 1, -1], 2, dev)?;
     let e = lora_shrink(&Tensor::zeros((3, 7), DType::F32, dev)?, &[&slots], &mapping).unwrap_err();
     assert_eq!(e.kind(), "shape_mismatch");
     assert!(

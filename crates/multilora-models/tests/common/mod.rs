@@ -6,8 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{LoadOptions, ModuleKind};
-use multilora_models::{Batch, KvCache, KvCacheConfig, LogitsRows, Model, ModelOptions, SeqInput};
+use multilora_adapter::LoadOptions;
+use multilora_models::{
+    Batch, KvCache, KvCacheConfig, LogitsWanted, LoraLimits, Model, ModelOptions, SeqInput, SlotId,
+};
 use serde_json::Value;
 
 pub const TOL: f32 = 1e-4;
@@ -73,20 +75,14 @@ pub const ADAPTERS: [(&str, &str); 9] = [
 ];
 
 /// The base model with every fixture adapter in a slot; returns the model and name → slot.
-pub fn model_with_adapters(dtype: DType) -> Result<(Model, HashMap<String, i32>)> {
+pub fn model_with_adapters(dtype: DType) -> Result<(Model, HashMap<String, SlotId>)> {
     model_with_adapters_on(dtype, &Device::Cpu)
 }
 
 /// [`model_with_adapters`] on `device`.
-pub fn model_with_adapters_on(dtype: DType, device: &Device) -> Result<(Model, HashMap<String, i32>)> {
-    let mut targets = ModuleKind::PROJECTIONS.to_vec();
-    targets.push(ModuleKind::EmbedTokens);
-    let opts = ModelOptions::default()
-        .dtype(dtype)
-        .device(device.clone())
-        .max_loras(ADAPTERS.len())
-        .max_lora_rank(32)
-        .lora_target_modules(&targets);
+pub fn model_with_adapters_on(dtype: DType, device: &Device) -> Result<(Model, HashMap<String, SlotId>)> {
+    let lora = LoraLimits::new(ADAPTERS.len(), 32, &LoraLimits::default_targets())?;
+    let opts = ModelOptions::default().dtype(dtype).device(device.clone()).lora(lora);
     let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
     let mut slots = HashMap::new();
     for (slot, (name, dir)) in ADAPTERS.iter().enumerate() {
@@ -96,8 +92,8 @@ pub fn model_with_adapters_on(dtype: DType, device: &Device) -> Result<(Model, H
             model.shapes(),
             &LoadOptions::new(dtype).max_lora_rank(32),
         )?;
-        model.write_slot(slot, &adapter)?;
-        slots.insert(name.to_string(), slot as i32);
+        model.write_slot(SlotId::new(slot), &adapter)?;
+        slots.insert(name.to_string(), SlotId::new(slot));
     }
     Ok((model, slots))
 }
@@ -182,8 +178,8 @@ pub fn cache(model: &Model, num_blocks: usize, block_size: usize) -> Result<KvCa
     Ok(model.new_kv_cache(KvCacheConfig::new(num_blocks, block_size))?)
 }
 
-pub fn slot_of(slots: &HashMap<String, i32>, adapter: &Option<String>) -> i32 {
-    adapter.as_ref().map(|a| slots[a]).unwrap_or(-1)
+pub fn slot_of(slots: &HashMap<String, SlotId>, adapter: &Option<String>) -> Option<SlotId> {
+    adapter.as_ref().map(|a| slots[a])
 }
 
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -192,7 +188,7 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 
 /// Runs `rows` as one flat batch from position 0 with logits at every position; returns each
 /// row's `[len, vocab]` logits.
-pub fn run_all_positions(model: &Model, slots: &HashMap<String, i32>, rows: &[Row]) -> Result<Vec<Tensor>> {
+pub fn run_all_positions(model: &Model, slots: &HashMap<String, SlotId>, rows: &[Row]) -> Result<Vec<Tensor>> {
     let bs = 16;
     let need: usize = rows.iter().map(|r| r.ids.len().div_ceil(bs)).sum();
     let mut kv = cache(model, need, bs)?;
@@ -201,7 +197,7 @@ pub fn run_all_positions(model: &Model, slots: &HashMap<String, i32>, rows: &[Ro
         .iter()
         .map(|r| {
             SeqInput::new(r.ids.clone(), 0, blocks.table(r.ids.len(), bs), slot_of(slots, &r.adapter))
-                .with_logits(LogitsRows::All)
+                .with_logits(LogitsWanted::AllPrompt)
         })
         .collect();
     let logits = model.forward(&Batch::new(seqs), &mut kv)?;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use multilora_adapter::{
     AdapterSource, Fingerprint, LoadOptions, LoraAdapter, ModelShapes, ModuleKind, SlotSink, SyntheticAdapter,
 };
-use multilora_store::{AdapterGen, AdapterLoader, FsLoader, LoadEvent, Store};
+use multilora_store::{AdapterGen, AdapterLoader, FsLoader, LoadEvent, SlotId, Store};
 use parking_lot::Mutex;
 
 /// The PEFT fixtures of the repository.
@@ -26,8 +26,7 @@ pub fn fixture(rel: &str) -> AdapterSource {
 
 /// The fixtures' base model shapes.
 pub fn fixture_shapes() -> ModelShapes {
-    let text = std::fs::read_to_string(fixtures().join("base/config.json")).unwrap();
-    ModelShapes::from_config_json(&serde_json::from_str(&text).unwrap()).unwrap()
+    multilora_adapter::ModelConfig::from_file(&fixtures().join("base/config.json")).unwrap().shapes()
 }
 
 /// Small shapes for synthetic adapters.
@@ -47,17 +46,17 @@ pub fn synthetic(root: &Path, name: &str, seed: u64) -> AdapterSource {
 pub struct CountingSink {
     pub writes: usize,
     pub clears: usize,
-    pub slots: HashMap<usize, Fingerprint>,
+    pub slots: HashMap<SlotId, Fingerprint>,
 }
 
 impl SlotSink for CountingSink {
-    fn write_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
+    fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
         self.writes += 1;
         self.slots.insert(slot, adapter.fingerprint());
         Ok(())
     }
 
-    fn clear_slot(&mut self, slot: usize) -> multilora_adapter::Result<()> {
+    fn clear_slot(&mut self, slot: SlotId) -> multilora_adapter::Result<()> {
         self.clears += 1;
         self.slots.remove(&slot);
         Ok(())

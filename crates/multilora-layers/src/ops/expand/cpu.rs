@@ -21,10 +21,10 @@ pub(super) fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], m
     let mut offset = 0;
     for (t, sl) in s.iter().zip(slices) {
         for seg in mapping.lora_segments() {
-            let r = sl.rank(seg.slot as usize);
+            let r = sl.rank(seg.slot.index());
             if r > 0 {
                 work += seg.len * r * sl.out_features();
-                tasks.push((t, *sl, seg.slot as usize, mapping.packed_start(seg), seg.len, offset));
+                tasks.push((t, *sl, seg.slot.index(), mapping.packed_start(seg), seg.len, offset));
             }
         }
         offset += sl.out_features();
@@ -57,10 +57,10 @@ pub(crate) fn shrink_expand_in_place(
     let mut offset = 0;
     for sl in slices {
         for seg in mapping.lora_segments() {
-            let r = sl.rank(seg.slot as usize);
+            let r = sl.rank(seg.slot.index());
             if r > 0 {
                 work += seg.len * r * (in_features + sl.out_features());
-                tasks.push((*sl, seg.slot as usize, mapping.packed_start(seg), seg.len, offset));
+                tasks.push((*sl, seg.slot.index(), mapping.packed_start(seg), seg.len, offset));
             }
         }
         offset += sl.out_features();
@@ -108,10 +108,10 @@ pub(crate) fn shrink_expand_f32(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], m
     let mut work = 0;
     for (i, sl) in slices.iter().enumerate() {
         for seg in mapping.lora_segments() {
-            let r = sl.rank(seg.slot as usize);
+            let r = sl.rank(seg.slot.index());
             if r > 0 {
                 work += seg.len * r * (in_features + sl.out_features());
-                tasks.push(Task { slice: i, slot: seg.slot as usize, start: mapping.packed_start(seg), len: seg.len });
+                tasks.push(Task { slice: i, slot: seg.slot.index(), start: mapping.packed_start(seg), len: seg.len });
             }
         }
     }

@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Fused layouts (qkv with GQA widths, gate_up) are just several slices of different widths.
-//! The delta is computed in f32 and rounded once into `y`'s dtype. Rows with slot -1, and slots
+//! The delta is computed in f32 and rounded once into `y`'s dtype. Base-model rows, and slots
 //! whose rank is 0 for a slice, are not touched, so they keep the base output bit for bit.
 //!
 //! On the CPU and on CUDA `y` is updated in place (no copy of the whole output: each segment's `[n, out_i]`
@@ -81,7 +81,7 @@ pub(crate) fn expand_tensor_ops(
     for (t, sl) in s.iter().zip(slices) {
         for seg in mapping.lora_segments() {
             let p = mapping.packed_start(seg);
-            if let Some(d) = segment_delta(t, sl, seg.slot as usize, p, seg.len, true)? {
+            if let Some(d) = segment_delta(t, sl, seg.slot.index(), p, seg.len, true)? {
                 delta.narrow(0, p, seg.len)?.slice_set(&d, 1, offset)?;
             }
         }

@@ -22,7 +22,7 @@ pub(super) fn shrink(xs: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) 
     let mut work = 0;
     for (i, sl) in slices.iter().enumerate() {
         for seg in mapping.lora_segments() {
-            if let Some((a, _)) = sl.slot_ab(seg.slot as usize)? {
+            if let Some((a, _)) = sl.slot_ab(seg.slot.index())? {
                 work += seg.len * a.dim(0)? * in_features;
                 tasks.push((i, mapping.packed_start(seg), seg.len, a));
             }

@@ -57,7 +57,7 @@ pub(crate) fn shrink_tensor_ops(xs: &Tensor, slices: &[&LoraSlots], mapping: &Lo
         let width = sl.active_rank(mapping);
         let s = Tensor::zeros((n, width), DType::F32, xs.device())?;
         for seg in mapping.lora_segments() {
-            let Some((a, _)) = sl.slot_ab(seg.slot as usize)? else { continue };
+            let Some((a, _)) = sl.slot_ab(seg.slot.index())? else { continue };
             let p = mapping.packed_start(seg);
             let part = xs.narrow(0, p, seg.len)?.matmul(&a.to_dtype(DType::F32)?.t()?)?;
             s.narrow(0, p, seg.len)?.slice_set(&part, 1, 0)?;

@@ -1,0 +1,474 @@
+//! `ModelConfig`: a Hugging Face `config.json`, read once by one serde reader for everyone who
+//! needs it — the model (its graph), the adapter shapes ([`ModelConfig::shapes`]) and the
+//! capacity planner — so they cannot disagree about a default.
+//!
+//! Llama 2/3, Mistral and Qwen2 share one graph (RMSNorm, RoPE, GQA attention, SiLU MLP); they
+//! differ only in defaults filled in here: Qwen2 has q/k/v biases, Llama 3 scales RoPE
+//! (`rope_type: llama3`), Mistral may declare a sliding window. RoPE settings are read from
+//! transformers 5's `rope_parameters` or the older top-level `rope_theta` / `rope_scaling`.
+//! Errors name the file and the field (`serde_path_to_error` for type errors).
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use candle_core::DType;
+use serde::Deserialize;
+
+use crate::shapes::ModelShapes;
+
+/// The largest `config.json` read; real ones are a few KiB.
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Which member of the family a checkpoint is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// `LlamaForCausalLM` (Llama 2, Llama 3, and most fine-tunes).
+    Llama,
+    /// `MistralForCausalLM`.
+    Mistral,
+    /// `Qwen2ForCausalLM`.
+    Qwen2,
+}
+
+impl Architecture {
+    /// The Hugging Face class name.
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// The `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+        }
+    }
+
+    fn from_model_type(t: &str) -> Option<Architecture> {
+        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2].into_iter().find(|a| a.model_type() == t)
+    }
+
+    fn from_class_name(c: &str) -> Option<Architecture> {
+        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2].into_iter().find(|a| a.class_name() == c)
+    }
+}
+
+/// How RoPE frequencies are scaled. Exhaustive: a new type is a compile error in the model's
+/// RoPE until it is implemented there.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    Default,
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        /// `factor`.
+        factor: f64,
+        /// `low_freq_factor`.
+        low_freq_factor: f64,
+        /// `high_freq_factor`.
+        high_freq_factor: f64,
+        /// `original_max_position_embeddings`.
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The MLP's activation (`hidden_act`). Exhaustive: a new activation is a compile error in the
+/// model's forward until it is implemented there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HiddenAct {
+    /// SiLU (`silu`, also spelled `swish`): every Llama, Mistral and Qwen2 checkpoint.
+    Silu,
+}
+
+/// Why a `config.json` was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Not a regular file (a FIFO or a device would block or never end), or larger than
+    /// [`MAX_CONFIG_BYTES`].
+    #[error("{}: {reason}", path.display())]
+    NotAConfigFile {
+        /// The file.
+        path: PathBuf,
+        /// What it is instead.
+        reason: String,
+    },
+    /// Not JSON, or a field of the wrong type (the error names the field's path).
+    #[error("{}: {source}", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The field and what is wrong with it.
+        #[source]
+        source: serde_path_to_error::Error<serde_json::Error>,
+    },
+    /// A field is missing, or its value cannot work.
+    #[error("{}: field {field:?} {reason}", path.display())]
+    Field {
+        /// The file.
+        path: PathBuf,
+        /// The field.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The architecture named by `config.json` is not one this engine implements.
+    #[error("{}: field {field:?}: unsupported architecture {name:?} (supported: llama, mistral, qwen2)", path.display())]
+    UnsupportedArchitecture {
+        /// The file.
+        path: PathBuf,
+        /// `model_type`, or `architectures` when it has none.
+        field: &'static str,
+        /// The value as written.
+        name: String,
+    },
+    /// A RoPE scaling type this engine does not implement.
+    #[error("{}: field \"rope_type\": unsupported rope scaling type {kind:?} (supported: default, llama3)", path.display())]
+    UnsupportedRopeScaling {
+        /// The file.
+        path: PathBuf,
+        /// `rope_type` as written.
+        kind: String,
+    },
+    /// An MLP activation this engine does not implement.
+    #[error("{}: field \"hidden_act\" is {name:?}, which is not supported (supported: silu)", path.display())]
+    UnsupportedActivation {
+        /// The file.
+        path: PathBuf,
+        /// `hidden_act` as written.
+        name: String,
+    },
+}
+
+impl ConfigError {
+    /// A stable snake_case label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ConfigError::Io { .. } => "io",
+            ConfigError::NotAConfigFile { .. } | ConfigError::Json { .. } | ConfigError::Field { .. } => "config",
+            ConfigError::UnsupportedArchitecture { .. } => "unsupported_architecture",
+            ConfigError::UnsupportedRopeScaling { .. } => "unsupported_rope_scaling",
+            ConfigError::UnsupportedActivation { .. } => "unsupported_activation",
+        }
+    }
+}
+
+/// A decoder's hyper-parameters.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ModelConfig {
+    /// The architecture.
+    pub architecture: Architecture,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// MLP intermediate size.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RoPE frequency scaling.
+    pub rope_scaling: RopeScaling,
+    /// The MLP's activation.
+    pub hidden_act: HiddenAct,
+    /// Whether `lm_head` reuses the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Whether q/k/v carry a bias (Qwen2 always; Llama with `attention_bias`).
+    pub attention_bias: bool,
+    /// Longest position the model supports.
+    pub max_position_embeddings: usize,
+    /// Mistral's sliding window, when the config enables one. The forward refuses a sequence whose
+    /// context exceeds it instead of silently attending further (see [`ModelConfig::max_model_len`]).
+    pub sliding_window: Option<usize>,
+    /// `bos_token_id`.
+    pub bos_token_id: Option<u32>,
+    /// `eos_token_id` (several for Llama 3 instruct models).
+    pub eos_token_ids: Vec<u32>,
+    /// The dtype the checkpoint was saved in (`torch_dtype`, or transformers 5's `dtype`), as
+    /// written: `"bfloat16"`, `"float16"`, `"float32"`, …
+    pub torch_dtype: Option<String>,
+}
+
+/// `config.json` as written: every field this engine reads, all optional here; defaults and
+/// checks are applied by [`ModelConfig::from_raw`]. Unknown fields are ignored, as transformers does.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    architectures: Option<Vec<String>>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<RawRope>,
+    rope_parameters: Option<RawRope>,
+    hidden_act: Option<String>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    max_position_embeddings: Option<usize>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<TokenIds>,
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+}
+
+/// `rope_scaling` or `rope_parameters`.
+#[derive(Debug, Deserialize)]
+struct RawRope {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
+    rope_theta: Option<f64>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<f64>,
+}
+
+/// `eos_token_id`: one id or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl ModelConfig {
+    /// Reads `config.json` from a file: a regular file of at most [`MAX_CONFIG_BYTES`].
+    pub fn from_file(path: &Path) -> Result<ModelConfig, ConfigError> {
+        let io = |source| ConfigError::Io { path: path.to_path_buf(), source };
+        let not = |reason: String| ConfigError::NotAConfigFile { path: path.to_path_buf(), reason };
+        // `metadata` follows symlinks and does not open the file, so a FIFO cannot block here.
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(not("not a regular file".to_string()));
+        }
+        if meta.len() > MAX_CONFIG_BYTES {
+            return Err(not(format!("{} bytes, more than the {MAX_CONFIG_BYTES} a config may have", meta.len())));
+        }
+        let mut text = String::new();
+        std::fs::File::open(path).map_err(io)?.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text).map_err(io)?;
+        ModelConfig::parse(&text, path)
+    }
+
+    /// Reads the text of a `config.json`; errors name `path`.
+    pub fn parse(text: &str, path: &Path) -> Result<ModelConfig, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let raw: RawConfig = serde_path_to_error::deserialize(de)
+            .map_err(|source| ConfigError::Json { path: path.to_path_buf(), source })?;
+        ModelConfig::from_raw(raw, path)
+    }
+
+    /// Reads a parsed `config.json`; errors name the file `config.json`.
+    pub fn from_json(value: &serde_json::Value) -> Result<ModelConfig, ConfigError> {
+        let path = Path::new("config.json");
+        let raw: RawConfig = serde_path_to_error::deserialize(value)
+            .map_err(|source| ConfigError::Json { path: path.to_path_buf(), source })?;
+        ModelConfig::from_raw(raw, path)
+    }
+
+    /// The defaults of the family and the checks that the graph relies on.
+    fn from_raw(raw: RawConfig, path: &Path) -> Result<ModelConfig, ConfigError> {
+        let field =
+            |field: &'static str, reason: String| ConfigError::Field { path: path.to_path_buf(), field, reason };
+        let need = |v: Option<usize>, name: &'static str| v.ok_or_else(|| field(name, "is missing".to_string()));
+        let architecture = match (&raw.model_type, raw.architectures.as_ref().and_then(|a| a.first())) {
+            // `model_type` decides when present; `architectures` is the fallback.
+            (Some(t), _) => Architecture::from_model_type(t).ok_or_else(|| ConfigError::UnsupportedArchitecture {
+                path: path.to_path_buf(),
+                field: "model_type",
+                name: t.clone(),
+            })?,
+            (None, Some(c)) => {
+                Architecture::from_class_name(c).ok_or_else(|| ConfigError::UnsupportedArchitecture {
+                    path: path.to_path_buf(),
+                    field: "architectures",
+                    name: c.clone(),
+                })?
+            }
+            (None, None) => {
+                return Err(field("model_type", "is missing, and so is architectures".to_string()));
+            }
+        };
+        let hidden_size = need(raw.hidden_size, "hidden_size")?;
+        let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
+        if hidden_size == 0 {
+            return Err(field("hidden_size", "must be positive".to_string()));
+        }
+        if num_heads == 0 {
+            return Err(field("num_attention_heads", "must be positive".to_string()));
+        }
+        let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
+        if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+            return Err(field(
+                "num_key_value_heads",
+                format!("is {num_kv_heads}, which does not divide num_attention_heads {num_heads}"),
+            ));
+        }
+        let head_dim = raw.head_dim.unwrap_or(hidden_size / num_heads);
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(field("head_dim", format!("is {head_dim}; RoPE needs it positive and even")));
+        }
+        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        let rope_theta = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_theta)
+            .or(raw.rope_theta)
+            .or_else(|| raw.rope_scaling.as_ref().and_then(|p| p.rope_theta))
+            .unwrap_or(10_000.0);
+        let rope_scaling = match rope {
+            Some(p) => rope_scaling(p, path)?,
+            None => RopeScaling::Default,
+        };
+        let hidden_act = match raw.hidden_act.as_deref() {
+            None | Some("silu") | Some("swish") => HiddenAct::Silu,
+            Some(other) => {
+                return Err(ConfigError::UnsupportedActivation { path: path.to_path_buf(), name: other.to_string() });
+            }
+        };
+        let attention_bias = raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2);
+        let sliding_window = match architecture {
+            // Qwen2 configs carry `sliding_window` even when `use_sliding_window` is false.
+            Architecture::Qwen2 if !raw.use_sliding_window.unwrap_or(false) => None,
+            _ => raw.sliding_window,
+        };
+        let eos_token_ids = match raw.eos_token_id {
+            Some(TokenIds::One(id)) => vec![id],
+            Some(TokenIds::Many(ids)) => ids,
+            None => Vec::new(),
+        };
+        Ok(ModelConfig {
+            architecture,
+            hidden_size,
+            intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
+            num_layers: need(raw.num_hidden_layers, "num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: need(raw.vocab_size, "vocab_size")?,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            hidden_act,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            attention_bias,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            sliding_window,
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids,
+            torch_dtype: raw.torch_dtype.or(raw.dtype),
+        })
+    }
+
+    /// The sizes adapters are validated against (without the embedding digest, which needs the
+    /// weights: the loaded model's shapes carry it).
+    pub fn shapes(&self) -> ModelShapes {
+        let mut s = ModelShapes::llama(
+            self.num_layers,
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.num_heads,
+            self.num_kv_heads,
+        );
+        s.architecture = self.architecture.class_name().to_string();
+        s.model_type = self.architecture.model_type().to_string();
+        s.head_dim = self.head_dim;
+        s.tie_word_embeddings = self.tie_word_embeddings;
+        s
+    }
+
+    /// The longest sequence the forward accepts: `max_position_embeddings`, or the sliding window
+    /// when one is set and smaller (the window is not implemented, so longer contexts are refused).
+    pub fn max_model_len(&self) -> usize {
+        match self.sliding_window {
+            Some(w) if w > 0 => w.min(self.max_position_embeddings),
+            _ => self.max_position_embeddings,
+        }
+    }
+
+    /// The checkpoint's own dtype, when the config names one this engine serves in.
+    pub fn checkpoint_dtype(&self) -> Option<DType> {
+        match self.torch_dtype.as_deref()? {
+            "bfloat16" | "bf16" => Some(DType::BF16),
+            "float16" | "half" | "f16" => Some(DType::F16),
+            "float32" | "float" | "f32" => Some(DType::F32),
+            _ => None,
+        }
+    }
+
+    /// The dtype `--dtype auto` serves the checkpoint in on a GPU, and the one the planner sizes
+    /// weights with: the checkpoint's own, f32 when it names none (transformers' default).
+    pub fn auto_dtype(&self) -> DType {
+        self.checkpoint_dtype().unwrap_or(DType::F32)
+    }
+
+    /// Width of the query projection, `num_heads · head_dim`.
+    pub fn q_size(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of the key (or value) projection, `num_kv_heads · head_dim`.
+    pub fn kv_size(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+fn rope_scaling(p: &RawRope, path: &Path) -> Result<RopeScaling, ConfigError> {
+    let kind = p.rope_type.as_deref().or(p.legacy_type.as_deref()).unwrap_or("default");
+    match kind {
+        "default" => Ok(RopeScaling::Default),
+        "llama3" => {
+            let need = |v: Option<f64>, field: &'static str| {
+                v.ok_or_else(|| ConfigError::Field {
+                    path: path.to_path_buf(),
+                    field,
+                    reason: "is missing; llama3 rope scaling needs it".to_string(),
+                })
+            };
+            Ok(RopeScaling::Llama3 {
+                factor: need(p.factor, "factor")?,
+                low_freq_factor: need(p.low_freq_factor, "low_freq_factor")?,
+                high_freq_factor: need(p.high_freq_factor, "high_freq_factor")?,
+                original_max_position_embeddings: need(
+                    p.original_max_position_embeddings,
+                    "original_max_position_embeddings",
+                )? as usize,
+            })
+        }
+        other => Err(ConfigError::UnsupportedRopeScaling { path: path.to_path_buf(), kind: other.to_string() }),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,27 @@
+//! The shared vocabulary of multilora: the plain identifiers, limits and records that more than
+//! one crate speaks, defined once at the bottom of the stack so that no crate above translates
+//! another's copy.
+//!
+//! - [`AdapterId`], [`Fingerprint`] and [`AdapterGen`]: an adapter, its content, and the pair of
+//!   the two that occupies a slot and counts toward `max_loras`.
+//! - [`SlotId`]: a device slot. "No adapter" is `Option::<SlotId>::None`; only the kernels' own
+//!   index buffers spell it `-1`.
+//! - [`ModuleKind`] and [`LoraLimits`]: what can be adapted, and the LoRA limits checked once
+//!   where they are built ("LoRA off" is a value, [`LoraLimits::off`]).
+//! - [`FinishReason`], [`LogitsWanted`] and [`Histogram`].
+//!
+//! Plain data: no candle, no threads, no I/O, no dependency of ours.
+
+mod adapter;
+mod histogram;
+mod limits;
+mod module;
+mod request;
+mod slot;
+
+pub use adapter::{AdapterGen, AdapterId, Fingerprint};
+pub use histogram::Histogram;
+pub use limits::{DEFAULT_MAX_LORA_RANK, LimitsError, LoraLimits};
+pub use module::ModuleKind;
+pub use request::{FinishReason, LogitsWanted};
+pub use slot::SlotId;

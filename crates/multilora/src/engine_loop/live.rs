@@ -1,0 +1,150 @@
+//! The live request table's entry: a request from submission to its end — its pin (a
+//! `SlotLease`, dropped with it), its sampler, detokenizer and stop-string text, its prompt
+//! logprobs — and what one step does for it (prompt logprobs, sampling, stop strings, events).
+
+use std::time::Instant;
+
+use multilora_scheduler::{LogitsWanted, RequestResult, ScheduledRequest};
+use multilora_store::SlotLease;
+use multilora_types::AdapterGen;
+use tokenizers::Tokenizer;
+
+use crate::command::Submission;
+use crate::detokenize::Detokenizer;
+use crate::metrics::Counters;
+use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams};
+use crate::sampling::{SamplerState, log_softmax, top_n};
+
+/// A live request: deferred (waiting for its adapter) or in the scheduler.
+#[derive(Debug)]
+pub(super) struct Live {
+    pub(super) sub: Submission,
+    pub(super) generation: Option<AdapterGen>,
+    /// This request's pin on `generation`: held from the step it starts running until it
+    /// finishes, is cancelled or is preempted (a waiting request must not hold a slot, or
+    /// waiting requests of running adapters could pin every slot). Dropped with the request,
+    /// so a pin cannot outlive it.
+    pub(super) lease: Option<SlotLease>,
+    pub(super) sampler: SamplerState,
+    pub(super) detok: Option<Detokenizer>,
+    /// Generated text so far; kept only when stop strings need it.
+    pub(super) text: String,
+    pub(super) prompt_lp: Option<Vec<Option<PromptLogprob>>>,
+    pub(super) last_token: Option<Instant>,
+}
+
+impl Live {
+    /// A request just submitted: not yet on an adapter generation, holding no pin.
+    pub(super) fn new(sub: Submission, seed: u64, eos: &[u32], detokenize: bool) -> Live {
+        let stop = stop_ids(&sub.params, eos);
+        let detok = detokenize.then(|| Detokenizer::new(&sub.prompt, sub.params.skip_special_tokens));
+        Live {
+            sampler: SamplerState::new(seed, &sub.prompt, stop, &sub.params),
+            prompt_lp: sub.params.prompt_logprobs.map(|_| vec![None; sub.prompt.len()]),
+            sub,
+            generation: None,
+            lease: None,
+            detok,
+            text: String::new(),
+            last_token: None,
+        }
+    }
+
+    /// Back to the start, to be computed again (its adapter left host memory while it waited:
+    /// nothing was generated, so nothing is lost).
+    pub(super) fn restart(&mut self) {
+        self.generation = None;
+        self.lease = None;
+        self.prompt_lp = self.sub.params.prompt_logprobs.map(|_| vec![None; self.sub.prompt.len()]);
+    }
+
+    /// Prompt logprobs and sampling for this request's share of a step (`rows`: its logit
+    /// rows); the events go to `events`, the token to the scheduler through the result.
+    pub(super) fn process(
+        &mut self,
+        s: &ScheduledRequest,
+        rows: &[Vec<f32>],
+        tokenizer: Option<&Tokenizer>,
+        counters: &mut Counters,
+        events: &mut Vec<(u64, Event)>,
+    ) -> Option<RequestResult> {
+        let live = self;
+        if s.logits == LogitsWanted::AllPrompt
+            && let Some(entries) = live.prompt_lp.as_mut()
+        {
+            let k = live.sub.params.prompt_logprobs.unwrap_or(0);
+            for (j, r) in rows.iter().enumerate() {
+                let target = s.num_computed_tokens + j + 1;
+                if target < s.num_prompt_tokens && entries[target].is_none() {
+                    let lp = log_softmax(r);
+                    let token = live.sub.prompt[target];
+                    entries[target] =
+                        Some(PromptLogprob { token, logprob: lp[token as usize], top_logprobs: top_n(&lp, k) });
+                }
+            }
+            if s.num_computed_tokens + s.token_ids.len() >= s.num_prompt_tokens
+                && let Some(entries) = live.prompt_lp.take()
+            {
+                events.push((s.id, Event::PromptLogprobs(entries)));
+            }
+        }
+        if !s.sample {
+            return None;
+        }
+        let raw = rows.last()?;
+        let params = &live.sub.params;
+        let (logprob, top) = match params.logprobs {
+            Some(k) => {
+                let lp = log_softmax(raw);
+                (Some(lp), k)
+            }
+            None => (None, 0),
+        };
+        let mut work = raw.clone();
+        let token = live.sampler.sample(&mut work, params);
+        live.sampler.push(token);
+        let now = Instant::now();
+        match live.last_token {
+            None => counters.ttft.observe(now - live.sub.arrived),
+            Some(t) => counters.itl.observe(now - t),
+        }
+        live.last_token = Some(now);
+        counters.generation_tokens += 1;
+        counters.adapter(&live.sub.model).generation_tokens += 1;
+        let mut delta = match (&mut live.detok, tokenizer) {
+            (Some(d), Some(t)) => d.push(t, token),
+            _ => String::new(),
+        };
+        let mut finish = None;
+        if !params.stop.is_empty() {
+            let prev = live.text.len();
+            live.text.push_str(&delta);
+            let longest = params.stop.iter().map(String::len).max().unwrap_or(0);
+            let mut from = prev.saturating_sub(longest);
+            while !live.text.is_char_boundary(from) {
+                from -= 1;
+            }
+            let hit = params.stop.iter().filter_map(|st| live.text[from..].find(st.as_str()).map(|p| p + from)).min();
+            if let Some(pos) = hit {
+                delta = live.text.get(prev..pos).unwrap_or_default().to_string();
+                live.text.truncate(pos);
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        let (lp, top_logprobs) = match &logprob {
+            Some(lp) => (Some(lp[token as usize]), top_n(lp, top)),
+            None => (None, Vec::new()),
+        };
+        events.push((s.id, Event::Token { id: token, text_delta: delta, logprob: lp, top_logprobs }));
+        Some(RequestResult { id: s.id, token: Some(token), finish })
+    }
+}
+
+/// The tokens that end a request: its `stop_token_ids`, plus EOS unless `ignore_eos`.
+pub(super) fn stop_ids(p: &SamplingParams, eos: &[u32]) -> Vec<u32> {
+    let mut ids = p.stop_token_ids.clone();
+    if !p.ignore_eos {
+        ids.extend(eos.iter().copied());
+    }
+    ids
+}

@@ -1,0 +1,212 @@
+//! One engine step: schedule → pin the generations of requests that start running (and unpin
+//! the preempted) → activate the step's generations into slots → one forward over the flat
+//! batch → prompt logprobs, sampling, stop strings → the scheduler's update → stream the events
+//! and count the step. Also the warm-up that seeds the step cost model.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use multilora_models::{Batch, SeqInput};
+use multilora_scheduler::{ScheduledRequest, SchedulerOutput};
+use multilora_types::{AdapterGen, SlotId};
+
+use super::EngineLoop;
+use crate::error::{EngineError, SharedError};
+
+impl EngineLoop {
+    /// Seeds the step cost model before the first request: a 32-token prefill and decode steps
+    /// of 1 and 8 rows, each run twice and timed the second time (the first pays one-time
+    /// costs). They write into the first KV blocks, which are free; no real step reads what a
+    /// request did not write. Skipped when the cache is too small to hold them.
+    pub(super) fn warm_up(&mut self) {
+        let bs = self.config.block_size;
+        let prompt = 32.min(self.config.max_model_len.saturating_sub(2));
+        let blocks = (prompt + 1).div_ceil(bs);
+        if prompt < 2 || blocks > self.config.num_kv_blocks {
+            return;
+        }
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let ids: Vec<u32> = (0..prompt as u32).map(|t| (t * 7 + 3) % self.config.vocab_size.max(1) as u32).collect();
+        let prefill = Batch::new(vec![SeqInput::new(ids.clone(), 0, table.clone(), None)]);
+        let decode = |rows: usize| {
+            Batch::new((0..rows).map(|_| SeqInput::new(vec![ids[0]], prompt, table.clone(), None)).collect())
+        };
+        for (batch, rows, tokens) in [(prefill, 0, prompt), (decode(1), 1, 0), (decode(8), 8, 0)] {
+            let mut seconds = f64::NAN;
+            for _ in 0..2 {
+                let t = Instant::now();
+                if let Err(e) = self.model.forward(&batch, &mut self.kv).and_then(|l| Ok(l.to_vec2::<f32>()?)) {
+                    tracing::warn!(error = %e, "warm-up step failed; the step cost model starts from traffic");
+                    return;
+                }
+                seconds = t.elapsed().as_secs_f64();
+            }
+            self.cost.observe(rows, tokens, seconds);
+        }
+        if let Some(c) = self.cost.cost() {
+            tracing::info!(
+                fixed_ms = c.fixed_s * 1e3,
+                per_decode_row_ms = c.per_decode_row_s * 1e3,
+                per_prefill_token_ms = c.per_prefill_token_s * 1e3,
+                step_time = self.config.step_time.name(),
+                "step cost model seeded"
+            );
+        }
+    }
+
+    /// One step; `false` when nothing was scheduled.
+    pub(super) fn step(&mut self) -> bool {
+        let started = Instant::now();
+        let out = match self.cost.cost() {
+            Some(cost) => self.scheduler.schedule_with_cost(&cost),
+            None => self.scheduler.schedule(),
+        };
+        self.note_deferred();
+        if out.is_empty() {
+            return false;
+        }
+        self.update_pins(&out);
+        let slots = self.activate(&out);
+        let mut seqs = Vec::with_capacity(out.scheduled.len());
+        let mut kept = Vec::with_capacity(out.scheduled.len());
+        for s in &out.scheduled {
+            let slot = match s.adapter {
+                None => None,
+                Some(g) => match slots.get(&g) {
+                    Some(&slot) => Some(slot),
+                    None => continue,
+                },
+            };
+            // Failed, re-deferred or unpinned since `schedule`: not part of this step.
+            match self.live.get(&s.id) {
+                Some(live) if s.adapter.is_none() || live.lease.is_some() => {}
+                _ => continue,
+            }
+            seqs.push(
+                SeqInput::new(s.token_ids.clone(), s.num_computed_tokens, s.block_table.clone(), slot)
+                    .with_logits(s.logits),
+            );
+            kept.push(s);
+        }
+        if seqs.is_empty() {
+            return true;
+        }
+        let batch = Batch::new(seqs);
+        let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| Ok(t.to_vec2::<f32>()?));
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                self.fail_step(&kept, "forward", Arc::new(e));
+                return true;
+            }
+        };
+        let mut results = Vec::new();
+        let mut token_events = Vec::new();
+        let mut row = 0;
+        for (s, seq) in kept.iter().zip(&batch.seqs) {
+            let n = seq.num_logit_rows();
+            let rows = &logits[row..row + n];
+            row += n;
+            let tokenizer = self.tokenizer.as_deref();
+            if let Some(r) = self
+                .live
+                .get_mut(&s.id)
+                .and_then(|l| l.process(s, rows, tokenizer, &mut self.counters, &mut token_events))
+            {
+                results.push(r);
+            }
+        }
+        let finished = match self.scheduler.update(&results) {
+            Ok(f) => f,
+            Err(e) => {
+                self.fail_step(&kept, "update", Arc::new(e));
+                return true;
+            }
+        };
+        for (id, ev) in token_events {
+            if let Some(live) = self.live.get(&id) {
+                let _ = live.sub.events.send(ev);
+            }
+        }
+        for f in finished {
+            self.finish(f.id, f.reason, f.output_token_ids.len());
+        }
+        let decode_rows = batch.seqs.iter().filter(|s| s.tokens.len() == 1).count();
+        let prefill_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).filter(|&n| n > 1).sum();
+        let adapters = kept.iter().filter_map(|s| s.adapter).collect::<HashSet<_>>().len();
+        let elapsed = started.elapsed();
+        self.cost.observe(decode_rows, prefill_tokens, elapsed.as_secs_f64());
+        let c = &mut self.counters;
+        c.steps += 1;
+        c.step_duration.observe(elapsed);
+        c.iteration_tokens.observe_value((decode_rows + prefill_tokens) as f64);
+        c.step_rows.observe_value(batch.seqs.len() as f64);
+        c.step_adapters.observe_value(adapters as f64);
+        if prefill_tokens > 0 {
+            c.prefill_tokens.observe_value(prefill_tokens as f64);
+        }
+        true
+    }
+
+    /// Fails every request of a step whose `stage` failed; the engine goes on.
+    fn fail_step(&mut self, kept: &[&ScheduledRequest], stage: &'static str, e: SharedError) {
+        tracing::error!(error = %e, stage, "step failed; failing its requests");
+        for s in kept {
+            self.fail(s.id, EngineError::step(stage, &e));
+        }
+    }
+
+    /// Pins the generation of every request that starts running this step, and releases the
+    /// pins of preempted requests (they wait again).
+    fn update_pins(&mut self, out: &SchedulerOutput) {
+        for &id in &out.preempted {
+            if let Some(live) = self.live.get_mut(&id) {
+                live.lease = None;
+                self.counters.preemptions += 1;
+            }
+        }
+        for s in &out.scheduled {
+            let Some(live) = self.live.get_mut(&s.id) else { continue };
+            let Some(g) = live.generation else { continue };
+            if live.lease.is_some() {
+                continue;
+            }
+            if let Ok(lease) = self.store.lease(g) {
+                live.lease = Some(lease);
+            } else if live.sampler.num_generated == 0 {
+                // Evicted from the CPU tier while waiting: back to the engine's queue until it
+                // is loaded again (nothing was generated, so nothing is lost).
+                self.scheduler.abort(s.id);
+                live.restart();
+                self.store.prefetch([live.sub.model.as_str()]);
+                self.deferred.push_back(s.id);
+            } else {
+                let name = live.sub.model.clone();
+                self.fail(s.id, EngineError::AdapterEvicted { name });
+            }
+        }
+    }
+
+    /// Puts every adapter generation of the step in a slot; requests whose generation cannot be
+    /// activated fail alone.
+    fn activate(&mut self, out: &SchedulerOutput) -> HashMap<AdapterGen, SlotId> {
+        let mut slots = HashMap::new();
+        for &g in &out.active_adapters {
+            match self.store.activate(g, &mut self.model) {
+                Ok(slot) => {
+                    slots.insert(g, slot);
+                }
+                Err(e) => {
+                    let e = Arc::new(e);
+                    let ids: Vec<u64> = out.scheduled.iter().filter(|s| s.adapter == Some(g)).map(|s| s.id).collect();
+                    for id in ids {
+                        let name = self.live.get(&id).map(|l| l.sub.model.clone()).unwrap_or_default();
+                        self.fail(id, EngineError::from_store_arc(&name, &e));
+                    }
+                }
+            }
+        }
+        slots
+    }
+}
