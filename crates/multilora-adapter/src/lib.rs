@@ -49,7 +49,9 @@ mod synth;
 pub use adapter::{Fingerprint, LoraAdapter, LoraModule, SlotId, SlotSink, embedding_digest, with_embedding_digest};
 pub use config::{AdapterConfig, ModuleSelector};
 pub use error::{Error, Result};
-pub use load::{CONFIG_FILE, ConfigSummary, LoadOptions, ModuleSetting, WEIGHTS_FILE, load_dir, read_config};
+pub use load::{
+    CONFIG_FILE, ConfigSummary, LoadOptions, MAX_CONFIG_FILE_BYTES, ModuleSetting, WEIGHTS_FILE, load_dir, read_config,
+};
 pub use model_config::{Architecture, ConfigError, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling};
 pub use module::{ModuleId, ModuleKind};
 pub use shapes::ModelShapes;

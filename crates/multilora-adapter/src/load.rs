@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use multilora_types::MAX_LORA_RANK_CEILING;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 
 use crate::adapter::{Fingerprint, LoraAdapter, LoraModule};
@@ -118,14 +119,19 @@ fn plan(
     opts: &LoadOptions,
 ) -> Result<(AdapterConfig, BTreeMap<ModuleId, Planned>)> {
     let path = dir.join(CONFIG_FILE);
-    let text = match std::fs::read_to_string(&path) {
+    let invalid = |reason: String| Error::ConfigInvalid { adapter: name.into(), path: path.clone(), reason };
+    let text = match regular_file(&path, MAX_CONFIG_FILE_BYTES) {
+        Ok(()) => read_capped(&path, MAX_CONFIG_FILE_BYTES),
+        Err(e) => Err(e),
+    };
+    let text = match text {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        Err(FileRefusal::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::ConfigMissing { adapter: name.into(), dir: dir.into() });
         }
-        Err(source) => return Err(Error::Io { adapter: name.into(), path, source }),
+        Err(FileRefusal::Io(source)) => return Err(Error::Io { adapter: name.into(), path, source }),
+        Err(FileRefusal::Not(reason)) => return Err(invalid(reason)),
     };
-    let invalid = |reason: String| Error::ConfigInvalid { adapter: name.into(), path: path.clone(), reason };
     let config = AdapterConfig::parse(&text).map_err(invalid)?;
     config.check_supported().map_err(|r| match r {
         Refusal::Invalid(reason) => invalid(reason),
@@ -149,10 +155,11 @@ fn plan(
         if rank <= 0 {
             return Err(Error::RankInvalid { adapter: name.into(), module, rank });
         }
-        let rank = rank as usize;
-        if let Some(max) = opts.max_lora_rank
-            && rank > max
-        {
+        // Checked against the hard ceiling too, before anything is sized from it: a startup scan
+        // reads ranks with no `max_lora_rank` yet, to size the slots.
+        let rank = usize::try_from(rank).unwrap_or(usize::MAX);
+        let max = opts.max_lora_rank.map_or(MAX_LORA_RANK_CEILING, |m| m.min(MAX_LORA_RANK_CEILING));
+        if rank > max {
             return Err(Error::RankTooLarge { adapter: name.into(), module, rank, max_lora_rank: max });
         }
         planned.insert(id, Planned { rank, alpha, scaling });
@@ -178,6 +185,15 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
             reason: "pickled weights are never loaded; save the adapter with safe_serialization".into(),
         });
     }
+    // A FIFO or a device would block the open or never end: only a regular file is mapped.
+    regular_file(&path, u64::MAX).map_err(|e| match e {
+        FileRefusal::Io(source) => Error::Io { adapter: name.into(), path: path.clone(), source },
+        FileRefusal::Not(reason) => Error::Io {
+            adapter: name.into(),
+            path: path.clone(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, reason),
+        },
+    })?;
     let file =
         std::fs::File::open(&path).map_err(|source| Error::Io { adapter: name.into(), path: path.clone(), source })?;
     // SAFETY: the map is read-only and lives only inside this function. A file truncated or
@@ -245,6 +261,20 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
             .and_then(|b| b.affine(plan.scaling, 0.0))
             .and_then(|b| b.to_dtype(opts.dtype))
             .map_err(|e| ctx.candle("fold scaling into lora_B", e))?;
+        // The scale can overflow what the tensor held finitely (`lora_alpha: 1e300`): checked
+        // after folding, in the dtype the adapter is held in.
+        let folded_finite = b
+            .to_dtype(DType::F32)
+            .and_then(|b| b.abs()?.max_all()?.to_scalar::<f32>())
+            .map_err(|e| ctx.candle("check the folded lora_B", e))?
+            .is_finite();
+        if !folded_finite || !plan.scaling.is_finite() {
+            return Err(Error::NonFinite {
+                adapter: name.into(),
+                path: path.clone(),
+                tensor: format!("{b_name} scaled by {:e} (alpha {:e} / rank {})", plan.scaling, plan.alpha, plan.rank),
+            });
+        }
         let module = LoraModule::new(a, &b, plan.rank, plan.alpha, plan.scaling)
             .map_err(|e| ctx.candle("transpose lora_B", e))?;
         modules.insert(*id, module);
@@ -254,6 +284,42 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
     }
     let fingerprint = Fingerprint(*hasher.finalize().as_bytes());
     Ok(LoraAdapter::new(name, config, modules, fingerprint))
+}
+
+/// The largest `adapter_config.json` read; real ones are a few KiB.
+pub const MAX_CONFIG_FILE_BYTES: u64 = 16 << 20;
+
+/// Why a file is not read.
+enum FileRefusal {
+    /// It could not be looked at or read.
+    Io(std::io::Error),
+    /// It is not a regular file, or too large.
+    Not(String),
+}
+
+/// Refuses anything but a regular file of at most `limit` bytes, without opening it (`metadata`
+/// follows symlinks and does not open, so a FIFO cannot block here).
+fn regular_file(path: &Path, limit: u64) -> std::result::Result<(), FileRefusal> {
+    let meta = std::fs::metadata(path).map_err(FileRefusal::Io)?;
+    if !meta.is_file() {
+        return Err(FileRefusal::Not("not a regular file".to_string()));
+    }
+    if meta.len() > limit {
+        return Err(FileRefusal::Not(format!("{} bytes, more than the {limit} it may have", meta.len())));
+    }
+    Ok(())
+}
+
+/// Reads at most `limit` bytes of text (the file may have grown since it was looked at).
+fn read_capped(path: &Path, limit: u64) -> std::result::Result<String, FileRefusal> {
+    use std::io::Read;
+    let mut text = String::new();
+    let file = std::fs::File::open(path).map_err(FileRefusal::Io)?;
+    let n = file.take(limit + 1).read_to_string(&mut text).map_err(FileRefusal::Io)?;
+    if n as u64 > limit {
+        return Err(FileRefusal::Not(format!("more than the {limit} bytes it may have")));
+    }
+    Ok(text)
 }
 
 /// The PEFT tensor-name prefix of a module.

@@ -1,10 +1,11 @@
-//! Confinement of runtime sources: local directories must lie inside the allowed roots once `..`
-//! and symlinks are resolved, and hub repos are allowed only when hub loading at run time is on.
+//! Confinement of runtime sources: local directories, and the adapter files in them, must lie
+//! inside the allowed roots once `..` and symlinks are resolved (a path outside is refused alike
+//! whether it exists or not), and hub repos are allowed only when hub loading at run time is on.
 //! Adapters the operator names at start never pass through here: they are trusted.
 
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
-use multilora_adapter::AdapterSource;
+use multilora_adapter::{AdapterSource, CONFIG_FILE, WEIGHTS_FILE};
 
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
@@ -25,18 +26,61 @@ pub(crate) fn confine(name: &str, source: &AdapterSource, config: &StoreConfig) 
 }
 
 /// `path` made canonical, if that lies inside one of `roots` (themselves made canonical; a root
-/// that does not exist admits nothing).
+/// that does not exist admits nothing), and so do the adapter files in it once their own
+/// symlinks are resolved. A path outside the roots is refused the same way whether it exists or
+/// not, so the error cannot be used to probe which paths exist; only a path that would lie inside
+/// a root is reported missing.
 pub(crate) fn confine_path(name: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf> {
-    let canonical = path.canonicalize().map_err(|source| {
-        Error::Adapter(multilora_adapter::Error::Io { adapter: name.to_string(), path: path.to_path_buf(), source })
-    })?;
+    let canonical_roots: Vec<PathBuf> = roots.iter().filter_map(|r| r.canonicalize().ok()).collect();
+    let outside =
+        || Error::PathOutsideRoots { name: name.to_string(), path: path.to_path_buf(), roots: roots.to_vec() };
+    let canonical = match path.canonicalize() {
+        Ok(c) => c,
+        Err(source) => {
+            let lexical = lexically_absolute(path);
+            return if canonical_roots.iter().any(|root| lexical.starts_with(root)) {
+                Err(Error::Adapter(multilora_adapter::Error::Io {
+                    adapter: name.to_string(),
+                    path: path.to_path_buf(),
+                    source,
+                }))
+            } else {
+                Err(outside())
+            };
+        }
+    };
     // Component-wise `starts_with`, so `/data/lora-evil` is not inside `/data/lora`.
-    let inside = roots.iter().filter_map(|r| r.canonicalize().ok()).any(|root| canonical.starts_with(&root));
-    if inside {
-        Ok(canonical)
-    } else {
-        Err(Error::PathOutsideRoots { name: name.to_string(), path: canonical, roots: roots.to_vec() })
+    let Some(root) = canonical_roots.iter().find(|root| canonical.starts_with(root)) else {
+        return Err(outside());
+    };
+    for file in [CONFIG_FILE, WEIGHTS_FILE] {
+        if let Ok(target) = canonical.join(file).canonicalize()
+            && !target.starts_with(root)
+        {
+            return Err(Error::PathOutsideRoots {
+                name: name.to_string(),
+                path: path.join(file),
+                roots: roots.to_vec(),
+            });
+        }
     }
+    Ok(canonical)
+}
+
+/// `path` made absolute and its `.` and `..` resolved by name alone (it may not exist).
+fn lexically_absolute(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut out = PathBuf::new();
+    for component in absolute.components() {
+        match component {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -61,6 +105,16 @@ mod tests {
         }
         let missing = confine_path("x", &root.join("nope"), &roots).unwrap_err();
         assert_eq!(missing.kind(), "io");
+        // Outside the roots, a missing path and an existing one read the same: nothing to probe.
+        let absent = confine_path("x", &tmp.path().join("absent"), &roots).unwrap_err();
+        let present = confine_path("x", &tmp.path().join("secret"), &roots).unwrap_err();
+        assert_eq!((absent.kind(), present.kind()), ("path_outside_roots", "path_outside_roots"));
+        let strip = |e: &Error, p: &Path| e.to_string().replace(&p.display().to_string(), "P");
+        assert_eq!(
+            strip(&absent, &tmp.path().join("absent")),
+            strip(&present, &tmp.path().join("secret")),
+            "the two refusals differ only by the path given"
+        );
         assert_eq!(confine_path("sql", &root.join("sql"), &[]).unwrap_err().kind(), "path_outside_roots");
     }
 
@@ -74,6 +128,29 @@ mod tests {
         std::os::unix::fs::symlink(tmp.path().join("outside"), root.join("link")).unwrap();
         let err = confine_path("link", &root.join("link"), std::slice::from_ref(&root)).unwrap_err();
         assert_eq!(err.kind(), "path_outside_roots");
+    }
+
+    /// A directory inside the root whose config or weights file is a symlink out of it.
+    #[cfg(unix)]
+    #[test]
+    fn a_file_symlinked_out_of_the_root_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("loras");
+        std::fs::create_dir_all(root.join("a")).unwrap();
+        std::fs::create_dir_all(root.join("b")).unwrap();
+        std::fs::write(tmp.path().join("secret.json"), "{}").unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("secret.json"), root.join("a").join(CONFIG_FILE)).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("secret.json"), root.join("b").join(WEIGHTS_FILE)).unwrap();
+        let roots = std::slice::from_ref(&root);
+        for dir in ["a", "b"] {
+            let err = confine_path(dir, &root.join(dir), roots).unwrap_err();
+            assert_eq!(err.kind(), "path_outside_roots", "{dir}: {err}");
+        }
+        // A symlink that stays inside the root is fine.
+        std::fs::create_dir_all(root.join("c")).unwrap();
+        std::fs::write(root.join("shared.json"), "{}").unwrap();
+        std::os::unix::fs::symlink(root.join("shared.json"), root.join("c").join(CONFIG_FILE)).unwrap();
+        assert!(confine_path("c", &root.join("c"), roots).is_ok());
     }
 
     #[test]

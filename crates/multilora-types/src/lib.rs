@@ -21,7 +21,7 @@ mod slot;
 
 pub use adapter::{AdapterGen, AdapterId, Fingerprint};
 pub use histogram::Histogram;
-pub use limits::{DEFAULT_MAX_LORA_RANK, LimitsError, LoraLimits};
+pub use limits::{DEFAULT_MAX_LORA_RANK, LimitsError, LoraLimits, MAX_LORA_RANK_CEILING};
 pub use module::ModuleKind;
 pub use request::{FinishReason, LogitsWanted};
 pub use slot::SlotId;

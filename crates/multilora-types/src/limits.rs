@@ -7,6 +7,11 @@ use crate::module::ModuleKind;
 /// vLLM's default `max_lora_rank`.
 pub const DEFAULT_MAX_LORA_RANK: usize = 16;
 
+/// The largest rank any adapter or slot may have (vLLM's largest `max_lora_rank` is 512): a bound
+/// checked before anything is sized from a rank, so a config that claims a rank of a billion is
+/// a typed refusal, not an allocation that aborts the process.
+pub const MAX_LORA_RANK_CEILING: usize = 1024;
+
 /// Why a set of LoRA limits was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -16,6 +21,12 @@ pub enum LimitsError {
     ZeroRank {
         /// The slots asked for.
         max_loras: usize,
+    },
+    /// `max_lora_rank` is above [`MAX_LORA_RANK_CEILING`].
+    #[error("max_lora_rank {max_lora_rank} is above the ceiling of {MAX_LORA_RANK_CEILING}")]
+    RankAboveCeiling {
+        /// The rank asked for.
+        max_lora_rank: usize,
     },
     /// No module would get slot buffers while LoRA is on.
     #[error("lora_target_modules is empty while max_loras is {max_loras}")]
@@ -53,6 +64,9 @@ impl LoraLimits {
         }
         if max_lora_rank == 0 {
             return Err(LimitsError::ZeroRank { max_loras });
+        }
+        if max_lora_rank > MAX_LORA_RANK_CEILING {
+            return Err(LimitsError::RankAboveCeiling { max_lora_rank });
         }
         if target_modules.is_empty() {
             return Err(LimitsError::NoTargets { max_loras });
@@ -122,6 +136,9 @@ mod tests {
         assert_eq!(off, LoraLimits::off());
         assert_eq!(LoraLimits::new(4, 0, &[ModuleKind::QProj]), Err(LimitsError::ZeroRank { max_loras: 4 }));
         assert_eq!(LoraLimits::new(4, 8, &[]), Err(LimitsError::NoTargets { max_loras: 4 }));
+        let huge = LoraLimits::new(4, 1_000_000_000, &[ModuleKind::QProj]);
+        assert_eq!(huge, Err(LimitsError::RankAboveCeiling { max_lora_rank: 1_000_000_000 }));
+        assert!(LoraLimits::new(4, MAX_LORA_RANK_CEILING, &[ModuleKind::QProj]).is_ok());
         let l = LoraLimits::new(4, 8, &[ModuleKind::VProj, ModuleKind::QProj, ModuleKind::VProj]).unwrap();
         assert_eq!(l.target_modules(), &[ModuleKind::QProj, ModuleKind::VProj]);
         assert!(!l.is_off() && l.max_loras() == 4 && l.max_lora_rank() == 8);

@@ -237,3 +237,40 @@ fn resolved_adapter_waits_in_the_engine_while_it_loads() -> Result<()> {
     assert!(m.deferred_max >= 1, "requests waited for the load: {m:?}");
     Ok(())
 }
+
+/// A start-up adapter whose config claims a rank of a billion (or a rank pattern of that size):
+/// the engine sizes its slots from the start-up ranks, so this once aborted the process on a
+/// 2 TB allocation. It is a typed error naming the adapter, before any slot is allocated; so is a
+/// `max_lora_rank` above the ceiling.
+#[test]
+fn a_startup_adapter_claiming_a_huge_rank_is_a_typed_error() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let src = fixtures().join("adapters/qv_r8");
+    for (name, changes) in [
+        ("huge", serde_json::json!({"r": 1_000_000_000})),
+        ("huge_pattern", serde_json::json!({"rank_pattern": {"v_proj": 1_000_000_000}})),
+    ] {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir)?;
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json"))?)?;
+        for (k, v) in changes.as_object().expect("object") {
+            config[k] = v.clone();
+        }
+        std::fs::write(dir.join("adapter_config.json"), config.to_string())?;
+        std::fs::copy(src.join("adapter_model.safetensors"), dir.join("adapter_model.safetensors"))?;
+        let err = multilora::Engine::builder(path("base"))
+            .served_model_name(BASE)
+            .lora(name, dir.display().to_string())
+            .build()
+            .expect_err("a rank of a billion must be refused");
+        let msg = err.to_string();
+        assert_eq!(err.kind(), "adapter_error", "{msg}");
+        assert_eq!(err.cause_kind(), Some("rank_too_large"), "{msg}");
+        assert!(msg.contains(&format!("{name:?}")) && msg.contains("1000000000"), "{msg}");
+    }
+    let err = builder(4).max_lora_rank(1_000_000_000).build().expect_err("a max_lora_rank above the ceiling");
+    assert_eq!(err.kind(), "invalid_config", "{err}");
+    assert!(err.to_string().contains("ceiling"), "{err}");
+    Ok(())
+}
