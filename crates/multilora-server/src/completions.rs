@@ -13,11 +13,16 @@ use crate::generation::{self, Meta, Output, Render, TokenOut};
 use crate::protocol::{CompletionRequest, fan_out};
 use crate::state::{AppState, unix_now};
 
+/// `max_tokens` of a completion that names none (OpenAI's and vLLM's default).
+pub(crate) const DEFAULT_MAX_TOKENS: usize = 16;
+
 pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Response> {
     let req = CompletionRequest::parse(&body)?;
     let prompts = req.prompts()?;
     let n = req.sampling.n()?;
-    let params = req.sampling.params(None, req.logprobs)?;
+    // OpenAI's and vLLM's default for completions: 16 tokens, not the rest of the context.
+    let max_tokens = req.sampling.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let params = req.sampling.params(Some(max_tokens), req.logprobs)?;
     let requests = fan_out(&req.model, prompts, &params, n);
     let started = generation::start(&state, requests, n).await?;
     let meta = Meta { id: state.response_id("cmpl"), created: unix_now(), model: req.model.clone() };

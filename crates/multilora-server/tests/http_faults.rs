@@ -285,3 +285,20 @@ async fn refusals_come_before_any_stream_byte_and_streams_start_at_once() -> Res
     server.wait_idle().await?;
     server.stop().await
 }
+
+/// `/v1/completions` without `max_tokens` generates 16 tokens, OpenAI's and vLLM's default, not
+/// the rest of the context; an explicit `max_tokens` still wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_default_to_sixteen_tokens() -> Result<()> {
+    let server = Server::start(builder(), ServerConfig::default()).await?;
+    for (body, want) in [
+        (json!({"model": BASE, "prompt": "hi", "ignore_eos": true}), 16),
+        (json!({"model": BASE, "prompt": "hi", "ignore_eos": true, "max_tokens": 20}), 20),
+    ] {
+        let (status, v) = server.post("/v1/completions", &body).await?;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], want, "{body}: {v}");
+    }
+    server.wait_idle().await?;
+    server.stop().await
+}

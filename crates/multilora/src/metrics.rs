@@ -50,7 +50,7 @@ pub struct AdapterUsage {
 pub struct MetricsSnapshot {
     /// Requests running in the scheduler.
     pub running: usize,
-    /// Requests waiting in the scheduler.
+    /// Requests waiting: in the scheduler, or in the engine for their adapter's load.
     pub waiting: usize,
     /// Requests deferred now: waiting for their adapter to load, or blocked by the adapter limit.
     pub deferred: usize,
@@ -58,7 +58,7 @@ pub struct MetricsSnapshot {
     pub deferred_max: usize,
     /// Names of the adapters of running requests.
     pub running_adapters: Vec<String>,
-    /// Names of the adapters of waiting requests.
+    /// Names of the adapters of waiting requests (those waiting for a load included), sorted.
     pub waiting_adapters: Vec<String>,
     /// `max_loras`.
     pub max_lora: usize,

@@ -112,7 +112,10 @@ impl SamplerState {
         }
         if p.repetition_penalty != 1.0 {
             let r = p.repetition_penalty;
-            let seen = self.prompt_tokens.iter().copied().chain(self.output_counts.keys().copied());
+            // Once per token seen, in the prompt or the output (vLLM's mask), not once for each.
+            let prompt = &self.prompt_tokens;
+            let outputs = self.output_counts.keys().copied().filter(|t| prompt.binary_search(t).is_err());
+            let seen = prompt.iter().copied().chain(outputs);
             for t in seen {
                 if let Some(x) = logits.get_mut(t as usize) {
                     *x = if *x > 0.0 { *x / r } else { *x * r };
@@ -211,6 +214,12 @@ mod tests {
         let mut l = vec![4.0, 3.0, -1.0];
         assert_eq!(s.sample(&mut l, &p), 1);
         assert_eq!(l, vec![2.0, 3.0, -1.0]);
+        // A token in both the prompt and the output is penalized once, as vLLM does.
+        s.push(0);
+        s.push(2);
+        let mut l = vec![4.0, 3.0, -1.0];
+        s.sample(&mut l, &p);
+        assert_eq!(l, vec![2.0, 3.0, -2.0]);
         let p = SamplingParams { repetition_penalty: 1.0, frequency_penalty: 1.0, presence_penalty: 0.5, ..p };
         let mut s = SamplerState::new(0, &[], vec![], &p);
         s.push(0);

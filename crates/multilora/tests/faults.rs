@@ -225,6 +225,10 @@ fn resolved_adapter_waits_in_the_engine_while_it_loads() -> Result<()> {
         .collect::<multilora::Result<_>>()?;
     assert!(streams.iter().all(|s| !s.adapter_ready()), "its load had only started at submit");
     until(&engine, "all three waiting in the engine for the load", |m| m.deferred == 3 && m.running == 0);
+    // They wait as the scheduler's own requests do: counted as waiting, their adapter listed.
+    let m = engine.metrics();
+    assert_eq!(m.waiting, 3, "{m:?}");
+    assert_eq!(m.waiting_adapters, vec!["rslora_r4".to_string()], "{m:?}");
     drop(open);
     for s in streams {
         assert_eq!(s.collect_blocking()?.token_ids.len(), 3);

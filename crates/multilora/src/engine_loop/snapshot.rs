@@ -20,13 +20,24 @@ impl EngineLoop {
         let names: HashMap<_, String> = self.store.adapters().into_iter().map(|i| (i.id, i.name)).collect();
         let name = |g: &AdapterGen| names.get(&g.id).cloned().unwrap_or_else(|| format!("#{}", g.id));
         let deferred = self.deferred.len() + c.deferred;
+        // Requests waiting in the engine for their adapter's load wait like the scheduler's own
+        // (vLLM counts them in `num_requests_waiting` and `waiting_lora_adapters`).
+        let mut waiting_adapters: Vec<String> = c.waiting_adapters.iter().map(name).collect();
+        for id in &self.deferred {
+            if let Some(live) = self.live.get(id)
+                && !waiting_adapters.contains(&live.sub.model)
+            {
+                waiting_adapters.push(live.sub.model.clone());
+            }
+        }
+        waiting_adapters.sort();
         MetricsSnapshot {
             running: c.running,
-            waiting: c.waiting,
+            waiting: c.waiting + self.deferred.len(),
             deferred,
             deferred_max: self.counters.deferred_max.max(deferred),
             running_adapters: c.running_adapters.iter().map(name).collect(),
-            waiting_adapters: c.waiting_adapters.iter().map(name).collect(),
+            waiting_adapters,
             max_lora: self.config.lora.max_loras(),
             device_tier: TierOccupancy { entries: sm.device.entries, capacity: sm.device.capacity },
             cpu_tier: TierOccupancy { entries: sm.cpu.entries, capacity: sm.cpu.capacity },
