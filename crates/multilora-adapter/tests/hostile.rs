@@ -63,34 +63,33 @@ fn an_alpha_that_overflows_once_folded_into_b_is_refused() {
 #[cfg(unix)]
 #[test]
 fn a_config_or_weights_that_is_a_fifo_or_a_device_is_refused_at_once() {
-    let fifo = |path: &Path| {
+    fn fifo(path: &Path) {
         let ok = std::process::Command::new("mkfifo").arg(path).status().map(|s| s.success()).unwrap_or(false);
         assert!(ok, "mkfifo {}", path.display());
-    };
-    // The config a FIFO: opening it would block until a writer came.
-    let dir = edited(json!({}));
-    std::fs::remove_file(dir.path().join(CONFIG_FILE)).unwrap();
-    fifo(&dir.path().join(CONFIG_FILE));
-    let err = load_within(dir.path(), 10).unwrap_err();
-    assert_eq!(err.kind(), "config_invalid", "{err}");
-    assert!(err.to_string().contains("not a regular file"), "{err}");
-    // The config `/dev/zero`: reading it would never end.
-    let dir = edited(json!({}));
-    std::fs::remove_file(dir.path().join(CONFIG_FILE)).unwrap();
-    std::os::unix::fs::symlink("/dev/zero", dir.path().join(CONFIG_FILE)).unwrap();
-    let err = load_within(dir.path(), 10).unwrap_err();
-    assert!(err.kind() == "config_invalid" && err.to_string().contains("not a regular file"), "{err}");
-    // A config over the size limit is refused without being read.
-    let dir = edited(json!({}));
-    let big = vec![b' '; multilora_adapter::MAX_CONFIG_FILE_BYTES as usize + 1];
-    std::fs::write(dir.path().join(CONFIG_FILE), big).unwrap();
-    let err = load_within(dir.path(), 10).unwrap_err();
-    assert!(err.kind() == "config_invalid" && err.to_string().contains("more than"), "{err}");
-    // The weights a FIFO.
-    let dir = edited(json!({}));
-    std::fs::remove_file(dir.path().join(WEIGHTS_FILE)).unwrap();
-    fifo(&dir.path().join(WEIGHTS_FILE));
-    let err = load_within(dir.path(), 10).unwrap_err();
-    assert_eq!(err.kind(), "io", "{err}");
-    assert!(err.to_string().contains("not a regular file"), "{err}");
+    }
+    fn dev_zero(path: &Path) {
+        std::os::unix::fs::symlink("/dev/zero", path).unwrap();
+    }
+    fn too_big(path: &Path) {
+        std::fs::write(path, vec![b' '; multilora_adapter::MAX_CONFIG_FILE_BYTES as usize + 1]).unwrap();
+    }
+    /// Which file is replaced, by what, and the refusal: kind and what the message says.
+    type Case = (&'static str, fn(&Path), &'static str, &'static str);
+    let table: [Case; 4] = [
+        // Opening a FIFO would block until a writer came.
+        (CONFIG_FILE, fifo, "config_invalid", "not a regular file"),
+        // Reading `/dev/zero` would never end.
+        (CONFIG_FILE, dev_zero, "config_invalid", "not a regular file"),
+        // Over the size limit: refused without being read.
+        (CONFIG_FILE, too_big, "config_invalid", "more than"),
+        (WEIGHTS_FILE, fifo, "io", "not a regular file"),
+    ];
+    for (file, replace, kind, says) in table {
+        let dir = edited(json!({}));
+        std::fs::remove_file(dir.path().join(file)).unwrap();
+        replace(&dir.path().join(file));
+        let err = load_within(dir.path(), 10).unwrap_err();
+        assert_eq!(err.kind(), kind, "{file}: {err}");
+        assert!(err.to_string().contains(says), "{file}: {err}");
+    }
 }
