@@ -1,6 +1,7 @@
 //! `StoreConfig`: the knobs of the tiers (vLLM's names where vLLM has one) and of runtime updates.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use candle_core::DType;
 use multilora_adapter::{LoadOptions, ModelShapes};
@@ -33,6 +34,9 @@ pub struct StoreConfig {
     pub allow_hub_at_runtime: bool,
     /// Loader threads (at least 1).
     pub loader_threads: usize,
+    /// How long `request` answers a failed load with its error before loading again; doubled per
+    /// consecutive failure of the same adapter, up to 60 s, and reset by a success.
+    pub load_retry_backoff: Duration,
 }
 
 impl Default for StoreConfig {
@@ -49,6 +53,7 @@ impl Default for StoreConfig {
             allowed_roots: Vec::new(),
             allow_hub_at_runtime: false,
             loader_threads: 1,
+            load_retry_backoff: Duration::from_secs(1),
         }
     }
 }
@@ -98,6 +103,15 @@ impl StoreConfig {
     /// Sets the number of loader threads.
     pub fn loader_threads(mut self, n: usize) -> StoreConfig {
         self.loader_threads = n;
+        self
+    }
+
+    /// Sets the base back-off after a failed load (1 s by default): within it, requests get the
+    /// failure without a new load; after it, the next request loads again. It doubles per
+    /// consecutive failure of the same adapter up to 60 s (or this base, if longer), and a
+    /// successful load resets it. [`crate::Store::retry`] skips it.
+    pub fn load_retry_backoff(mut self, base: Duration) -> StoreConfig {
+        self.load_retry_backoff = base;
         self
     }
 

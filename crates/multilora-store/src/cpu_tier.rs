@@ -76,9 +76,29 @@ impl CpuTier {
             }
             evicted = Some(victim);
         }
+        // A reload back to the content of a generation that running requests still hold: it is
+        // current again, so it is live (counted, evictable once unpinned), and retired no more.
+        if let Some(old) = self.retired.remove(&generation) {
+            self.retired_bytes -= old.nbytes();
+        }
         self.live.put(generation, adapter);
         self.live_bytes += bytes;
         Ok(evicted)
+    }
+
+    /// Whether [`CpuTier::insert`] of `generation` would succeed once `leaving` (a live
+    /// generation about to be retired or dropped) is out: the generation is live already, or
+    /// there is a free entry, or some live entry is not `protected`.
+    pub(crate) fn has_room(
+        &self,
+        generation: &AdapterGen,
+        leaving: Option<&AdapterGen>,
+        protected: impl Fn(&AdapterGen) -> bool,
+    ) -> bool {
+        let freed = usize::from(leaving.is_some_and(|g| self.live.contains(g)));
+        self.live.contains(generation)
+            || self.live.len() - freed < self.capacity
+            || self.live.iter().any(|(g, _)| Some(g) != leaving && !protected(g))
     }
 
     /// Moves a live generation to the retired set (it stays until [`CpuTier::remove`]).
@@ -175,6 +195,31 @@ mod tests {
         assert_eq!(insert(&mut tier, 3, &[0, 2]), Err(TierFull));
         assert_eq!(order(&tier), [0, 2]);
         assert_eq!(CpuTier::new(0).insert(generation(9, 9), Arc::new(adapter("z", 9, 4)), |_| false), Err(TierFull));
+    }
+
+    #[test]
+    fn room_counts_the_leaving_generation_and_unprotected_entries() {
+        let mut tier = CpuTier::new(2);
+        insert(&mut tier, 0, &[]).unwrap();
+        assert!(tier.has_room(&generation(1, 1), None, |_| true));
+        insert(&mut tier, 1, &[]).unwrap();
+        let all = |_: &AdapterGen| true;
+        assert!(!tier.has_room(&generation(2, 2), None, all));
+        assert!(tier.has_room(&generation(2, 2), Some(&generation(0, 0)), all));
+        assert!(tier.has_room(&generation(1, 1), None, all));
+        assert!(tier.has_room(&generation(2, 2), None, |g| g.id.0 == 0));
+        // A leaving generation that is not live frees nothing.
+        assert!(!tier.has_room(&generation(2, 2), Some(&generation(7, 7)), all));
+    }
+
+    #[test]
+    fn a_retired_generation_inserted_again_is_live_once() {
+        let one = adapter("a", 0, 4).nbytes();
+        let mut tier = CpuTier::new(2);
+        insert(&mut tier, 0, &[]).unwrap();
+        assert!(tier.retire(&generation(0, 0)));
+        insert(&mut tier, 0, &[]).unwrap();
+        assert_eq!((tier.live_len(), tier.retired_len(), tier.bytes()), (1, 0, one));
     }
 
     #[test]

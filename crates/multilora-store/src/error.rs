@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use multilora_types::ModuleKind;
+
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -69,13 +71,24 @@ pub enum Error {
         /// The number of slots.
         max_loras: usize,
     },
-    /// Every entry of the CPU tier is pinned, so a new adapter has no room.
+    /// Every entry of the CPU tier is pinned, so a new adapter has no room: what a runtime `load`
+    /// or `reload_in_place` answers (having changed nothing). A background load waits instead.
     #[error("cannot cache adapter {name:?}: all {max_cpu_loras} entries of the cpu tier are pinned")]
     CpuTierFull {
         /// The adapter that wanted room.
         name: String,
         /// The capacity.
         max_cpu_loras: usize,
+    },
+    /// The adapter targets module kinds that have no slot buffers (not in the store's
+    /// [`LoraLimits::target_modules`](multilora_types::LoraLimits::target_modules)): it could not
+    /// be served, so it is refused before it is registered or swapped in.
+    #[error("adapter {name:?} targets {}, which have no lora slots", module_list(modules))]
+    UntargetedModules {
+        /// The adapter.
+        name: String,
+        /// The module kinds it targets that have no slot buffers, sorted.
+        modules: Vec<ModuleKind>,
     },
     /// `activate` or `lease` of a generation that is not in the CPU tier (not loaded yet, evicted,
     /// or superseded and released).
@@ -137,6 +150,7 @@ impl Error {
             Error::HubDisabled { .. } => "hub_disabled",
             Error::AllSlotsPinned { .. } => "all_slots_pinned",
             Error::CpuTierFull { .. } => "cpu_tier_full",
+            Error::UntargetedModules { .. } => "not_a_target",
             Error::NotReady { .. } => "not_ready",
             Error::Config { .. } | Error::LoaderThread { .. } => "config",
             Error::Adapter(e) => e.kind(),
@@ -151,4 +165,9 @@ impl Error {
 fn startup_message(name: &str, source: &Error) -> String {
     let message = source.to_string();
     if message.contains(&format!("{name:?}")) { message } else { format!("start-up adapter {name:?}: {message}") }
+}
+
+/// `q_proj, lm_head`: module kinds by their short names.
+fn module_list(modules: &[ModuleKind]) -> String {
+    modules.iter().map(|k| k.short_name()).collect::<Vec<_>>().join(", ")
 }

@@ -1,6 +1,7 @@
 //! `SlotLease`: a running request's hold on its adapter generation. While any lease on a
 //! generation lives, its CPU entry stays and its slot, once it has one, is not evicted; dropping
-//! the last lease of a generation that was superseded or unloaded removes it from both tiers.
+//! the last lease of a generation that was superseded or unloaded removes it from both tiers,
+//! and the last lease of any generation lets in a load that was waiting for a CPU entry.
 //! Nothing releases a pin by hand: a lease is returned by being dropped.
 
 use std::sync::Arc;
@@ -37,10 +38,16 @@ impl Drop for SlotLease {
     fn drop(&mut self) {
         let mut inner = self.shared.state.lock();
         let g = self.generation;
-        if inner.slots.release(&g) == Some(0) && inner.registry.current(g.id) != Some(g) {
+        if inner.slots.release(&g) != Some(0) {
+            return;
+        }
+        if inner.registry.current(g.id) != Some(g) {
             inner.cpu.remove(&g);
             inner.slots.remove(&g);
         }
+        // The last pin is gone: a load waiting for room may go in (its event sent from here).
+        let events = inner.admit_waiting();
+        self.shared.publish(inner, events);
     }
 }
 

@@ -11,7 +11,12 @@
 //!   ([`Store::lease`]), and dropping it is the only way a pin is returned.
 //! - **Loads never run on the engine's thread**: [`Store::request`] answers at once (Ready /
 //!   Loading / Failed) and a loader thread does the reading; the finished loads go to the sink
-//!   given to [`StoreBuilder::events`], or else to [`Store::poll_completed`].
+//!   given to [`StoreBuilder::events`], or else to [`Store::poll_completed`]. A load that finds
+//!   every CPU entry pinned waits (still `Loading`) until one unpins; a failed load is answered
+//!   from memory for a back-off ([`StoreConfig::load_retry_backoff`]), then loaded again.
+//! - **Nothing unservable becomes current**: an adapter that fails validation, or targets modules
+//!   without slot buffers ([`Error::UntargetedModules`]), is refused before it is registered or
+//!   swapped in, so a failed `reload_in_place` leaves the old generation serving.
 //! - **Lifecycle** at run time ([`Store::load`], [`Store::unload`], [`Store::reload_in_place`],
 //!   resolvers) is off unless enabled and confined to configured roots.
 //!
@@ -31,6 +36,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod backoff;
 mod config;
 mod cpu_tier;
 mod error;
@@ -46,6 +52,7 @@ mod status;
 mod store;
 #[cfg(test)]
 mod testutil;
+mod waiting;
 
 pub use config::StoreConfig;
 pub use error::{Error, Result};

@@ -2,32 +2,46 @@
 //! by the loader threads), and the runtime `load` / `unload` / `reload_in_place`.
 //!
 //! Every path reads files with no lock held, then takes the lock once to publish the result. An
-//! adapter is fully validated before anything is evicted for it, so a bad one costs nothing.
+//! adapter is fully validated (its targets included) before anything is evicted or swapped for
+//! it, so a bad one costs nothing and a failed reload leaves the old generation serving. A
+//! background load that finds every CPU entry pinned waits for one (`waiting.rs`); one that fails
+//! is retried after a back-off (`backoff.rs`).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use multilora_adapter::{AdapterSource, LoraAdapter};
+use multilora_adapter::{AdapterSource, LoraAdapter, ModuleKind};
 
+use crate::backoff::Failure;
 use crate::cpu_tier::TierFull;
 use crate::error::{Error, Result};
 use crate::registry::LoadState;
 use crate::security::confine;
 use crate::status::{LoadEvent, Unloaded};
 use crate::store::{Inner, Job, JobKind, Shared, Store};
+use crate::waiting::Waiting;
 use multilora_types::{AdapterGen, AdapterId};
 
 impl Shared {
-    /// Runs the loader on `source`, outside the lock, timing it. A panicking loader becomes an error.
+    /// Runs the loader on `source`, outside the lock, timing it, and checks the adapter's
+    /// targets. A panicking loader becomes an error.
     fn read(&self, name: &str, source: &AdapterSource) -> (Result<LoraAdapter>, Duration) {
         let started = Instant::now();
         let loaded = catch_unwind(AssertUnwindSafe(|| {
             self.loader.load(name, source, &self.config.shapes, &self.opts).map_err(Error::from)
         }))
         .unwrap_or_else(|_| Err(Error::LoaderPanicked { name: name.to_string() }));
-        (loaded, started.elapsed())
+        (loaded.and_then(|adapter| self.check_targets(name, adapter)), started.elapsed())
+    }
+
+    /// Refuses an adapter that targets module kinds without slot buffers: the model could not
+    /// apply it, so it must never become a current generation.
+    fn check_targets(&self, name: &str, adapter: LoraAdapter) -> Result<LoraAdapter> {
+        let lora = &self.config.lora;
+        let modules: Vec<ModuleKind> = adapter.target_kinds().into_iter().filter(|&k| !lora.targets(k)).collect();
+        if modules.is_empty() { Ok(adapter) } else { Err(Error::UntargetedModules { name: name.to_string(), modules }) }
     }
 
     /// Asks the resolvers in order for `name`'s source, and confines the answer.
@@ -73,7 +87,7 @@ impl Shared {
                 },
             }
         };
-        let max_cpu_loras = self.config.max_cpu_loras;
+        let base = self.config.load_retry_backoff;
         let mut inner = self.state.lock();
         inner.loading -= 1;
         let events = match job.kind {
@@ -83,9 +97,10 @@ impl Shared {
                 if !current {
                     return;
                 }
-                let published =
-                    loaded.and_then(|(_, adapter)| inner.insert_loaded(id, adapter, elapsed, max_cpu_loras));
-                inner.outcome(id, job.name, published)
+                match loaded {
+                    Ok((_, adapter)) => inner.place(id, job.name, job.ticket, adapter, elapsed),
+                    Err(e) => inner.fail(id, job.name, e, base),
+                }
             }
             JobKind::Resolve => {
                 if inner.resolving.get(&job.name) != Some(&job.ticket) {
@@ -95,8 +110,12 @@ impl Shared {
                 match loaded {
                     Ok((source, adapter)) => match inner.registry.register(&job.name, source) {
                         Ok(id) => {
-                            let published = inner.insert_loaded(id, adapter, elapsed, max_cpu_loras);
-                            inner.outcome(id, job.name, published)
+                            inner.resolve_failures.pop(&job.name);
+                            // Registered and still loading until it has room in the CPU tier.
+                            if let Some(entry) = inner.registry.get_mut(id) {
+                                entry.state = LoadState::Loading(job.ticket);
+                            }
+                            inner.place(id, job.name, job.ticket, adapter, elapsed)
                         }
                         // A runtime `load` took the name meanwhile and published its own event.
                         Err(_) => Vec::new(),
@@ -104,7 +123,10 @@ impl Shared {
                     Err(e) => {
                         inner.counters.failure(e.kind());
                         let error = Arc::new(e);
-                        inner.resolve_failures.put(job.name.clone(), Arc::clone(&error));
+                        let consecutive =
+                            inner.resolve_failures.peek(&job.name).map_or(1, |f| f.consecutive.saturating_add(1));
+                        let failure = Failure::new(Arc::clone(&error), base, consecutive);
+                        inner.resolve_failures.put(job.name.clone(), failure);
                         vec![LoadEvent::Failed { name: job.name, error }]
                     }
                 }
@@ -115,9 +137,8 @@ impl Shared {
 }
 
 impl Inner {
-    /// Puts a validated adapter in the CPU tier as `id`'s current generation: the previous
-    /// generation is retired (running requests pin it) or dropped, then the LRU unpinned entry is
-    /// evicted if the tier is full.
+    /// [`Inner::try_insert`] for a caller that answers at once (start-up, runtime `load` and
+    /// `reload_in_place`): no room is [`Error::CpuTierFull`], and nothing changed.
     pub(crate) fn insert_loaded(
         &mut self,
         id: AdapterId,
@@ -125,23 +146,41 @@ impl Inner {
         elapsed: Duration,
         max_cpu_loras: usize,
     ) -> Result<AdapterGen> {
+        self.try_insert(id, Arc::new(adapter), elapsed)
+            .map_err(|adapter| Error::CpuTierFull { name: adapter.name().to_string(), max_cpu_loras })
+    }
+
+    /// Puts a validated adapter in the CPU tier as `id`'s current generation, if there is room
+    /// once the previous generation leaves: the previous one is then retired (running requests
+    /// pin it) or dropped, and the LRU unpinned entry is evicted if the tier is full. Without
+    /// room, hands the adapter back having changed nothing, so the previous generation serves on.
+    pub(crate) fn try_insert(
+        &mut self,
+        id: AdapterId,
+        adapter: Arc<LoraAdapter>,
+        elapsed: Duration,
+    ) -> std::result::Result<AdapterGen, Arc<LoraAdapter>> {
         let generation = AdapterGen { id, fingerprint: adapter.fingerprint() };
         let previous = self.registry.current(id).filter(|p| *p != generation);
+        let slots = &self.slots;
+        if !self.cpu.has_room(&generation, previous.as_ref(), |g| slots.is_pinned(g)) {
+            return Err(adapter);
+        }
         if let Some(old) = previous {
             self.retire_or_drop(old);
         }
-        let adapter = Arc::new(adapter);
         let slots = &self.slots;
         match self.cpu.insert(generation, Arc::clone(&adapter), |g| slots.is_pinned(g)) {
             Ok(evicted) => self.counters.cpu_evictions += u64::from(evicted.is_some()),
             Err(TierFull) => {
-                if previous.is_some() {
-                    // The old generation is gone and the new one has no room: not loaded.
-                    if let Some(entry) = self.registry.get_mut(id) {
-                        entry.info.fingerprint = None;
-                    }
+                // `has_room` rules this out; were it to happen, the old generation is gone and
+                // the new one has no room: not loaded.
+                if previous.is_some()
+                    && let Some(entry) = self.registry.get_mut(id)
+                {
+                    entry.info.fingerprint = None;
                 }
-                return Err(Error::CpuTierFull { name: adapter.name().to_string(), max_cpu_loras });
+                return Err(adapter);
             }
         }
         self.registry.set_loaded(id, &adapter);
@@ -165,19 +204,36 @@ impl Inner {
         }
     }
 
-    /// The event for a finished background load; a failure also becomes the entry's sticky state.
-    fn outcome(&mut self, id: AdapterId, name: String, published: Result<AdapterGen>) -> Vec<LoadEvent> {
-        match published {
+    /// A background load's adapter into the CPU tier (its `Ready` event), or, with every entry
+    /// pinned, into the waiting queue: still loading, no failure, no event until it is admitted.
+    fn place(
+        &mut self,
+        id: AdapterId,
+        name: String,
+        ticket: u64,
+        adapter: LoraAdapter,
+        elapsed: Duration,
+    ) -> Vec<LoadEvent> {
+        match self.try_insert(id, Arc::new(adapter), elapsed) {
             Ok(generation) => vec![LoadEvent::Ready { name, generation }],
-            Err(e) => {
-                self.counters.failure(e.kind());
-                let error = Arc::new(e);
-                if let Some(entry) = self.registry.get_mut(id) {
-                    entry.state = LoadState::Failed(Arc::clone(&error));
-                }
-                vec![LoadEvent::Failed { name, error }]
+            Err(adapter) => {
+                self.counters.capacity_waits += 1;
+                self.waiting.push_back(Waiting { id, name, ticket, adapter, elapsed });
+                Vec::new()
             }
         }
+    }
+
+    /// A failed background load: its event, and the entry's state until the back-off from `base`
+    /// (doubled per failure in a row) ends.
+    fn fail(&mut self, id: AdapterId, name: String, e: Error, base: Duration) -> Vec<LoadEvent> {
+        self.counters.failure(e.kind());
+        let error = Arc::new(e);
+        if let Some(entry) = self.registry.get_mut(id) {
+            entry.failures = entry.failures.saturating_add(1);
+            entry.state = LoadState::Failed(Failure::new(Arc::clone(&error), base, entry.failures));
+        }
+        vec![LoadEvent::Failed { name, error }]
     }
 }
 
@@ -243,13 +299,17 @@ impl Store {
         if let Some(generation) = generation {
             inner.retire_or_drop(generation);
         }
+        // Its entry left the live tier: a load waiting for room may go in.
+        let events = inner.admit_waiting();
+        self.shared.publish(inner, events);
         Ok(Unloaded { id: entry.info.id, name: entry.info.name, generation, draining })
     }
 
     /// Replaces `name`'s weights from `source`, keeping its id: a new generation (new
     /// fingerprint) that new requests get, while running requests finish on the old one, which
-    /// keeps its CPU entry and slot until their last release. Same checks as [`Store::load`]; on
-    /// failure the old generation stays current.
+    /// keeps its CPU entry and slot until their last release. Same checks as [`Store::load`]
+    /// (validation, targets with slot buffers, room in the CPU tier), all made before the swap:
+    /// on failure the old generation stays current and keeps serving.
     pub fn reload_in_place(&self, name: &str, source: AdapterSource) -> Result<AdapterGen> {
         self.counted(self.reload_inner(name, source))
     }
@@ -268,10 +328,12 @@ impl Store {
         let generation = inner.insert_loaded(id, adapter, elapsed, self.shared.config.max_cpu_loras)?;
         if let Some(entry) = inner.registry.get_mut(id) {
             entry.info.source = source;
-            // A background load of the old source in flight is now stale.
+            // A background load of the old source, in flight or waiting for room, is now stale.
             entry.state = LoadState::Idle;
         }
-        self.shared.publish(inner, vec![LoadEvent::Ready { name: name.to_string(), generation }]);
+        let mut events = vec![LoadEvent::Ready { name: name.to_string(), generation }];
+        events.extend(inner.admit_waiting());
+        self.shared.publish(inner, events);
         Ok(generation)
     }
 }

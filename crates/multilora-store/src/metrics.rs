@@ -44,6 +44,11 @@ pub struct StoreMetrics {
     pub pinned_slots: usize,
     /// Loads queued or running on the loader threads.
     pub loading: usize,
+    /// Finished loads waiting for a CPU entry to unpin (every entry was pinned); their adapters
+    /// report `Loading` and become ready when an entry unpins.
+    pub waiting_for_capacity: usize,
+    /// Loads that had to wait for a CPU entry to unpin, since start.
+    pub capacity_waits: u64,
     /// Load events published and not yet taken by [`crate::Store::poll_completed`] or
     /// [`crate::Store::wait_completed`]: bounded only while a consumer takes them.
     pub events_pending: usize,
@@ -64,6 +69,7 @@ pub(crate) struct Counters {
     pub(crate) device_hits: u64,
     pub(crate) device_misses: u64,
     pub(crate) device_evictions: u64,
+    pub(crate) capacity_waits: u64,
     pub(crate) loads: u64,
     pub(crate) load_time: Histogram,
     pub(crate) failures: BTreeMap<&'static str, u64>,
@@ -78,6 +84,7 @@ impl Default for Counters {
             device_hits: 0,
             device_misses: 0,
             device_evictions: 0,
+            capacity_waits: 0,
             loads: 0,
             load_time: Histogram::new(&LOAD_TIME_BUCKETS_S),
             failures: BTreeMap::new(),

@@ -2,11 +2,11 @@
 //! target modules); name validation. A plain data structure: no locks, no I/O.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use multilora_adapter::{AdapterSource, Fingerprint, LoraAdapter, ModuleKind};
 use multilora_types::{AdapterGen, AdapterId};
 
+use crate::backoff::Failure;
 use crate::error::{Error, Result};
 
 /// The longest adapter name accepted, in bytes.
@@ -46,8 +46,9 @@ pub(crate) enum LoadState {
     Idle,
     /// A load is queued or running; its ticket tells a stale completion from the current one.
     Loading(u64),
-    /// The last load failed; sticky until an explicit retry, load or reload.
-    Failed(Arc<Error>),
+    /// The last load failed: requests get its error until its back-off ends (then the next
+    /// request loads again), or an explicit retry, load or reload.
+    Failed(Failure),
 }
 
 /// One registered adapter.
@@ -55,6 +56,8 @@ pub(crate) enum LoadState {
 pub(crate) struct Entry {
     pub(crate) info: AdapterInfo,
     pub(crate) state: LoadState,
+    /// Background loads that failed in a row since the last success (what the back-off doubles on).
+    pub(crate) failures: u32,
 }
 
 /// Name → entry, with ids handed out in order.
@@ -91,7 +94,7 @@ impl Registry {
             operator_pinned: false,
         };
         self.by_name.insert(name.to_string(), id);
-        self.entries.insert(id, Entry { info, state: LoadState::Idle });
+        self.entries.insert(id, Entry { info, state: LoadState::Idle, failures: 0 });
         Ok(id)
     }
 
@@ -137,6 +140,7 @@ impl Registry {
             entry.info.rank = Some(adapter.max_rank());
             entry.info.target_modules = adapter.target_kinds();
             entry.state = LoadState::Idle;
+            entry.failures = 0;
         }
     }
 

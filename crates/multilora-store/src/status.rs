@@ -12,10 +12,13 @@ use multilora_types::{AdapterGen, AdapterId};
 pub enum AdapterStatus {
     /// In the CPU tier: the request can be scheduled on this generation.
     Ready(AdapterGen),
-    /// A load is queued or running; a [`LoadEvent`] follows.
+    /// A load is queued or running, or has finished and waits for a CPU entry to unpin (every
+    /// entry was pinned: not a failure); a [`LoadEvent`] follows.
     Loading,
-    /// The last load failed. Sticky: later requests get the same error, without a new load,
-    /// until [`crate::Store::retry`], a runtime `load` or a `reload_in_place`.
+    /// The last load failed. Within the back-off ([`crate::StoreConfig::load_retry_backoff`],
+    /// doubled per failure in a row) later requests get the same error without a new load; the
+    /// first request after it loads again. [`crate::Store::retry`], a runtime `load` or a
+    /// `reload_in_place` end it early.
     Failed(Arc<Error>),
 }
 

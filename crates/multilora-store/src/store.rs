@@ -1,17 +1,18 @@
 //! `Store`: the registry and the two tiers behind one lock, the loader pool, and the per-step
 //! calls the engine makes (request, pin, activate, release). Lifecycle calls are in `lifecycle.rs`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lru::LruCache;
 use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, SlotSink};
 use multilora_types::SlotId;
 use parking_lot::{Condvar, Mutex};
 
+use crate::backoff::Failure;
 use crate::config::StoreConfig;
 use crate::cpu_tier::CpuTier;
 use crate::error::{Error, Result};
@@ -22,10 +23,12 @@ use crate::registry::{AdapterInfo, LoadState, Registry, validate_name};
 use crate::resolver::Resolver;
 use crate::slots::{AllPinned, Placement, SlotTable};
 use crate::status::{AdapterStatus, LoadEvent};
+use crate::waiting::Waiting;
 use multilora_types::{AdapterGen, AdapterId};
 
-/// How many failed resolutions of unknown names are remembered (so waiters see the failure)
-/// before the oldest is forgotten; bounded because the names come from clients.
+/// How many failed resolutions of unknown names are remembered (so waiters see the failure, and
+/// the name is asked again only after its back-off) before the oldest is forgotten; bounded
+/// because the names come from clients.
 const RESOLVE_FAILURES_KEPT: usize = 1024;
 
 /// The tiered adapter store. `Send + Sync`: the engine loop, HTTP handlers and the loader threads
@@ -57,7 +60,9 @@ pub(crate) struct Inner {
     pub(crate) counters: Counters,
     /// Unknown names being resolved, with their job's ticket.
     pub(crate) resolving: HashMap<String, u64>,
-    pub(crate) resolve_failures: LruCache<String, Arc<Error>>,
+    pub(crate) resolve_failures: LruCache<String, Failure>,
+    /// Finished background loads waiting for a CPU entry to unpin, oldest first.
+    pub(crate) waiting: VecDeque<Waiting>,
     pub(crate) events: Vec<LoadEvent>,
     pub(crate) next_ticket: u64,
     pub(crate) loading: usize,
@@ -140,6 +145,7 @@ impl StoreBuilder {
             counters: Counters::default(),
             resolving: HashMap::new(),
             resolve_failures: LruCache::new(NonZeroUsize::new(RESOLVE_FAILURES_KEPT).unwrap_or(NonZeroUsize::MIN)),
+            waiting: VecDeque::new(),
             events: Vec::new(),
             next_ticket: 0,
             loading: 0,
@@ -202,8 +208,10 @@ impl Store {
     }
 
     /// Where `name` stands, returning at once: `Ready` (in the CPU tier), `Loading` (a load is
-    /// queued; one per adapter however many ask), or `Failed`. An unknown name is asked of the
-    /// resolvers when runtime updates are on, and is otherwise [`Error::UnknownAdapter`].
+    /// queued, running, or waiting for a CPU entry to unpin; one per adapter however many ask),
+    /// or `Failed` (the last load failed, within its back-off; after it, this call loads again
+    /// and answers `Loading`). An unknown name is asked of the resolvers when runtime updates are
+    /// on, and is otherwise [`Error::UnknownAdapter`].
     pub fn request(&self, name: &str) -> Result<AdapterStatus> {
         self.request_inner(name, Count { hit: true, miss: true })
     }
@@ -244,9 +252,12 @@ impl Store {
                         return Err(Error::UnknownAdapter { name: name.to_string() });
                     };
                     match &entry.state {
-                        LoadState::Failed(e) => return Ok(AdapterStatus::Failed(Arc::clone(e))),
+                        LoadState::Failed(f) if f.backing_off(Instant::now()) => {
+                            return Ok(AdapterStatus::Failed(Arc::clone(&f.error)));
+                        }
                         LoadState::Loading(_) => return Ok(AdapterStatus::Loading),
-                        LoadState::Idle => {}
+                        // The back-off is over: load again.
+                        LoadState::Failed(_) | LoadState::Idle => {}
                     }
                     entry.state = LoadState::Loading(ticket);
                     let source = entry.info.source.clone();
@@ -258,11 +269,15 @@ impl Store {
                     if !self.shared.config.allow_runtime_updates || self.shared.resolvers.is_empty() {
                         return Err(Error::UnknownAdapter { name: name.to_string() });
                     }
-                    if let Some(e) = inner.resolve_failures.get(name) {
-                        return Ok(AdapterStatus::Failed(Arc::clone(e)));
-                    }
                     if inner.resolving.contains_key(name) {
                         return Ok(AdapterStatus::Loading);
+                    }
+                    // A failure is kept after its back-off, while the name is asked again, so
+                    // that the next failure's back-off doubles.
+                    if let Some(f) = inner.resolve_failures.get(name)
+                        && f.backing_off(Instant::now())
+                    {
+                        return Ok(AdapterStatus::Failed(Arc::clone(&f.error)));
                     }
                     let ticket = inner.next_ticket;
                     inner.resolving.insert(name.to_string(), ticket);
@@ -279,7 +294,8 @@ impl Store {
         }
     }
 
-    /// Forgets a sticky failure of `name`, so that the next `request` loads it again.
+    /// Forgets a failure of `name` before its back-off ends, so that the next `request` loads
+    /// it again at once.
     pub fn retry(&self, name: &str) {
         let mut inner = self.shared.state.lock();
         inner.resolve_failures.pop(name);
@@ -362,6 +378,9 @@ impl Store {
         if let Some(entry) = inner.registry.get_mut(id) {
             entry.info.operator_pinned = false;
         }
+        // Its entry may be unpinned now: a load waiting for room may go in.
+        let events = inner.admit_waiting();
+        self.shared.publish(guard, events);
         Ok(())
     }
 
@@ -442,6 +461,8 @@ impl Store {
             },
             pinned_slots: inner.slots.pinned_slots(),
             loading: inner.loading,
+            waiting_for_capacity: inner.waiting.len(),
+            capacity_waits: c.capacity_waits,
             events_pending: inner.events.len(),
             loads: c.loads,
             load_time: c.load_time.clone(),

@@ -4,6 +4,7 @@
 mod common;
 
 use std::sync::{Arc, Barrier, mpsc};
+use std::time::Duration;
 
 use common::wait_ready;
 use common::{BlockingLoader, CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_for};
@@ -98,7 +99,11 @@ fn concurrent_requests_load_once() -> anyhow::Result<()> {
 #[test]
 fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> {
     let loader = CountingLoader::default();
-    let config = StoreConfig::new("base", fixture_shapes()).lora(LoraLimits::slots(1)).max_cpu_loras(2);
+    // A back-off no test outlives: every later request is answered from memory.
+    let config = StoreConfig::new("base", fixture_shapes())
+        .lora(LoraLimits::slots(1))
+        .max_cpu_loras(2)
+        .load_retry_backoff(Duration::from_secs(3600));
     let store = Store::builder(config).loader(loader.clone()).startup("good", fixture("adapters/qv_r8")).build()?;
     store.register("bad", fixture("invalid_adapters/shape_mismatch"))?;
     // Three requests wait on "bad" before its load finishes (or find it failed already).
@@ -110,7 +115,7 @@ fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> 
     for status in first {
         assert!(matches!(status, AdapterStatus::Loading | AdapterStatus::Failed(_)));
     }
-    // Every later waiter sees the same error, without another load.
+    // Every later waiter within the back-off sees the same error, without another load.
     for _ in 0..3 {
         match store.request("bad")? {
             AdapterStatus::Failed(e) => assert!(Arc::ptr_eq(&e, &error)),
@@ -263,7 +268,8 @@ fn resolvers_provide_unknown_names_in_order() -> anyhow::Result<()> {
         .lora(LoraLimits::slots(1))
         .max_cpu_loras(2)
         .allow_runtime_updates(true)
-        .allowed_root(&root);
+        .allowed_root(&root)
+        .load_retry_backoff(Duration::from_secs(3600));
     let loader = CountingLoader::default();
     let store = Store::builder(config)
         .loader(loader.clone())
