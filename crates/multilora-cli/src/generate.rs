@@ -5,7 +5,8 @@
 //! Input policy: an unreadable file, a line that is not JSON, or a line that is not an object
 //! stops the command (exit 2) before the engine is built, naming the line; an object with a bad
 //! field (wrong type, unknown name, neither or both of `input_ids` / `prompt`) gets an
-//! `invalid_request` error line and the other requests still run.
+//! `invalid_request` error line and the other requests still run. Exit status 1 when any request
+//! failed for an internal reason (the engine failed, …), after every line is written.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -120,6 +121,7 @@ pub(crate) fn run(a: GenerateArgs) -> Result<(), Failure> {
     }
 
     let mut w = BufWriter::new(file);
+    let mut internal = 0usize;
     for p in pending {
         let line = match p {
             Err(line) => line,
@@ -128,11 +130,22 @@ pub(crate) fn run(a: GenerateArgs) -> Result<(), Failure> {
                 Err(e) => error_line(&id, contract_kind(&e), &e.to_string()),
             },
         };
+        if line.pointer("/error/kind").and_then(Value::as_str) == Some("internal") {
+            internal += 1;
+        }
         bar.inc(1);
         writeln!(w, "{line}").with_context(|| format!("writing {}", a.output.display()))?;
     }
     w.flush().with_context(|| format!("writing {}", a.output.display()))?;
     bar.finish_and_clear();
     engine.shutdown();
+    // Every line is written; a request that failed for the engine's own reason (not its input)
+    // still makes the run a failure, so a script does not take a broken run for a good one.
+    if internal > 0 {
+        return Err(Failure::from(anyhow!(
+            "{internal} request(s) failed for an internal reason (their error lines are in {})",
+            a.output.display()
+        )));
+    }
     Ok(())
 }

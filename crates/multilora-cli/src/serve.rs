@@ -1,5 +1,7 @@
 //! `multilora serve`: the OpenAI-compatible server (crate `multilora-server`) over an engine built
-//! from vLLM-named flags, until SIGINT or SIGTERM; exits 0 after a graceful shutdown.
+//! from vLLM-named flags, until SIGINT or SIGTERM; exits 0 after a graceful shutdown. If the
+//! engine fails (its loop panicked) the server shuts down as on a signal (in-flight requests have
+//! already failed) and exits 1, so a supervisor restarts it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,7 +9,8 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use clap::Args;
-use multilora_server::{ChatTemplate, ServerConfig};
+use multilora::LoopState;
+use multilora_server::{ChatTemplate, ServeOptions, ServerConfig};
 
 use crate::Failure;
 use crate::engine_args::EngineArgs;
@@ -42,6 +45,42 @@ pub(crate) struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub(crate) shutdown_grace_secs: u64,
+    /// Require the API key on /metrics too.
+    #[arg(long)]
+    pub(crate) metrics_need_api_key: bool,
+    /// Most completions (prompts × n) one request may ask for (more is a 400).
+    #[arg(long, default_value_t = multilora_server::DEFAULT_MAX_CHOICES_PER_REQUEST)]
+    pub(crate) max_choices_per_request: usize,
+    /// Most HTTP requests handled at once across all routes (more get 503).
+    #[arg(long, default_value_t = multilora_server::DEFAULT_MAX_CONCURRENT_REQUESTS)]
+    pub(crate) max_concurrent_requests: usize,
+    /// Most open connections (more are closed as they arrive).
+    #[arg(long, default_value_t = multilora_server::DEFAULT_MAX_CONNECTIONS)]
+    pub(crate) max_connections: usize,
+    /// Seconds a client has to send a request's headers.
+    #[arg(long, default_value_t = multilora_server::DEFAULT_HEADER_READ_TIMEOUT.as_secs_f64())]
+    pub(crate) header_read_timeout: f64,
+    /// Seconds without a sign of life from the engine loop before /health answers 503.
+    #[arg(long, default_value_t = multilora_server::DEFAULT_HEALTH_STALL_TIMEOUT.as_secs_f64())]
+    pub(crate) health_stall_timeout: f64,
+}
+
+/// A duration flag in seconds: finite and positive.
+fn seconds(flag: &str, v: f64) -> Result<Duration, Failure> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| Failure::input(anyhow!("--{flag} must be a positive number of seconds, got {v}")))
+}
+
+/// Resolves once the engine has failed (polled: the engine publishes its state).
+async fn engine_failed(engine: multilora::EngineHandle) {
+    loop {
+        if let LoopState::Failed { .. } = engine.health().state {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// vLLM's switch: `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set to `True` / `1`.
@@ -73,7 +112,14 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         }
         b
     })?;
-    let mut config = ServerConfig::default().max_waiting_requests(a.max_waiting_requests);
+    let header_read_timeout = seconds("header-read-timeout", a.header_read_timeout)?;
+    let stall = seconds("health-stall-timeout", a.health_stall_timeout)?;
+    let mut config = ServerConfig::default()
+        .max_waiting_requests(a.max_waiting_requests)
+        .max_choices_per_request(a.max_choices_per_request)
+        .max_concurrent_requests(a.max_concurrent_requests)
+        .health_stall_timeout(stall)
+        .metrics_need_key(a.metrics_need_api_key);
     if let Some(key) = &a.api_key {
         config = config.api_key(key.clone());
     }
@@ -88,16 +134,31 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         .thread_name("multilora-http")
         .build()
         .context("starting the async runtime")?;
-    let grace = Duration::from_secs(a.shutdown_grace_secs);
+    let options = ServeOptions::default()
+        .grace(Duration::from_secs(a.shutdown_grace_secs))
+        .header_read_timeout(header_read_timeout)
+        .max_connections(a.max_connections);
+    let handle = engine.handle();
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
         tracing::info!(address = %local, "serving");
         eprintln!("multilora serving {} on http://{local}", engine.config().served_model_name);
-        multilora_server::serve(listener, app, multilora_server::shutdown_signal(), grace).await.context("serving")
+        let failed = engine_failed(handle.clone());
+        let stop = async move {
+            tokio::select! {
+                () = multilora_server::shutdown_signal() => {}
+                () = failed => tracing::error!("the engine failed: shutting the server down"),
+            }
+        };
+        multilora_server::serve_with(listener, app, stop, options).await.context("serving")
     })?;
     runtime.shutdown_timeout(Duration::from_secs(1));
+    let state = handle.health().state;
     engine.shutdown();
+    if let LoopState::Failed { reason } = state {
+        return Err(Failure::from(anyhow!("the engine failed: {reason}")));
+    }
     eprintln!("multilora stopped");
     Ok(())
 }

@@ -327,3 +327,34 @@ fn demo_builds_once_and_shows_the_contrast() {
     assert!(out.status.success());
     assert_eq!(std::fs::read(other.path().join("v2/model.safetensors")).unwrap(), model);
 }
+
+/// A run whose requests failed for the engine's own reason (its loop panicked: the fail point,
+/// set through FAILPOINTS) writes every error line and exits 1, not 0.
+#[test]
+fn generate_exits_non_zero_when_the_engine_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    let output = dir.path().join("out.jsonl");
+    std::fs::write(
+        &input,
+        "{\"id\": 1, \"input_ids\": [1, 2, 3], \"max_tokens\": 2}\n{\"id\": 2, \"prompt\": \"hi\"}\n",
+    )
+    .unwrap();
+    let base = fixtures().join("base");
+    let out = Command::new(env!("CARGO_BIN_EXE_multilora"))
+        .args(["generate", "--model", base.to_str().unwrap(), "--input", input.to_str().unwrap()])
+        .args(["--output", output.to_str().unwrap()])
+        .env("FAILPOINTS", "engine-step=panic(injected)")
+        .output()
+        .expect("run multilora");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("internal reason"), "{stderr}");
+    let lines: Vec<Value> =
+        std::fs::read_to_string(&output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "every line is written");
+    for l in &lines {
+        assert_eq!(l["error"]["kind"], "internal", "{l}");
+        assert!(l["error"]["message"].as_str().unwrap().contains("injected"), "{l}");
+    }
+}

@@ -169,3 +169,23 @@ fn vllm_env_switch_enables_the_adapter_routes() {
     assert!(resp.starts_with("HTTP/1.1 404") && resp.contains("model_not_found"), "the route answers: {resp}");
     assert_eq!(on.terminate().code(), Some(0));
 }
+
+/// The engine loop panics (its fail point, set through FAILPOINTS for the binary under test):
+/// the request gets 503 `engine_failed`, and `multilora serve` shuts down by itself and exits
+/// 1 so that a supervisor restarts it.
+#[test]
+fn a_failed_engine_makes_serve_exit_non_zero() {
+    let mut s = serve_with_env(&["--shutdown-grace-secs", "1"], &[("FAILPOINTS", "engine-step=panic(injected)")]);
+    let body = r#"{"model": "base", "prompt": "hi", "max_tokens": 4}"#;
+    let resp = post(&s.url, "/v1/completions", body);
+    assert!(resp.starts_with("HTTP/1.1 503") && resp.contains("engine_failed"), "{resp}");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = s.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "serve still runs 30 s after its engine failed");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}

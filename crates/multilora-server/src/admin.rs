@@ -6,20 +6,34 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use multilora::{EngineError, EngineHandle, Tier};
+use multilora::{EngineError, EngineHandle, LoopState, Tier};
 use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::protocol::{LoadLoraRequest, UnloadLoraRequest, parse_body};
 use crate::state::AppState;
 
-/// `GET /health`: 200 while the engine loop runs, 503 once it has stopped.
-pub(crate) async fn health(State(state): State<AppState>) -> StatusCode {
-    let engine = state.engine.clone();
-    match blocking(move || Ok(engine.is_running())).await {
-        Ok(true) => StatusCode::OK,
-        _ => StatusCode::SERVICE_UNAVAILABLE,
+/// `GET /health`: 200 while the engine loop runs and has shown a sign of life within the stall
+/// timeout; else 503 with the reason (failed, shut down, or not alive for how long). Read from
+/// what the loop publishes, so it answers at once even when the loop is stuck.
+pub(crate) async fn health(State(state): State<AppState>) -> Response {
+    let h = state.engine.health();
+    let timeout = state.config.health_stall_timeout;
+    if h.is_healthy(timeout) {
+        return StatusCode::OK.into_response();
     }
+    let message = match &h.state {
+        LoopState::Failed { reason } => format!("the engine failed: {reason}"),
+        LoopState::Running => format!(
+            "the engine loop has shown no sign of life for {:.1} s (stall timeout {:.1} s)",
+            h.since_heartbeat.as_secs_f64(),
+            timeout.as_secs_f64()
+        ),
+        _ => "the engine has shut down".to_string(),
+    };
+    let body =
+        json!({"error": {"message": message, "type": "server_error", "param": null, "code": "engine_unhealthy"}});
+    (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
 }
 
 /// The name of a tier in API bodies and metric labels.

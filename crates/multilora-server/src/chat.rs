@@ -32,10 +32,11 @@ pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes)
     let text = template.render(&messages, req.add_generation_prompt.unwrap_or(true), &req.chat_template_kwargs)?;
     let ids = state.engine.tokenize(&text, false)?;
     let n = req.sampling.n()?;
+    let admission = state.admit(n)?;
     let logprobs = req.logprobs()?;
     let params = req.sampling.params(req.max_completion_tokens, logprobs)?;
     let requests = fan_out(&req.model, vec![Prompt::Tokens(ids)], &params, n);
-    let started = generation::start(&state, requests, n).await?;
+    let started = generation::start(&state, admission, requests, n).await?;
     let meta = Meta { id: state.response_id("chatcmpl"), created: unix_now(), model: req.model.clone() };
     let names = TokenNames::new(&state.engine, req.sampling.return_tokens_as_token_ids);
     let render = ChatRender { meta, names, logprobs: logprobs.is_some() };

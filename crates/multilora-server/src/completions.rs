@@ -20,11 +20,13 @@ pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> R
     let req = CompletionRequest::parse(&body)?;
     let prompts = req.prompts()?;
     let n = req.sampling.n()?;
+    // Counted before the n copies of every prompt are built.
+    let admission = state.admit(prompts.len().saturating_mul(n))?;
     // OpenAI's and vLLM's default for completions: 16 tokens, not the rest of the context.
     let max_tokens = req.sampling.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     let params = req.sampling.params(Some(max_tokens), req.logprobs)?;
     let requests = fan_out(&req.model, prompts, &params, n);
-    let started = generation::start(&state, requests, n).await?;
+    let started = generation::start(&state, admission, requests, n).await?;
     let meta = Meta { id: state.response_id("cmpl"), created: unix_now(), model: req.model.clone() };
     let names = TokenNames::new(&state.engine, req.sampling.return_tokens_as_token_ids);
     let render = CompletionRender { meta, names, logprobs: req.logprobs.is_some(), offsets: Vec::new() };

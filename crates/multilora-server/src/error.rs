@@ -35,6 +35,18 @@ pub enum Error {
         /// The bound.
         limit: usize,
     },
+    /// Too many HTTP requests at once on the server's routes (its concurrency limit).
+    #[error("server busy: {limit} requests are being handled; retry later")]
+    Busy {
+        /// The concurrency limit.
+        limit: usize,
+    },
+    /// A handler panicked (a bug); the server goes on.
+    #[error("internal error: the request's handler panicked: {message}")]
+    Panicked {
+        /// The panic's message.
+        message: String,
+    },
     /// The model has no chat template and none was given with `--chat-template`.
     #[error(
         "model {model:?} has no chat template (tokenizer_config.json has no chat_template); \
@@ -90,6 +102,8 @@ impl Error {
             Error::BadRequest { .. } | Error::NoChatTemplate { .. } | Error::Template(_) => StatusCode::BAD_REQUEST,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
             Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Panicked { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             // Exhaustive (no `_`): a new engine error is a compile error here, not a silent 500.
             Error::Engine(e) => match e {
                 EngineError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
@@ -98,7 +112,7 @@ impl Error {
                 | EngineError::Adapter { .. }
                 | EngineError::AdapterTargets { .. } => StatusCode::BAD_REQUEST,
                 EngineError::RuntimeUpdatesDisabled => StatusCode::FORBIDDEN,
-                EngineError::Shutdown => StatusCode::SERVICE_UNAVAILABLE,
+                EngineError::Shutdown | EngineError::EngineFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
                 EngineError::LoraOff { .. }
                 | EngineError::GpuMemoryUtilization { .. }
                 | EngineError::Limits(_)
@@ -122,6 +136,8 @@ impl Error {
             Error::BadRequest { .. } => "invalid_request",
             Error::Unauthorized => "invalid_api_key",
             Error::Overloaded { .. } => "rate_limit_exceeded",
+            Error::Busy { .. } => "server_busy",
+            Error::Panicked { .. } => "internal",
             Error::NoChatTemplate { .. } => "no_chat_template",
             Error::Template(_) => "chat_template_error",
             Error::Engine(e) => e.kind(),

@@ -54,12 +54,16 @@ pub(crate) struct Started {
     n: usize,
 }
 
-/// Admits and submits `requests`: a request the engine refuses (unknown model, prompt too long,
-/// bad parameters) fails the whole HTTP request, and the others are cancelled by being dropped.
-/// For a request whose adapter was still loading, its first event is awaited, so that a failed
-/// load fails the HTTP request the same way.
-pub(crate) async fn start(state: &AppState, requests: Vec<GenerateRequest>, n: usize) -> Result<Started> {
-    let admission = state.admit(requests.len())?;
+/// Submits `requests`, admitted (counted) before they were built: a request the engine refuses
+/// (unknown model, prompt too long, bad parameters) fails the whole HTTP request, and the others
+/// are cancelled by being dropped. For a request whose adapter was still loading, its first
+/// event is awaited, so that a failed load fails the HTTP request the same way.
+pub(crate) async fn start(
+    state: &AppState,
+    admission: Admission,
+    requests: Vec<GenerateRequest>,
+    n: usize,
+) -> Result<Started> {
     let mut streams = Vec::with_capacity(requests.len());
     for r in requests {
         streams.push(state.engine.submit(r)?);
@@ -168,6 +172,7 @@ impl Started {
             include_usage,
             done: false,
             failed: vec![false; n_choices],
+            ended: vec![false; n_choices],
             _admission: self.admission,
         };
         let body = stream::unfold(state, |mut st| async move {
@@ -206,6 +211,8 @@ struct SseState<R> {
     include_usage: bool,
     done: bool,
     failed: Vec<bool>,
+    /// Choices whose stream ended with `Finished` or an error.
+    ended: Vec<bool>,
     _admission: Admission,
 }
 
@@ -222,6 +229,13 @@ impl<R: Render> SseState<R> {
             match self.events.next().await {
                 Some((i, ev)) => self.on_event(i, ev),
                 None => {
+                    // A stream that ended without a finish or an error (the engine went away)
+                    // must not look like a normal end: it gets an error event.
+                    if let Some(i) = self.ended.iter().position(|&e| !e) {
+                        self.ended[i] = true;
+                        self.pending.push_back(Error::Engine(EngineError::Shutdown).body().to_string());
+                        continue;
+                    }
                     if self.include_usage {
                         let usage = usage_json(self.prompt_tokens.iter().sum(), self.completion_tokens);
                         self.pending.push_back(self.render.usage(usage).to_string());
@@ -243,6 +257,7 @@ impl<R: Render> SseState<R> {
                 self.pending.push_back(self.render.token(i, &token).to_string());
             }
             Event::Finished { reason, usage } => {
+                self.ended[i] = true;
                 self.prompt_tokens[i / self.n] = usage.prompt_tokens;
                 self.completion_tokens += usage.completion_tokens;
                 if !self.failed[i] {
@@ -252,6 +267,7 @@ impl<R: Render> SseState<R> {
             Event::Error(e) => {
                 // Headers are sent: the failure travels as an error event, as vLLM sends it.
                 self.failed[i] = true;
+                self.ended[i] = true;
                 self.pending.push_back(Error::Engine(e).body().to_string());
             }
             _ => {}

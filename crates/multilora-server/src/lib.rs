@@ -25,7 +25,16 @@
 //!   choice whose adapter is still loading is awaited to its first event, so a failed load is an
 //!   HTTP error too, not a stream that fails.
 //! - Dropping a response (a client that disconnects) cancels its engine requests.
-//! - More than `max_num_seqs + max_waiting_requests` engine requests in flight get 429.
+//! - More than `max_num_seqs + max_waiting_requests` engine requests in flight get 429, counted
+//!   (prompts × `n`) before any is built; more than `max_choices_per_request` in one HTTP
+//!   request is a 400.
+//! - Fields that would change the output if honoured (tools, `response_format`, guided decoding,
+//!   beam search, …) are refused with a 400 naming them, not ignored.
+//! - Hardening: every route shares one concurrency limit (503 beyond it), a panicking handler
+//!   answers 500 and the server goes on, the API key is compared in constant time, and
+//!   [`serve_with`] drops clients that do not send their request head within a timeout.
+//! - `/health` and `/metrics` read what the engine loop publishes, never waiting on it: a
+//!   failed, stopped or stalled loop is a 503 and `multilora_engine_up 0`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -37,23 +46,30 @@ mod error;
 mod generation;
 mod metrics;
 mod protocol;
+mod serve;
 mod state;
 mod template;
 
-use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::any::Any;
 
 use axum::Router;
+use axum::error_handling::HandleErrorLayer;
 use axum::extract::{Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use multilora::EngineHandle;
+use tower::ServiceBuilder;
+use tower::limit::GlobalConcurrencyLimitLayer;
+use tower_http::catch_panic::CatchPanicLayer;
 
-pub use config::{DEFAULT_MAX_WAITING_REQUESTS, ServerConfig};
+pub use config::{
+    DEFAULT_HEALTH_STALL_TIMEOUT, DEFAULT_MAX_CHOICES_PER_REQUEST, DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_WAITING_REQUESTS, ServerConfig,
+};
 pub use error::{Error, Result};
+pub use serve::{DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ServeOptions, serve, serve_with};
 pub use template::ChatTemplate;
 
 use crate::state::AppState;
@@ -77,51 +93,58 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Result<Router> {
             .route("/v1/unload_lora_adapter", post(admin::unload_lora));
     }
     let v1 = v1.route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
-    Ok(Router::new()
-        .route("/health", get(admin::health))
-        .route("/metrics", get(metrics::metrics))
-        .merge(v1)
-        .with_state(state))
+    let mut metrics_route = Router::new().route("/metrics", get(metrics::metrics));
+    if state.config.metrics_need_key {
+        metrics_route = metrics_route.route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    }
+    let limit = state.config.max_concurrent_requests;
+    let routes = Router::new().route("/health", get(admin::health)).merge(metrics_route).merge(v1).with_state(state);
+    Ok(harden(routes, limit))
 }
 
-/// `Authorization: Bearer <key>` on `/v1/*` when an API key is set.
+/// What [`router`] puts around its routes, for an embedder's own routes too: one concurrency
+/// limit shared by every route (`limit` requests handled at once; more are answered 503
+/// `server_busy` at once, not queued), and a panicking handler answered 500 while the server
+/// goes on.
+pub fn harden(routes: Router, limit: usize) -> Router {
+    routes.layer(
+        ServiceBuilder::new()
+            .layer(CatchPanicLayer::custom(panic_response))
+            .layer(HandleErrorLayer::new(
+                move |_: tower::BoxError| async move { Error::Busy { limit }.into_response() },
+            ))
+            .load_shed()
+            .layer(GlobalConcurrencyLimitLayer::new(limit)),
+    )
+}
+
+/// A handler that panicked answers 500 in the API's error shape; the server goes on.
+fn panic_response(payload: Box<dyn Any + Send + 'static>) -> Response {
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string());
+    Error::Panicked { message }.into_response()
+}
+
+/// `Authorization: Bearer <key>` when an API key is set (on `/v1/*`, and `/metrics` if asked).
+/// Both sides are hashed and the digests compared in constant time, so neither the key's bytes
+/// nor its length can be learned from timing.
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
-        let given =
-            req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
+        let given = req
+            .headers()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        // blake3's `Hash` compares in constant time.
+        if blake3::hash(given.as_bytes()) != blake3::hash(key.as_bytes()) {
             return Error::Unauthorized.into_response();
         }
     }
     next.run(req).await
-}
-
-/// Serves `app` on `listener` until `shutdown` resolves; then stops accepting, lets in-flight
-/// responses finish for up to `grace`, and returns (responses still open are dropped, which
-/// cancels their requests).
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-    grace: Duration,
-) -> std::io::Result<()> {
-    let stopping = Arc::new(tokio::sync::Notify::new());
-    let notify = Arc::clone(&stopping);
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        shutdown.await;
-        tracing::info!(
-            grace_s = grace.as_secs_f64(),
-            "shutting down: no new connections, finishing in-flight requests"
-        );
-        notify.notify_one();
-    });
-    tokio::select! {
-        r = server => r,
-        () = async { stopping.notified().await; tokio::time::sleep(grace).await } => {
-            tracing::warn!("grace period over: cancelling the requests still in flight");
-            Ok(())
-        }
-    }
 }
 
 /// Resolves on SIGINT (Ctrl-C) or, on Unix, SIGTERM.
@@ -145,5 +168,81 @@ pub async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {}
         () = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use tower::ServiceExt;
+
+    use super::*;
+
+    async fn call(app: &Router, uri: &str) -> (StatusCode, String) {
+        let resp = app.clone().oneshot(Request::get(uri).body(Body::empty()).expect("request")).await.expect("call");
+        let status = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.expect("body");
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn a_panicking_handler_is_a_500_and_the_server_goes_on() {
+        let routes = Router::new()
+            .route(
+                "/boom",
+                get(|| async {
+                    if std::hint::black_box(true) {
+                        panic!("handler bug");
+                    }
+                    "unreachable"
+                }),
+            )
+            .route("/ok", get(|| async { "fine" }));
+        let app = harden(routes, 8);
+        let (status, body) = call(&app, "/boom").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(body.contains("handler bug") && body.contains("\"code\":\"internal\""), "{body}");
+        assert_eq!(call(&app, "/ok").await, (StatusCode::OK, "fine".to_string()));
+    }
+
+    #[tokio::test]
+    async fn beyond_the_concurrency_limit_requests_get_503_at_once() {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let wait = Arc::clone(&gate);
+        let routes = Router::new()
+            .route(
+                "/slow",
+                get(move || {
+                    let wait = Arc::clone(&wait);
+                    async move {
+                        wait.notified().await;
+                        "slow"
+                    }
+                }),
+            )
+            .route("/ok", get(|| async { "fine" }));
+        let app = harden(routes, 1);
+        let slow = tokio::spawn({
+            let app = app.clone();
+            async move { call(&app, "/slow").await }
+        });
+        // Until the slow request holds the one permit, /ok may still get through.
+        let mut busy = None;
+        for _ in 0..200 {
+            let (status, body) = call(&app, "/ok").await;
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                busy = Some(body);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let body = busy.expect("a request beyond the limit got 503");
+        assert!(body.contains("server_busy"), "{body}");
+        gate.notify_one();
+        assert_eq!(slow.await.expect("slow request").0, StatusCode::OK);
+        assert_eq!(call(&app, "/ok").await.0, StatusCode::OK);
     }
 }

@@ -4,6 +4,7 @@
 //! `vllm:lora_requests_info` work unchanged; this engine's own metrics are `multilora_*`.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
@@ -24,9 +25,13 @@ const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset
 
 pub(crate) async fn metrics(State(state): State<AppState>) -> Result<Response> {
     let engine = state.engine.clone();
-    let (metrics, models) = blocking(move || Ok((engine.metrics(), engine.models()))).await?;
+    let models = blocking(move || Ok(engine.models())).await?;
+    let health = state.engine.health();
+    let up = health.is_healthy(state.config.health_stall_timeout);
+    let metrics = state.engine.published_metrics();
     let model_name = state.engine.config().served_model_name.clone();
-    let text = render(Snapshot { metrics, models, model_name }).map_err(Error::Metrics)?;
+    let heartbeat_age = health.since_heartbeat.as_secs_f64();
+    let text = render(Snapshot { metrics, models, model_name, up, heartbeat_age }).map_err(Error::Metrics)?;
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response())
 }
 
@@ -41,12 +46,23 @@ fn render(snapshot: Snapshot) -> std::result::Result<String, fmt::Error> {
 
 #[derive(Debug)]
 struct Snapshot {
-    metrics: MetricsSnapshot,
+    metrics: Arc<MetricsSnapshot>,
     models: Vec<ModelInfo>,
     model_name: String,
+    /// The engine loop runs and is alive.
+    up: bool,
+    /// Seconds since its last sign of life.
+    heartbeat_age: f64,
 }
 
 type Labels = Vec<(String, String)>;
+
+/// `labels` plus `k="v"`.
+fn with_label(labels: &Labels, k: &str, v: &str) -> Labels {
+    let mut l = labels.clone();
+    l.push((k.to_string(), esc(v)));
+    l
+}
 
 /// A label value with `\`, `"` and newlines escaped, as the text format wants.
 fn esc(s: &str) -> String {
@@ -104,11 +120,31 @@ impl Collector for Snapshot {
     fn encode(&self, mut e: DescriptorEncoder) -> fmt::Result {
         let m = &self.metrics;
         let model: Labels = vec![("model_name".into(), esc(&self.model_name))];
-        let with = |k: &str, v: &str| -> Labels {
-            let mut l = model.clone();
-            l.push((k.to_string(), esc(v)));
-            l
-        };
+        gauge(
+            &mut e,
+            "multilora_engine_up",
+            "1 while the engine loop runs and is alive; 0 once it failed, stopped or stalled.",
+            &[(model.clone(), u64::from(self.up))],
+        )?;
+        gauge(
+            &mut e,
+            "multilora_engine_heartbeat_age_seconds",
+            "Seconds since the engine loop last showed a sign of life.",
+            &[(model.clone(), self.heartbeat_age)],
+        )?;
+        if !self.up {
+            // Only what stays true of a dead loop: the cumulative counts.
+            let finished: Vec<(Labels, u64)> = m
+                .requests_finished
+                .iter()
+                .map(|(reason, n)| (with_label(&model, "finished_reason", reason), *n))
+                .collect();
+            counter(&mut e, "vllm:request_success", "Count of finished requests by finish reason.", &finished)?;
+            let errors: Vec<(Labels, u64)> =
+                m.request_errors.iter().map(|(k, n)| (vec![("kind".to_string(), esc(k))], *n)).collect();
+            return counter(&mut e, "multilora_request_errors", "Failed requests by error kind.", &errors);
+        }
+        let with = |k: &str, v: &str| with_label(&model, k, v);
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         let info = vec![
             ("max_lora".to_string(), m.max_lora.to_string()),

@@ -1,6 +1,8 @@
 //! Request bodies of the OpenAI endpoints (with vLLM's extra sampling fields) and their
 //! translation into engine requests. Bodies are parsed with `serde_path_to_error`, so a bad field
-//! is named in the 400; unknown fields are ignored, as OpenAI's clients send some we do not use.
+//! is named in the 400. Unknown fields are ignored, as OpenAI's clients send some we do not use,
+//! except those that would change the output if honoured (tools, structured outputs, beam
+//! search, …): those are refused by name rather than silently dropped.
 
 use std::collections::BTreeMap;
 
@@ -39,7 +41,55 @@ pub(crate) fn from_value<'a, T: Deserialize<'a>>(v: &'a Value) -> Result<T> {
 /// would hide the failing field's name).
 pub(crate) fn parse_with_sampling<T: DeserializeOwned>(body: &[u8]) -> Result<(T, Sampling)> {
     let v = json_body(body)?;
+    refuse_unsupported(&v)?;
     Ok((from_value(&v)?, from_value(&v)?))
+}
+
+/// Fields that change what is generated, which this server does not implement: a request that
+/// sets one (to anything but its "off" value) is refused with a 400 naming it, as silently
+/// ignoring it would return an output the client did not ask for.
+const UNSUPPORTED: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "logits_processors",
+    "allowed_token_ids",
+    "bad_words",
+    "use_beam_search",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+    "prompt_embeds",
+    "continue_final_message",
+    "add_special_tokens",
+];
+
+/// Whether `value` of field `name` is its "off" value (absent, null, empty, false, or the
+/// setting that means "plain text": `tool_choice: "none"`/`"auto"` without tools,
+/// `response_format: {"type": "text"}`).
+fn is_off(name: &str, value: &Value) -> bool {
+    match value {
+        Value::Null | Value::Bool(false) => true,
+        Value::Array(a) => a.is_empty(),
+        Value::String(s) => matches!((name, s.as_str()), ("tool_choice" | "function_call", "none" | "auto")),
+        Value::Object(o) => name == "response_format" && o.get("type").and_then(Value::as_str) == Some("text"),
+        _ => false,
+    }
+}
+
+fn refuse_unsupported(body: &Value) -> Result<()> {
+    let Some(obj) = body.as_object() else { return Ok(()) };
+    match UNSUPPORTED.iter().find(|&&name| obj.get(name).is_some_and(|v| !is_off(name, v))) {
+        Some(name) => Err(Error::bad(*name, format!("{name} is not supported by this server"))),
+        None => Ok(()),
+    }
 }
 
 /// A string or a list of strings (`stop`).
@@ -347,6 +397,34 @@ mod tests {
         assert_eq!(seeds, vec![Some(9), Some(10)]);
         let bad = CompletionRequest::parse(br#"{"model": "m", "prompt": "a", "logit_bias": {"x": 1}}"#).unwrap();
         assert!(bad.sampling.params(None, None).is_err());
+    }
+
+    #[test]
+    fn fields_that_would_change_the_output_are_refused_by_name() {
+        for field in [
+            r#""tools": [{"type": "function", "function": {"name": "f"}}]"#,
+            r#""tool_choice": "required""#,
+            r#""response_format": {"type": "json_object"}"#,
+            r#""guided_json": {"type": "object"}"#,
+            r#""guided_choice": ["a", "b"]"#,
+            r#""use_beam_search": true"#,
+            r#""logits_processors": ["x"]"#,
+        ] {
+            let name = field.split('"').nth(1).unwrap();
+            let body = format!(r#"{{"model": "m", "messages": [], {field}}}"#);
+            let err = ChatRequest::parse(body.as_bytes()).unwrap_err();
+            assert!(matches!(&err, Error::BadRequest { param: Some(p), .. } if p == name), "{field}: {err:?}");
+        }
+        for off in [
+            r#""tools": []"#,
+            r#""tool_choice": "none""#,
+            r#""response_format": {"type": "text"}"#,
+            r#""use_beam_search": false"#,
+            r#""guided_json": null"#,
+        ] {
+            let body = format!(r#"{{"model": "m", "messages": [], {off}}}"#);
+            assert!(ChatRequest::parse(body.as_bytes()).is_ok(), "{off} is the off value");
+        }
     }
 
     #[test]

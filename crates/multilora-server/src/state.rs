@@ -41,8 +41,16 @@ impl AppState {
         self.engine.config().max_num_seqs.saturating_add(self.config.max_waiting_requests)
     }
 
-    /// Admits `n` engine requests, or answers 429.
+    /// Admits `n` engine requests, or answers 400 (more than one HTTP request may ask for) or
+    /// 429 (too many in flight). Called with the count alone, before any request is built.
     pub(crate) fn admit(&self, n: usize) -> Result<Admission> {
+        let cap = self.config.max_choices_per_request;
+        if n > cap {
+            return Err(Error::bad(
+                "n",
+                format!("{n} completions (prompts × n) in one request; at most {cap} (--max-choices-per-request)"),
+            ));
+        }
         let limit = self.limit();
         let before = self.in_flight.fetch_add(n, Ordering::AcqRel);
         let admission = Admission { counter: Arc::clone(&self.in_flight), n };

@@ -162,7 +162,8 @@ async fn metrics_carry_vllm_names_and_lora_labels() -> Result<()> {
     assert_eq!(resp.status(), 200);
     // The headers come at once; once its first token arrives, the request is running.
     assert!(resp.chunk().await?.is_some_and(|c| c.starts_with(b"data: ")));
-    let s = server.scrape().await?;
+    // The page is the snapshot the loop publishes (at most 20 ms old while it steps).
+    let s = server.scrape_until(|s| value(s, "vllm:num_requests_running", &[]) == 1.0).await?;
     let info = samples(&s, "vllm:lora_requests_info");
     assert_eq!(info.len(), 1);
     let label = |k: &str| info[0].0.get(k).cloned();

@@ -201,7 +201,7 @@ async fn a_disconnect_cancels_the_request_and_frees_everything() -> Result<()> {
         assert_eq!(resp.status(), 200);
         let first = resp.chunk().await?;
         assert!(first.is_some_and(|c| c.starts_with(b"data: ")));
-        let s = server.scrape().await?;
+        let s = server.scrape_until(|s| value(s, "vllm:num_requests_running", &[]) == 1.0).await?;
         assert_eq!(value(&s, "vllm:num_requests_running", &[]), 1.0);
         drop(resp);
         let s = server.wait_idle().await?;
@@ -269,7 +269,10 @@ async fn refusals_come_before_any_stream_byte_and_streams_start_at_once() -> Res
     let resp = server.client.post(&url).json(&body).send().await?;
     assert_eq!(resp.status(), 200);
     assert!(resp.headers()["content-type"].to_str()?.starts_with("text/event-stream"));
-    let s = server.scrape().await?;
+    let both = |s: &common::Scrape| {
+        value(s, "vllm:num_requests_running", &[]) + value(s, "vllm:num_requests_waiting", &[]) == 2.0
+    };
+    let s = server.scrape_until(both).await?;
     let (running, waiting) = (value(&s, "vllm:num_requests_running", &[]), value(&s, "vllm:num_requests_waiting", &[]));
     // Both requests are in the engine, at most the blocker runs: the stream's request still
     // waits, nothing of it computed, and its headers are here.

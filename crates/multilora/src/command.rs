@@ -12,6 +12,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::Result;
 use crate::metrics::MetricsSnapshot;
 use crate::request::{Event, SamplingParams};
+use crate::stop::StopStrings;
 
 /// What handles send to the loop.
 #[derive(Debug)]
@@ -60,6 +61,8 @@ pub(crate) struct Submission {
     pub(crate) model: String,
     pub(crate) prompt: Vec<u32>,
     pub(crate) params: SamplingParams,
+    /// `params.stop`, compiled.
+    pub(crate) stops: Option<StopStrings>,
     pub(crate) events: UnboundedSender<Event>,
     pub(crate) arrived: Instant,
 }

@@ -16,21 +16,22 @@ mod snapshot;
 mod step;
 
 use std::collections::{HashMap, VecDeque};
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use multilora_models::{KvCache, Model};
 use multilora_scheduler::{Request, Scheduler};
 use multilora_store::{AdapterStatus, LoadEvent, Store};
 use multilora_types::AdapterGen;
-use parking_lot::Mutex;
 use tokenizers::Tokenizer;
 
 use crate::command::{Command, EventCount, Submission};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
-use crate::metrics::{Counters, MetricsSnapshot};
+use crate::health::{HEARTBEAT, LoopState, PUBLISH_EVERY, Published, panic_message};
+use crate::metrics::Counters;
 use crate::request::{Event, FinishReason, Usage};
 use crate::step_cost::CostEstimator;
 use live::{Live, stop_ids};
@@ -46,7 +47,9 @@ pub(crate) struct EngineLoop {
     pub(crate) rx: Receiver<Command>,
     /// The store's events on their way down `rx`.
     events: EventCount,
-    pub(crate) last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+    /// State, heartbeat and snapshot for readers that must not wait on the loop.
+    published: Arc<Published>,
+    last_publish: Instant,
     pool: Arc<rayon::ThreadPool>,
     live: HashMap<u64, Live>,
     deferred: VecDeque<u64>,
@@ -66,7 +69,7 @@ impl EngineLoop {
         store: Arc<Store>,
         tokenizer: Option<Arc<Tokenizer>>,
         (rx, events): (Receiver<Command>, EventCount),
-        last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+        published: Arc<Published>,
         pool: rayon::ThreadPool,
     ) -> EngineLoop {
         EngineLoop {
@@ -79,7 +82,8 @@ impl EngineLoop {
             tokenizer,
             rx,
             events,
-            last_metrics,
+            published,
+            last_publish: Instant::now(),
             live: HashMap::new(),
             deferred: VecDeque::new(),
             counters: Counters::default(),
@@ -91,26 +95,48 @@ impl EngineLoop {
         }
     }
 
-    /// Runs until `Shutdown` (or every sender is gone).
+    /// Runs until `Shutdown` (or every sender is gone). A panic anywhere in the loop is caught:
+    /// the loop is then marked failed, every live request gets [`EngineError::EngineFailed`],
+    /// and the thread stays to answer what still arrives with the same error (so nothing waits
+    /// on a loop that is gone, and nothing ends looking like a normal finish).
     pub(crate) fn run(mut self) {
+        match panic::catch_unwind(AssertUnwindSafe(|| self.serve())) {
+            Ok(()) => {
+                self.shutdown();
+                self.published.set_state(LoopState::Stopped);
+            }
+            Err(payload) => {
+                let reason = panic_message(&*payload);
+                tracing::error!(%reason, "the engine loop panicked: failing every request; new ones are refused");
+                self.die(reason);
+            }
+        }
+    }
+
+    fn serve(&mut self) {
         if self.config.step_time != multilora_scheduler::StepTime::Unbounded {
             let pool = Arc::clone(&self.pool);
             pool.install(|| self.warm_up());
         }
-        'outer: loop {
+        loop {
+            self.published.beat();
             if !self.scheduler.has_unfinished() {
-                match self.rx.recv() {
-                    Ok(cmd) => {
-                        if !self.handle(cmd) {
-                            break 'outer;
-                        }
+                // Idle: what readers see is exact, and the heartbeat goes on while we wait.
+                self.publish();
+                let cmd = loop {
+                    match self.rx.recv_timeout(HEARTBEAT) {
+                        Ok(cmd) => break cmd,
+                        Err(RecvTimeoutError::Timeout) => self.published.beat(),
+                        Err(RecvTimeoutError::Disconnected) => return,
                     }
-                    Err(_) => break 'outer,
+                };
+                if !self.handle(cmd) {
+                    return;
                 }
             }
             while let Ok(cmd) = self.rx.try_recv() {
                 if !self.handle(cmd) {
-                    break 'outer;
+                    return;
                 }
             }
             if !self.deferred.is_empty() {
@@ -124,15 +150,62 @@ impl EngineLoop {
                 match self.rx.recv_timeout(Duration::from_millis(5)) {
                     Ok(cmd) => {
                         if !self.handle(cmd) {
-                            break 'outer;
+                            return;
                         }
                     }
                     Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => break 'outer,
+                    Err(RecvTimeoutError::Disconnected) => return,
                 }
             }
+            if self.last_publish.elapsed() >= PUBLISH_EVERY {
+                self.publish();
+            }
         }
-        self.shutdown();
+    }
+
+    /// Publishes the current snapshot for readers that do not wait on the loop.
+    fn publish(&mut self) {
+        self.published.publish(self.snapshot());
+        self.last_publish = Instant::now();
+    }
+
+    /// After a panic: marks the loop failed (new submissions are refused from then on), fails
+    /// every live request without touching the scheduler (its state is not trusted), then
+    /// answers whatever still arrives until shutdown.
+    fn die(&mut self, reason: String) {
+        self.published.set_state(LoopState::Failed { reason: reason.clone() });
+        let failed = EngineError::EngineFailed { reason };
+        self.deferred.clear();
+        for (_, live) in self.live.drain() {
+            *self.counters.errors.entry(failed.kind()).or_default() += 1;
+            *self.counters.finished.entry(FinishReason::Error.as_str()).or_default() += 1;
+            let _ = live.sub.events.send(Event::Error(failed.clone()));
+        }
+        // The snapshot reads the scheduler; if that panics too, readers keep the last one.
+        if let Ok(snapshot) = panic::catch_unwind(AssertUnwindSafe(|| self.snapshot())) {
+            self.published.publish(snapshot);
+        }
+        loop {
+            let cmd = match self.rx.recv_timeout(HEARTBEAT) {
+                Ok(cmd) => cmd,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            match cmd {
+                Command::Submit(sub) => {
+                    let _ = sub.events.send(Event::Error(failed.clone()));
+                }
+                Command::Unload(_, reply) => {
+                    let _ = reply.send(Err(failed.clone()));
+                }
+                Command::Metrics(reply) => {
+                    let _ = reply.send((*self.published.snapshot()).clone());
+                }
+                Command::Adapter(_) => self.events.taken(),
+                Command::Abort(_) => {}
+                Command::Shutdown => return,
+            }
+        }
     }
 
     /// Handles one command; `false` to stop.
@@ -193,7 +266,8 @@ impl EngineLoop {
         live.generation = generation;
         let p = &live.sub.params;
         let room = self.config.max_model_len.saturating_sub(live.sub.prompt.len()).max(1);
-        let mut req = Request::new(id, live.sub.prompt.clone(), p.max_tokens.unwrap_or(room).min(room))
+        live.max_new = p.max_tokens.unwrap_or(room).min(room);
+        let mut req = Request::new(id, live.sub.prompt.clone(), live.max_new)
             .stop_token_ids(stop_ids(p, &self.config.eos_token_ids))
             .prompt_logprobs(p.prompt_logprobs.is_some());
         if let Some(g) = generation {
@@ -306,7 +380,7 @@ impl EngineLoop {
         for id in ids {
             self.fail(id, EngineError::Shutdown);
         }
-        *self.last_metrics.lock() = Some(self.snapshot());
+        self.publish();
     }
 }
 

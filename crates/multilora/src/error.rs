@@ -130,6 +130,13 @@ pub enum EngineError {
         #[source]
         source: SharedError,
     },
+    /// The engine loop panicked: the requests it was running failed with this, and every new
+    /// one is refused with it. The process should be restarted (`multilora serve` exits).
+    #[error("the engine failed and no longer serves requests: {reason}")]
+    EngineFailed {
+        /// The panic's message.
+        reason: String,
+    },
     /// An adapter left host memory while one of its requests ran (the store's pins rule it out).
     #[error("internal error: adapter {name:?} left host memory mid-request")]
     AdapterEvicted {
@@ -154,6 +161,7 @@ impl EngineError {
             | EngineError::Scheduler { .. } => "invalid_config",
             EngineError::Model(_) | EngineError::Tokenizer { .. } => "model_error",
             EngineError::Shutdown => "shutdown",
+            EngineError::EngineFailed { .. } => "engine_failed",
             EngineError::Step { .. } | EngineError::Spawn { .. } | EngineError::AdapterEvicted { .. } => "internal",
         }
     }
@@ -198,6 +206,9 @@ impl EngineError {
             | S::PathOutsideRoots { .. }
             | S::HubDisabled { .. } => EngineError::InvalidRequest { reason: e.to_string() },
             S::Shutdown { .. } => EngineError::Shutdown,
+            S::UntargetedModules { modules, .. } => {
+                EngineError::AdapterTargets { name: name.to_string(), modules: modules.clone() }
+            }
             _ => EngineError::Adapter { name: name.to_string(), source: Arc::clone(e) },
         }
     }

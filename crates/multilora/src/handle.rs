@@ -6,13 +6,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use multilora_adapter::{AdapterSource, ModuleKind};
+use multilora_adapter::AdapterSource;
 use multilora_models::{KvCache, Model};
 use multilora_scheduler::Scheduler;
 use multilora_store::{AdapterStatus, Store};
-use parking_lot::Mutex;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -20,8 +19,10 @@ use crate::command::{Command, EventCount, Submission};
 use crate::config::EngineConfig;
 use crate::engine_loop::EngineLoop;
 use crate::error::{EngineError, Result};
+use crate::health::{EngineHealth, LoopState, Published};
 use crate::metrics::MetricsSnapshot;
 use crate::request::{Completion, Event, FinishReason, GenerateRequest, Prompt, TokenLogprob, Usage};
+use crate::stop::StopStrings;
 
 /// Where an adapter's weights are now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +54,10 @@ pub struct ModelInfo {
     pub tier: Tier,
 }
 
+/// How long [`EngineHandle::metrics`] waits for the loop before it answers with the last
+/// published snapshot.
+pub const METRICS_WAIT: Duration = Duration::from_secs(1);
+
 /// What every handle shares.
 #[derive(Debug)]
 struct Shared {
@@ -61,7 +66,7 @@ struct Shared {
     tokenizer: Option<Arc<Tokenizer>>,
     config: EngineConfig,
     next_id: AtomicU64,
-    last_metrics: Arc<Mutex<Option<MetricsSnapshot>>>,
+    published: Arc<Published>,
 }
 
 /// A cloneable handle on a running engine.
@@ -90,7 +95,7 @@ impl Engine {
     ) -> Result<Engine> {
         let store = Arc::new(store);
         let tokenizer = tokenizer.map(Arc::new);
-        let last_metrics = Arc::new(Mutex::new(None));
+        let published = Published::new();
         // As many compute threads as the global pool would use (`RAYON_NUM_THREADS` or the cores).
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(rayon::current_num_threads())
@@ -105,14 +110,16 @@ impl Engine {
             Arc::clone(&store),
             tokenizer.clone(),
             (rx, events),
-            Arc::clone(&last_metrics),
+            Arc::clone(&published),
             pool,
         );
         let thread = std::thread::Builder::new()
             .name("multilora-engine".into())
             .spawn(move || lp.run())
             .map_err(|e| EngineError::Spawn { what: "the engine thread", source: Arc::new(e) })?;
-        let shared = Shared { tx, store, tokenizer, config, next_id: AtomicU64::new(1), last_metrics };
+        #[cfg(feature = "failpoints")]
+        crate::failpoints::from_env();
+        let shared = Shared { tx, store, tokenizer, config, next_id: AtomicU64::new(1), published };
         Ok(Engine { handle: EngineHandle { shared: Arc::new(shared) }, thread: Some(thread) })
     }
 
@@ -173,6 +180,7 @@ impl EngineHandle {
     /// [`Event::Error`] ([`RequestStream::adapter_ready`] says which case a stream is in).
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
         let config = &self.shared.config;
+        self.check_alive()?;
         request.params.validate(config.vocab_size)?;
         let prompt = match request.prompt {
             Prompt::Tokens(ids) => ids,
@@ -190,11 +198,19 @@ impl EngineHandle {
         if prompt.len() >= config.max_model_len {
             return Err(EngineError::PromptTooLong { prompt_len: prompt.len(), max_model_len: config.max_model_len });
         }
+        let stops = StopStrings::new(&request.params.stop)?;
         let adapter_ready = self.resolve(&request.model)?;
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = unbounded_channel();
-        let sub =
-            Submission { id, model: request.model, prompt, params: request.params, events, arrived: Instant::now() };
+        let sub = Submission {
+            id,
+            model: request.model,
+            prompt,
+            params: request.params,
+            stops,
+            events,
+            arrived: Instant::now(),
+        };
         self.shared.tx.send(Command::Submit(Box::new(sub))).map_err(|_| EngineError::Shutdown)?;
         Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false, adapter_ready })
     }
@@ -242,22 +258,35 @@ impl EngineHandle {
             .ok_or_else(|| EngineError::invalid("text prompts need the model's tokenizer.json"))
     }
 
-    /// A metrics snapshot, taken by the loop between steps (the last one after shutdown).
+    /// A metrics snapshot, taken by the loop between steps; if the loop does not answer within
+    /// [`METRICS_WAIT`] (a long step, or a stuck loop) or is gone, the last one it published.
     pub fn metrics(&self) -> MetricsSnapshot {
         let (reply, rx) = std::sync::mpsc::sync_channel(1);
-        if self.shared.tx.send(Command::Metrics(reply)).is_ok()
-            && let Ok(m) = rx.recv()
+        if self.shared.published.state() == LoopState::Running
+            && self.shared.tx.send(Command::Metrics(reply)).is_ok()
+            && let Ok(m) = rx.recv_timeout(METRICS_WAIT)
         {
             return m;
         }
-        self.shared.last_metrics.lock().clone().unwrap_or_default()
+        (*self.shared.published.snapshot()).clone()
     }
 
-    /// Whether the engine loop still runs (it answers between steps); false after shutdown or a
-    /// loop that died. A health check.
+    /// The snapshot the loop last published (at most 20 ms old while steps run, exact while it
+    /// is idle), without waiting on the loop: what `/metrics` serves.
+    pub fn published_metrics(&self) -> Arc<MetricsSnapshot> {
+        self.shared.published.snapshot()
+    }
+
+    /// The loop's state and the time since its last heartbeat, without waiting on it: what
+    /// `/health` answers from.
+    pub fn health(&self) -> EngineHealth {
+        self.shared.published.health()
+    }
+
+    /// Whether the engine loop still runs: false after shutdown or a loop that panicked. Does not
+    /// wait on the loop (see [`EngineHandle::health`] for a stuck one).
     pub fn is_running(&self) -> bool {
-        let (reply, rx) = std::sync::mpsc::sync_channel(1);
-        self.shared.tx.send(Command::Metrics(reply)).is_ok() && rx.recv().is_ok()
+        self.shared.published.state() == LoopState::Running
     }
 
     /// The base model first, then every registered adapter with its tier.
@@ -296,21 +325,34 @@ impl EngineHandle {
     /// thread, never inside a step. Refused unless `allow_runtime_lora_updating`.
     pub fn load_adapter(&self, name: &str, source: &str) -> Result<()> {
         let src = self.runtime_source(source)?;
-        let store = &self.shared.store;
-        store.load(name, src).map_err(|e| EngineError::from_store(name, e))?;
-        if let Err(e) = self.check_targets(name) {
-            let _ = store.unload(name);
-            return Err(e);
-        }
+        // The store refuses an adapter targeting modules without slot buffers before it is
+        // registered, so a refused load leaves nothing behind.
+        self.shared.store.load(name, src).map_err(|e| EngineError::from_store(name, e))?;
         Ok(())
     }
 
     /// Replaces `name`'s weights in place: new requests get the new generation, running ones
-    /// finish on the old; prefix-cache blocks of the old generation are never reused.
+    /// finish on the old; prefix-cache blocks of the old generation are never reused. A new
+    /// version that fails any check (unreadable, invalid, targeting modules without slots) is
+    /// refused and the previous one stays current.
     pub fn reload_adapter(&self, name: &str, source: &str) -> Result<()> {
         let src = self.runtime_source(source)?;
         self.shared.store.reload_in_place(name, src).map_err(|e| EngineError::from_store(name, e))?;
-        self.check_targets(name)
+        Ok(())
+    }
+
+    /// Starts loading adapter `name` again now, after a failed load, without waiting for its
+    /// back-off (a failed load is otherwise retried by the first request after the back-off).
+    /// `Ok(true)` once it is in host memory, `Ok(false)` while the new load runs.
+    pub fn retry_adapter(&self, name: &str) -> Result<bool> {
+        self.check_alive()?;
+        self.shared.store.retry(name);
+        match self.shared.store.request(name) {
+            Ok(AdapterStatus::Ready(_)) => Ok(true),
+            Ok(AdapterStatus::Failed(e)) => Err(EngineError::from_store_arc(name, &e)),
+            Ok(_) => Ok(false),
+            Err(e) => Err(EngineError::from_store(name, e)),
+        }
     }
 
     /// Removes `name`: new and still-deferred requests for it get `model_not_found`; running
@@ -319,28 +361,28 @@ impl EngineHandle {
         if !self.shared.config.allow_runtime_lora_updating {
             return Err(EngineError::RuntimeUpdatesDisabled);
         }
+        self.check_alive()?;
         let (reply, rx) = std::sync::mpsc::sync_channel(1);
         self.shared.tx.send(Command::Unload(name.to_string(), reply)).map_err(|_| EngineError::Shutdown)?;
         rx.recv().map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// `Ok` while the loop runs; a stopped or failed engine refuses every call that would
+    /// change what it serves.
+    fn check_alive(&self) -> Result<()> {
+        match self.shared.published.state() {
+            LoopState::Running => Ok(()),
+            LoopState::Stopped => Err(EngineError::Shutdown),
+            LoopState::Failed { reason } => Err(EngineError::EngineFailed { reason }),
+        }
     }
 
     fn runtime_source(&self, source: &str) -> Result<AdapterSource> {
         if !self.shared.config.allow_runtime_lora_updating {
             return Err(EngineError::RuntimeUpdatesDisabled);
         }
+        self.check_alive()?;
         AdapterSource::parse(source).map_err(|e| EngineError::invalid(e.to_string()))
-    }
-
-    /// A runtime adapter may only target modules that have slot buffers.
-    fn check_targets(&self, name: &str) -> Result<()> {
-        let lora = &self.shared.config.lora;
-        let info = self.shared.store.info(name);
-        let missing: Vec<ModuleKind> =
-            info.map(|i| i.target_modules.into_iter().filter(|&k| !lora.targets(k)).collect()).unwrap_or_default();
-        if missing.is_empty() {
-            return Ok(());
-        }
-        Err(EngineError::AdapterTargets { name: name.to_string(), modules: missing })
     }
 }
 

@@ -51,17 +51,22 @@ mod config;
 mod detokenize;
 mod engine_loop;
 mod error;
+#[cfg(feature = "failpoints")]
+mod failpoints;
 mod handle;
+mod health;
 mod metrics;
 mod request;
 mod sampling;
 mod step_cost;
+mod stop;
 
 pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder};
 pub use candle_core::{DType, Device};
 pub use config::EngineConfig;
 pub use error::{EngineError, Result, SharedError};
-pub use handle::{Engine, EngineHandle, ModelInfo, RequestStream, Tier};
+pub use handle::{Engine, EngineHandle, METRICS_WAIT, ModelInfo, RequestStream, Tier};
+pub use health::{EngineHealth, LoopState};
 pub use metrics::{
     AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
     STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
@@ -75,6 +80,6 @@ pub use multilora_store::{DirectoryResolver, Resolver};
 /// The LoRA limits an engine runs with ([`EngineConfig::lora`]) and why a set is refused.
 pub use multilora_types::{LimitsError, LoraLimits};
 pub use request::{
-    Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, Prompt, PromptLogprob, SamplingParams,
-    TokenLogprob, Usage,
+    Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, TokenLogprob, Usage,
 };

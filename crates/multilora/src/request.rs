@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{EngineError, Result};
+pub use crate::stop::{MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS};
 
 /// One generation request.
 #[derive(Clone, Debug)]
@@ -126,6 +127,9 @@ impl Default for SamplingParams {
     }
 }
 
+/// Most `stop_token_ids` one request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+
 /// Most alternatives `logprobs` / `prompt_logprobs` may ask for (vLLM's default cap).
 pub const MAX_LOGPROBS: usize = 20;
 
@@ -182,6 +186,21 @@ impl SamplingParams {
         }
         if self.stop.iter().any(String::is_empty) {
             return bad("stop strings must not be empty".into());
+        }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return bad(format!("stop: at most {MAX_STOP_STRINGS} stop strings, got {}", self.stop.len()));
+        }
+        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return bad(format!(
+                "stop: a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}",
+                long.len()
+            ));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return bad(format!(
+                "stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}",
+                self.stop_token_ids.len()
+            ));
         }
         Ok(())
     }

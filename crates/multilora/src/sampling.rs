@@ -91,6 +91,11 @@ impl SamplerState {
     }
 
     /// Records a generated token.
+    /// Whether `token` ends the request (EOS unless ignored, or one of `stop_token_ids`).
+    pub(crate) fn is_stop(&self, token: u32) -> bool {
+        self.stop_ids.contains(&token)
+    }
+
     pub(crate) fn push(&mut self, token: u32) {
         *self.output_counts.entry(token).or_default() += 1;
         self.num_generated += 1;

@@ -278,3 +278,57 @@ fn a_startup_adapter_claiming_a_huge_rank_is_a_typed_error() -> Result<()> {
     assert!(err.to_string().contains("ceiling"), "{err}");
     Ok(())
 }
+
+/// A CPU tier as small as the slots (2) and five adapters in use at once from four threads:
+/// a load that finds every CPU entry pinned waits for one to unpin instead of failing, so every
+/// request finishes, and the engine comes back to idle. (Before, such loads failed with "all 2
+/// entries of the cpu tier are pinned", and the failure stuck.)
+#[test]
+fn a_tight_cpu_tier_makes_requests_wait_not_fail() -> Result<()> {
+    let engine = multilora::Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_loras(2)
+        .max_cpu_loras(2)
+        .max_lora_rank(32)
+        .kv_cache_bytes(16 << 20)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(fixtures())
+        .lora_resolver(multilora::DirectoryResolver::new(fixtures().join("adapters")))
+        .build()?;
+    let names = ["qv_r8", "all_r16", "rslora_r4", "pattern_r8", "rank32"];
+    std::thread::scope(|s| -> Result<()> {
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let handle = engine.handle();
+                s.spawn(move || -> Result<usize> {
+                    let mut done = 0;
+                    for round in 0..6 {
+                        let streams = names
+                            .iter()
+                            .enumerate()
+                            .map(|(i, name)| {
+                                let prompt: Vec<u32> =
+                                    (0..4).map(|k| (1 + t * 17 + i * 5 + round * 3 + k) as u32).collect();
+                                handle.submit(GenerateRequest::new(*name, prompt).params(greedy(3)))
+                            })
+                            .collect::<multilora::Result<Vec<_>>>()?;
+                        for st in streams {
+                            assert_eq!(st.collect_blocking()?.token_ids.len(), 3);
+                            done += 1;
+                        }
+                    }
+                    Ok(done)
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().expect("thread")?, 30);
+        }
+        Ok(())
+    })?;
+    let m = wait_for(&engine, |m| m.running == 0 && m.waiting == 0);
+    assert_idle(&m);
+    assert!(m.request_errors.is_empty(), "no request failed: {:?}", m.request_errors);
+    assert_eq!(m.requests_finished.get("length"), Some(&120), "{m:?}");
+    Ok(())
+}

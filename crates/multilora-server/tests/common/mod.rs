@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use multilora::{Engine, EngineBuilder};
-use multilora_server::ServerConfig;
+use multilora_server::{ServeOptions, ServerConfig};
 use openmetrics_parser::OpenMetricsValue;
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -46,6 +46,10 @@ pub struct Server {
 
 impl Server {
     pub async fn start(builder: EngineBuilder, config: ServerConfig) -> Result<Server> {
+        Server::start_with(builder, config, ServeOptions::default().grace(Duration::from_secs(5))).await
+    }
+
+    pub async fn start_with(builder: EngineBuilder, config: ServerConfig, options: ServeOptions) -> Result<Server> {
         let engine = builder.build()?;
         let app = multilora_server::router(engine.handle(), config)?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -54,7 +58,7 @@ impl Server {
         let shutdown = async move {
             let _ = stopped.await;
         };
-        let task = tokio::spawn(multilora_server::serve(listener, app, shutdown, Duration::from_secs(5)));
+        let task = tokio::spawn(multilora_server::serve_with(listener, app, shutdown, options));
         Ok(Server { url, engine: Some(engine), client: reqwest::Client::new(), stop: Some(stop), task: Some(task) })
     }
 
@@ -83,6 +87,19 @@ impl Server {
         }
         openmetrics_parser::openmetrics::parse_openmetrics(&text)
             .map_err(|e| anyhow::anyhow!("parsing /metrics: {e:?}\n{text}"))
+    }
+
+    /// Polls `/metrics` (the snapshot the loop publishes, at most 20 ms old while it steps)
+    /// until `ready` holds, for up to 5 s; returns the last scrape either way.
+    pub async fn scrape_until(&self, ready: impl Fn(&Scrape) -> bool) -> Result<Scrape> {
+        let start = Instant::now();
+        loop {
+            let s = self.scrape().await?;
+            if ready(&s) || start.elapsed() > Duration::from_secs(5) {
+                return Ok(s);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Polls `/metrics` until nothing runs, waits or holds KV blocks and slot pins.

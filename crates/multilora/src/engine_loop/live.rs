@@ -14,6 +14,7 @@ use crate::detokenize::Detokenizer;
 use crate::metrics::Counters;
 use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams};
 use crate::sampling::{SamplerState, log_softmax, top_n};
+use crate::stop::{StopScan, StopStrings};
 
 /// A live request: deferred (waiting for its adapter) or in the scheduler.
 #[derive(Debug)]
@@ -27,10 +28,13 @@ pub(super) struct Live {
     pub(super) lease: Option<SlotLease>,
     pub(super) sampler: SamplerState,
     pub(super) detok: Option<Detokenizer>,
-    /// Generated text so far; kept only when stop strings need it.
-    pub(super) text: String,
+    /// Where the scan of the generated text for stop strings stands.
+    pub(super) stop_scan: Option<StopScan>,
     pub(super) prompt_lp: Option<Vec<Option<PromptLogprob>>>,
     pub(super) last_token: Option<Instant>,
+    /// Most tokens it may generate (as the scheduler was told), so the last one is known when
+    /// it is sampled and held-back text is sent with it.
+    pub(super) max_new: usize,
 }
 
 impl Live {
@@ -38,6 +42,7 @@ impl Live {
     pub(super) fn new(sub: Submission, seed: u64, eos: &[u32], detokenize: bool) -> Live {
         let stop = stop_ids(&sub.params, eos);
         let detok = detokenize.then(|| Detokenizer::new(&sub.prompt, sub.params.skip_special_tokens));
+        let stop_scan = sub.stops.as_ref().map(StopStrings::scanner);
         Live {
             sampler: SamplerState::new(seed, &sub.prompt, stop, &sub.params),
             prompt_lp: sub.params.prompt_logprobs.map(|_| vec![None; sub.prompt.len()]),
@@ -45,8 +50,9 @@ impl Live {
             generation: None,
             lease: None,
             detok,
-            text: String::new(),
+            stop_scan,
             last_token: None,
+            max_new: usize::MAX,
         }
     }
 
@@ -116,18 +122,11 @@ impl Live {
             _ => String::new(),
         };
         let mut finish = None;
-        if !params.stop.is_empty() {
-            let prev = live.text.len();
-            live.text.push_str(&delta);
-            let longest = params.stop.iter().map(String::len).max().unwrap_or(0);
-            let mut from = prev.saturating_sub(longest);
-            while !live.text.is_char_boundary(from) {
-                from -= 1;
-            }
-            let hit = params.stop.iter().filter_map(|st| live.text[from..].find(st.as_str()).map(|p| p + from)).min();
-            if let Some(pos) = hit {
-                delta = live.text.get(prev..pos).unwrap_or_default().to_string();
-                live.text.truncate(pos);
+        if let Some(scan) = live.stop_scan.as_mut() {
+            let last = live.sampler.is_stop(token) || live.sampler.num_generated >= live.max_new;
+            let (sent, stopped) = scan.push(&delta, last);
+            delta = sent;
+            if stopped {
                 finish = Some(FinishReason::Stop);
             }
         }

@@ -12,6 +12,7 @@ use multilora_scheduler::{ScheduledRequest, SchedulerOutput};
 use multilora_types::{AdapterGen, SlotId};
 
 use super::EngineLoop;
+use super::live::Live;
 use crate::error::{EngineError, SharedError};
 
 impl EngineLoop {
@@ -57,6 +58,9 @@ impl EngineLoop {
 
     /// One step; `false` when nothing was scheduled.
     pub(super) fn step(&mut self) -> bool {
+        // Fault injection for the tests of a dead or stuck loop (the `failpoints` feature;
+        // nothing at all without it).
+        fail::fail_point!("engine-step", |_| false);
         let started = Instant::now();
         let out = match self.cost.cost() {
             Some(cost) => self.scheduler.schedule_with_cost(&cost),
@@ -177,10 +181,12 @@ impl EngineLoop {
             } else if live.sampler.num_generated == 0 {
                 // Evicted from the CPU tier while waiting: back to the engine's queue until it
                 // is loaded again (nothing was generated, so nothing is lost).
+                // It keeps its place: the engine's queue is in arrival (id) order.
                 self.scheduler.abort(s.id);
                 live.restart();
                 self.store.prefetch([live.sub.model.as_str()]);
-                self.deferred.push_back(s.id);
+                let at = self.deferred.partition_point(|&d| d < s.id);
+                self.deferred.insert(at, s.id);
             } else {
                 let name = live.sub.model.clone();
                 self.fail(s.id, EngineError::AdapterEvicted { name });
@@ -192,14 +198,27 @@ impl EngineLoop {
     /// activated fail alone.
     fn activate(&mut self, out: &SchedulerOutput) -> HashMap<AdapterGen, SlotId> {
         let mut slots = HashMap::new();
+        // Only the requests still on their generation with a lease (not those sent back to
+        // wait for their adapter by `update_pins`) take part.
+        let on = |live: &HashMap<u64, Live>, id: u64, g: AdapterGen| {
+            live.get(&id).is_some_and(|l| l.generation == Some(g) && l.lease.is_some())
+        };
         for &g in &out.active_adapters {
+            if !out.scheduled.iter().any(|s| s.adapter == Some(g) && on(&self.live, s.id, g)) {
+                continue;
+            }
             match self.store.activate(g, &mut self.model) {
                 Ok(slot) => {
                     slots.insert(g, slot);
                 }
                 Err(e) => {
                     let e = Arc::new(e);
-                    let ids: Vec<u64> = out.scheduled.iter().filter(|s| s.adapter == Some(g)).map(|s| s.id).collect();
+                    let ids: Vec<u64> = out
+                        .scheduled
+                        .iter()
+                        .filter(|s| s.adapter == Some(g) && on(&self.live, s.id, g))
+                        .map(|s| s.id)
+                        .collect();
                     for id in ids {
                         let name = self.live.get(&id).map(|l| l.sub.model.clone()).unwrap_or_default();
                         self.fail(id, EngineError::from_store_arc(&name, &e));
