@@ -1,6 +1,6 @@
 //! The CPU tier: an LRU of loaded, validated adapters keyed by generation, capacity
-//! `max_cpu_loras`, plus the retired generations that running requests still hold.
-//! A plain data structure: no locks, no I/O.
+//! `max_cpu_loras`, plus the retired generations that leases (of running or preempted requests)
+//! still hold. A plain data structure: no locks, no I/O.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,8 +13,8 @@ use multilora_types::AdapterGen;
 /// Loaded adapters on the CPU.
 ///
 /// `live` holds current generations and never exceeds `capacity`. A generation superseded by an
-/// in-place reload, or unloaded, while running requests pin it moves to `retired`, outside the
-/// capacity, until its last pin is released: the one documented way the tier holds more than
+/// in-place reload, or unloaded, while leases (slot or host) hold it moves to `retired`, outside
+/// the capacity, until its last pin is released: the one documented way the tier holds more than
 /// `max_cpu_loras` entries, which [`CpuTier::retired_len`] shows.
 #[derive(Debug)]
 pub(crate) struct CpuTier {

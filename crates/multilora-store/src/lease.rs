@@ -1,13 +1,16 @@
 //! `SlotLease`: a running request's hold on its adapter generation. While any lease on a
-//! generation lives, its CPU entry stays and its slot, once it has one, is not evicted; dropping
-//! the last lease of a generation that was superseded or unloaded removes it from both tiers,
-//! and the last lease of any generation lets in a load that was waiting for a CPU entry.
-//! Nothing releases a pin by hand: a lease is returned by being dropped.
+//! generation lives, its CPU entry stays and its slot, once it has one, is not evicted. Dropping
+//! the last pin of any kind (a `SlotLease` or a [`crate::HostLease`]) on a generation that was
+//! superseded or unloaded removes it from both tiers, and the last pin of any generation lets in
+//! a load that was waiting for a CPU entry. Nothing releases a pin by hand: a lease is returned
+//! by being dropped.
 
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::store::Shared;
+use crate::slots::PinKind;
+use crate::status::LoadEvent;
+use crate::store::{Inner, Shared};
 use multilora_types::AdapterGen;
 
 /// One pin on `generation`, returned on drop. From [`crate::Store::lease`].
@@ -20,11 +23,7 @@ pub struct SlotLease {
 impl SlotLease {
     /// Pins `generation`, which must be in the CPU tier or in a slot.
     pub(crate) fn new(shared: &Arc<Shared>, generation: AdapterGen) -> Result<SlotLease> {
-        let mut inner = shared.state.lock();
-        if !inner.cpu.contains(&generation) && inner.slots.slot_of(&generation).is_none() {
-            return Err(Error::NotReady { name: inner.name_of(generation.id) });
-        }
-        inner.slots.pin(generation);
+        shared.state.lock().add_pin(generation, PinKind::Slot)?;
         Ok(SlotLease { shared: Arc::clone(shared), generation })
     }
 
@@ -37,16 +36,7 @@ impl SlotLease {
 impl Drop for SlotLease {
     fn drop(&mut self) {
         let mut inner = self.shared.state.lock();
-        let g = self.generation;
-        if inner.slots.release(&g) != Some(0) {
-            return;
-        }
-        if inner.registry.current(g.id) != Some(g) {
-            inner.cpu.remove(&g);
-            inner.slots.remove(&g);
-        }
-        // The last pin is gone: a load waiting for room may go in (its event sent from here).
-        let events = inner.admit_waiting();
+        let events = inner.drop_pin(self.generation, PinKind::Slot);
         self.shared.publish(inner, events);
     }
 }
@@ -54,5 +44,31 @@ impl Drop for SlotLease {
 impl std::fmt::Debug for SlotLease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SlotLease").field("generation", &self.generation).finish()
+    }
+}
+
+impl Inner {
+    /// Adds a pin of `kind` on `generation`, which must be in the CPU tier or in a slot.
+    pub(crate) fn add_pin(&mut self, generation: AdapterGen, kind: PinKind) -> Result<()> {
+        if !self.cpu.contains(&generation) && self.slots.slot_of(&generation).is_none() {
+            return Err(Error::NotReady { name: self.name_of(generation.id) });
+        }
+        self.slots.pin(generation, kind);
+        Ok(())
+    }
+
+    /// Drops a pin of `kind` on `generation`. When it was the last pin of either kind: a
+    /// generation that is no longer current leaves both tiers, and the waiting loads are retried
+    /// (their events returned, for the caller to publish once it lets go of the lock).
+    pub(crate) fn drop_pin(&mut self, generation: AdapterGen, kind: PinKind) -> Vec<LoadEvent> {
+        if self.slots.release(&generation, kind) != Some(0) || self.slots.leased(&generation) {
+            return Vec::new();
+        }
+        if self.registry.current(generation.id) != Some(generation) {
+            self.cpu.remove(&generation);
+            self.slots.remove(&generation);
+        }
+        // The last pin is gone: a load waiting for room may go in.
+        self.admit_waiting()
     }
 }

@@ -8,7 +8,8 @@
 //! - The **device tier** is `max_loras` slots: [`Store::activate`] writes an adapter through the
 //!   model's [`SlotSink`](multilora_adapter::SlotSink) into a free slot or the least recently used
 //!   slot that no running request pins: a running request holds a [`SlotLease`]
-//!   ([`Store::lease`]), and dropping it is the only way a pin is returned.
+//!   ([`Store::lease`]), and dropping it is the only way a pin is returned. A preempted request
+//!   holds a [`HostLease`] ([`Store::host_lease`]) instead: its CPU entry stays, its slot may go.
 //! - **Loads never run on the engine's thread**: [`Store::request`] answers at once (Ready /
 //!   Loading / Failed) and a loader thread does the reading; the finished loads go to the sink
 //!   given to [`StoreBuilder::events`], or else to [`Store::poll_completed`]. A load that finds
@@ -40,6 +41,7 @@ mod backoff;
 mod config;
 mod cpu_tier;
 mod error;
+mod host_lease;
 mod lease;
 mod lifecycle;
 mod loader;
@@ -56,6 +58,7 @@ mod waiting;
 
 pub use config::StoreConfig;
 pub use error::{Error, Result};
+pub use host_lease::HostLease;
 pub use lease::SlotLease;
 pub use loader::{AdapterLoader, FsLoader};
 pub use metrics::{Histogram, LOAD_TIME_BUCKETS_S, StoreMetrics, TierMetrics};

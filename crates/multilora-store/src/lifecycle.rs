@@ -151,9 +151,10 @@ impl Inner {
     }
 
     /// Puts a validated adapter in the CPU tier as `id`'s current generation, if there is room
-    /// once the previous generation leaves: the previous one is then retired (running requests
-    /// pin it) or dropped, and the LRU unpinned entry is evicted if the tier is full. Without
-    /// room, hands the adapter back having changed nothing, so the previous generation serves on.
+    /// once the previous generation leaves: the previous one is then retired (a lease of either
+    /// kind holds it) or dropped, and the LRU entry that nothing pins (no slot pin, operator pin
+    /// or host pin) is evicted if the tier is full. Without room, hands the adapter back having
+    /// changed nothing, so the previous generation serves on.
     pub(crate) fn try_insert(
         &mut self,
         id: AdapterId,
@@ -163,14 +164,14 @@ impl Inner {
         let generation = AdapterGen { id, fingerprint: adapter.fingerprint() };
         let previous = self.registry.current(id).filter(|p| *p != generation);
         let slots = &self.slots;
-        if !self.cpu.has_room(&generation, previous.as_ref(), |g| slots.is_pinned(g)) {
+        if !self.cpu.has_room(&generation, previous.as_ref(), |g| slots.keeps_cpu(g)) {
             return Err(adapter);
         }
         if let Some(old) = previous {
             self.retire_or_drop(old);
         }
         let slots = &self.slots;
-        match self.cpu.insert(generation, Arc::clone(&adapter), |g| slots.is_pinned(g)) {
+        match self.cpu.insert(generation, Arc::clone(&adapter), |g| slots.keeps_cpu(g)) {
             Ok(evicted) => self.counters.cpu_evictions += u64::from(evicted.is_some()),
             Err(TierFull) => {
                 // `has_room` rules this out; were it to happen, the old generation is gone and
@@ -192,11 +193,12 @@ impl Inner {
         Ok(generation)
     }
 
-    /// `generation` stops being current: running requests keep it (retired, outside the capacity, in its
-    /// slot) until their last release; without pins it leaves both tiers now.
+    /// `generation` stops being current: leases (running requests', and preempted requests' host
+    /// leases) keep it (retired, outside the capacity, in its slot while it has one) until their
+    /// last release; without leases it leaves both tiers now.
     pub(crate) fn retire_or_drop(&mut self, generation: AdapterGen) {
         self.slots.set_operator_pin(generation, false);
-        if self.slots.pins(&generation) > 0 {
+        if self.slots.leased(&generation) {
             self.cpu.retire(&generation);
         } else {
             self.cpu.remove(&generation);
@@ -282,8 +284,9 @@ impl Store {
     }
 
     /// Removes `name` (vLLM's `/v1/unload_lora_adapter`). The name is gone at once; its current
-    /// generation leaves both tiers now, or, if running requests pin it, when the last of them
-    /// releases it. Requests waiting for it should fail with `model_not_found`.
+    /// generation leaves both tiers now, or, if leases (running requests' or preempted requests'
+    /// host leases) hold it, when the last of them is dropped. Requests waiting for it should
+    /// fail with `model_not_found`.
     pub fn unload(&self, name: &str) -> Result<Unloaded> {
         self.counted(self.unload_inner(name))
     }
@@ -295,7 +298,7 @@ impl Store {
         let entry = inner.registry.remove(name).ok_or_else(|| Error::UnknownAdapter { name: name.to_string() })?;
         inner.resolve_failures.pop(name);
         let generation = entry.info.generation();
-        let draining = generation.is_some_and(|generation| inner.slots.pins(&generation) > 0);
+        let draining = generation.is_some_and(|generation| inner.slots.leased(&generation));
         if let Some(generation) = generation {
             inner.retire_or_drop(generation);
         }

@@ -35,13 +35,16 @@ pub struct StoreMetrics {
     pub registered: usize,
     /// The CPU tier.
     pub cpu: TierMetrics,
-    /// CPU entries that are generations superseded or unloaded while running requests hold them;
+    /// CPU entries that are generations superseded or unloaded while leases (slot or host) hold them;
     /// included in `cpu.entries`, and the only way `cpu.entries` exceeds `cpu.capacity`.
     pub cpu_retired: usize,
     /// The device slots.
     pub device: TierMetrics,
     /// Slots whose generation a running request or the operator pins.
     pub pinned_slots: usize,
+    /// Generations that host leases ([`crate::HostLease`], preempted requests) hold: their CPU
+    /// entries are not evicted, their slots are not pinned.
+    pub host_pinned: usize,
     /// Loads queued or running on the loader threads.
     pub loading: usize,
     /// Finished loads waiting for a CPU entry to unpin (every entry was pinned); their adapters

@@ -1,6 +1,8 @@
 //! The device slot table: which adapter generation occupies each of the `max_loras` slots, when
-//! each was last used, and the pins that keep a slot resident. A plain data structure: it decides
-//! where an adapter goes; the store writes it there through the `SlotSink`.
+//! each was last used, and every pin on a generation: the pins that keep a slot resident (running
+//! requests' and the operator's), and the host pins of preempted requests, which keep only the
+//! CPU entry. A plain data structure: it decides where an adapter goes; the store writes it there
+//! through the `SlotSink`.
 
 use std::collections::{HashMap, HashSet};
 
@@ -37,18 +39,36 @@ pub(crate) struct AllPinned;
 /// `max_loras` slots with LRU replacement among the unpinned ones.
 ///
 /// Pins count per generation, not per slot: a request pins its generation at admission, possibly
-/// before the generation has a slot, and the pin then holds whatever slot it gets.
+/// before the generation has a slot, and the pin then holds whatever slot it gets. Host pins
+/// (a preempted request's) are counted here too, so that one table answers whether anything holds
+/// a generation, but they never protect a slot: [`SlotTable::place`] ignores them.
 #[derive(Debug)]
 pub(crate) struct SlotTable {
     slots: Vec<Option<Slot>>,
     clock: u64,
     pins: HashMap<AdapterGen, u32>,
+    host_pins: HashMap<AdapterGen, u32>,
     operator: HashSet<AdapterGen>,
+}
+
+/// Which count a pin is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PinKind {
+    /// A running request's: keeps the slot and the CPU entry.
+    Slot,
+    /// A preempted request's: keeps the CPU entry only.
+    Host,
 }
 
 impl SlotTable {
     pub(crate) fn new(max_loras: usize) -> SlotTable {
-        SlotTable { slots: vec![None; max_loras], clock: 0, pins: HashMap::new(), operator: HashSet::new() }
+        SlotTable {
+            slots: vec![None; max_loras],
+            clock: 0,
+            pins: HashMap::new(),
+            host_pins: HashMap::new(),
+            operator: HashSet::new(),
+        }
     }
 
     /// The slot `generation` occupies. A scan: `max_loras` is small, and a scan of a few words beats a map.
@@ -100,27 +120,48 @@ impl SlotTable {
         Some(slot)
     }
 
-    /// Adds a running request's pin; returns the count.
-    pub(crate) fn pin(&mut self, generation: AdapterGen) -> u32 {
-        let count = self.pins.entry(generation).or_insert(0);
+    fn counts(&mut self, kind: PinKind) -> &mut HashMap<AdapterGen, u32> {
+        match kind {
+            PinKind::Slot => &mut self.pins,
+            PinKind::Host => &mut self.host_pins,
+        }
+    }
+
+    /// Adds a pin of `kind`; returns that kind's count.
+    pub(crate) fn pin(&mut self, generation: AdapterGen, kind: PinKind) -> u32 {
+        let count = self.counts(kind).entry(generation).or_insert(0);
         *count += 1;
         *count
     }
 
-    /// Drops one pin; returns the remaining count, or `None` when `generation` had none.
-    pub(crate) fn release(&mut self, generation: &AdapterGen) -> Option<u32> {
-        let count = self.pins.get_mut(generation)?;
+    /// Drops one pin of `kind`; returns that kind's remaining count, or `None` when `generation`
+    /// had none of it.
+    pub(crate) fn release(&mut self, generation: &AdapterGen, kind: PinKind) -> Option<u32> {
+        let counts = self.counts(kind);
+        let count = counts.get_mut(generation)?;
         *count -= 1;
         let left = *count;
         if left == 0 {
-            self.pins.remove(generation);
+            counts.remove(generation);
         }
         Some(left)
     }
 
-    /// Running requests' pins on `generation`.
-    pub(crate) fn pins(&self, generation: &AdapterGen) -> u32 {
-        self.pins.get(generation).copied().unwrap_or(0)
+    /// Whether a lease of either kind holds `generation` (so it is retired, not dropped, when it
+    /// stops being current). The operator's pin is not a lease: it follows the current generation.
+    pub(crate) fn leased(&self, generation: &AdapterGen) -> bool {
+        self.pins.contains_key(generation) || self.host_pins.contains_key(generation)
+    }
+
+    /// Whether `generation`'s CPU entry must not be evicted: a slot pin (a request's or the
+    /// operator's) or a host pin holds it.
+    pub(crate) fn keeps_cpu(&self, generation: &AdapterGen) -> bool {
+        self.is_pinned(generation) || self.host_pins.contains_key(generation)
+    }
+
+    /// Generations that host pins hold.
+    pub(crate) fn host_pinned(&self) -> usize {
+        self.host_pins.len()
     }
 
     /// Sets or clears the operator's pin on `generation`.
@@ -132,7 +173,7 @@ impl SlotTable {
         }
     }
 
-    /// Whether a running request or the operator pins `generation`.
+    /// Whether a running request or the operator pins `generation`'s slot (host pins do not).
     pub(crate) fn is_pinned(&self, generation: &AdapterGen) -> bool {
         self.pins.contains_key(generation) || self.operator.contains(generation)
     }
@@ -197,7 +238,7 @@ mod tests {
         let mut table = SlotTable::new(2);
         table.place(g(0), 1).unwrap();
         table.place(g(1), 1).unwrap();
-        table.pin(g(0));
+        table.pin(g(0), PinKind::Slot);
         // g(0) is older, but pinned: g(1) goes.
         assert_eq!(table.place(g(2), 1), Ok(Placement::Evict { slot: 1, victim: g(1) }));
         table.set_operator_pin(g(2), true);
@@ -206,9 +247,30 @@ mod tests {
         assert_eq!(table.pinned_slots(), 2);
         table.set_operator_pin(g(2), false);
         assert_eq!(table.place(g(3), 1), Ok(Placement::Evict { slot: 1, victim: g(2) }));
-        assert_eq!(table.release(&g(0)), Some(0));
-        assert_eq!(table.release(&g(0)), None);
+        assert_eq!(table.release(&g(0), PinKind::Slot), Some(0));
+        assert_eq!(table.release(&g(0), PinKind::Slot), None);
         assert_eq!(SlotTable::new(0).place(g(0), 1), Err(AllPinned));
+    }
+
+    #[test]
+    fn host_pins_keep_the_cpu_entry_but_not_the_slot() {
+        let mut table = SlotTable::new(1);
+        table.place(g(0), 1).unwrap();
+        assert_eq!(table.pin(g(0), PinKind::Host), 1);
+        assert_eq!(table.pin(g(0), PinKind::Host), 2);
+        assert!(table.leased(&g(0)) && table.keeps_cpu(&g(0)) && !table.is_pinned(&g(0)));
+        // A host pin protects no slot: the only slot goes to another generation.
+        assert_eq!(table.place(g(1), 1), Ok(Placement::Evict { slot: 0, victim: g(0) }));
+        assert_eq!((table.pinned_slots(), table.host_pinned()), (0, 1));
+        // The two kinds count apart.
+        assert_eq!(table.release(&g(0), PinKind::Slot), None);
+        assert_eq!(table.release(&g(0), PinKind::Host), Some(1));
+        assert_eq!(table.release(&g(0), PinKind::Host), Some(0));
+        assert!(!table.leased(&g(0)) && !table.keeps_cpu(&g(0)));
+        assert_eq!(table.host_pinned(), 0);
+        // The operator's pin keeps the entry without being a lease.
+        table.set_operator_pin(g(1), true);
+        assert!(table.keeps_cpu(&g(1)) && !table.leased(&g(1)));
     }
 
     #[derive(Clone, Debug)]
@@ -216,6 +278,8 @@ mod tests {
         Place(u64),
         Pin(u64),
         Release(u64),
+        HostPin(u64),
+        HostRelease(u64),
         Operator(u64, bool),
     }
 
@@ -224,6 +288,8 @@ mod tests {
             3 => (0..8u64).prop_map(Op::Place),
             2 => (0..8u64).prop_map(Op::Pin),
             2 => (0..8u64).prop_map(Op::Release),
+            1 => (0..8u64).prop_map(Op::HostPin),
+            1 => (0..8u64).prop_map(Op::HostRelease),
             1 => (0..8u64, any::<bool>()).prop_map(|(g, p)| Op::Operator(g, p)),
         ]
     }
@@ -232,7 +298,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
         /// Whatever the sequence, a pinned generation keeps its slot, `place` fails only when every
-        /// slot is pinned, a generation never holds two slots, and the victim is the least
+        /// slot is pinned (host pins never count), a generation never holds two slots, and the victim is the least
         /// recently used unpinned slot.
         #[test]
         fn pinned_slots_are_never_evicted(slots in 1..5usize, ops in proptest::collection::vec(op(), 1..200)) {
@@ -258,8 +324,10 @@ mod tests {
                             prop_assert_eq!(table.lru_order().last().copied(), Some(g(id)));
                         }
                     }
-                    Op::Pin(id) => { table.pin(g(id)); }
-                    Op::Release(id) => { table.release(&g(id)); }
+                    Op::Pin(id) => { table.pin(g(id), PinKind::Slot); }
+                    Op::Release(id) => { table.release(&g(id), PinKind::Slot); }
+                    Op::HostPin(id) => { table.pin(g(id), PinKind::Host); }
+                    Op::HostRelease(id) => { table.release(&g(id), PinKind::Host); }
                     Op::Operator(id, pinned) => table.set_operator_pin(g(id), pinned),
                 }
                 for (slot, generation) in &before {

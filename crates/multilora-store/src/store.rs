@@ -1,5 +1,6 @@
 //! `Store`: the registry and the two tiers behind one lock, the loader pool, and the per-step
-//! calls the engine makes (request, pin, activate, release). Lifecycle calls are in `lifecycle.rs`.
+//! calls the engine makes (request, pin, host-pin, activate, release). Lifecycle calls are in
+//! `lifecycle.rs`.
 
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroUsize;
@@ -16,6 +17,7 @@ use crate::backoff::Failure;
 use crate::config::StoreConfig;
 use crate::cpu_tier::CpuTier;
 use crate::error::{Error, Result};
+use crate::host_lease::HostLease;
 use crate::lease::SlotLease;
 use crate::loader::{AdapterLoader, FsLoader, LoaderPool};
 use crate::metrics::{Counters, StoreMetrics, TierMetrics};
@@ -348,6 +350,17 @@ impl Store {
         SlotLease::new(&self.shared, generation)
     }
 
+    /// A preempted request's pin on `generation`, with the same rule as [`Store::lease`]
+    /// ([`Error::NotReady`] unless it is in host memory or a slot): while the host lease lives,
+    /// the generation's CPU entry is never evicted and a reload or unload retires it rather than
+    /// dropping it, but its slot is not pinned (it may be evicted; [`Store::activate`] writes it
+    /// again from the CPU entry). Take it before dropping the request's [`SlotLease`], so the
+    /// generation is never unheld; dropping the last pin of either kind on a superseded or
+    /// unloaded generation removes it from both tiers.
+    pub fn host_lease(&self, generation: AdapterGen) -> Result<HostLease> {
+        HostLease::new(&self.shared, generation)
+    }
+
     /// The operator's pin (vLLM's `pin_adapter`): `name`'s current generation is never evicted
     /// from the CPU tier, nor from its slot once activated; it moves to the new generation on a
     /// reload. The adapter must be loaded.
@@ -460,6 +473,7 @@ impl Store {
                 evictions: c.device_evictions,
             },
             pinned_slots: inner.slots.pinned_slots(),
+            host_pinned: inner.slots.host_pinned(),
             loading: inner.loading,
             waiting_for_capacity: inner.waiting.len(),
             capacity_waits: c.capacity_waits,

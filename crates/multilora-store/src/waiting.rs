@@ -1,7 +1,7 @@
 //! Loads waiting for room: a background load that finished while every CPU entry was pinned is
 //! not a failure. Its validated adapter is held here, the adapter stays `Loading`, and the store
-//! admits it when an entry unpins or leaves (a last lease dropped, an operator pin cleared, an
-//! unload): those calls retry the queue, so nothing polls.
+//! admits it when an entry unpins or leaves (a last slot or host lease dropped, an operator pin
+//! cleared, an unload): those calls retry the queue, so nothing polls.
 
 use std::sync::Arc;
 use std::time::Duration;
