@@ -114,6 +114,7 @@ impl Error {
                 EngineError::RuntimeUpdatesDisabled => StatusCode::FORBIDDEN,
                 EngineError::Shutdown | EngineError::EngineFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
                 EngineError::LoraOff { .. }
+                | EngineError::MaxModelLen { .. }
                 | EngineError::GpuMemoryUtilization { .. }
                 | EngineError::Limits(_)
                 | EngineError::Store { .. }

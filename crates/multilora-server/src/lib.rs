@@ -43,6 +43,8 @@ mod chat;
 mod completions;
 mod config;
 mod error;
+#[cfg(test)]
+mod fuzz_bodies;
 mod generation;
 mod metrics;
 mod protocol;

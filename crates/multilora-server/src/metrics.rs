@@ -277,6 +277,18 @@ impl Snapshot {
             &[(vec![], m.deferred_max as u64)],
         )?;
         counter(e, "multilora_adapter_loads", "Adapter loads into the CPU tier.", &[(vec![], m.adapter_loads)])?;
+        gauge(
+            e,
+            "multilora_adapter_loads_waiting",
+            "Adapter loads waiting for a CPU-tier entry to be unpinned (their requests wait).",
+            &[(vec![], m.adapter_loads_waiting as u64)],
+        )?;
+        counter(
+            e,
+            "multilora_adapter_capacity_waits",
+            "Adapter loads that had to wait for a CPU-tier entry.",
+            &[(vec![], m.adapter_capacity_waits)],
+        )?;
         counter(
             e,
             "multilora_adapter_evictions",

@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 
 use anyhow::Result;
-use common::{BASE, Server, builder, path, sse_events, value};
+use common::{BASE, Server, builder, copy_dir, path, sse_events, value};
 use multilora::{ModelShapes, ModuleKind, SyntheticAdapter};
 use multilora_server::ServerConfig;
 use serde_json::{Value, json};
@@ -96,15 +96,6 @@ async fn api_key_and_overload() -> Result<()> {
     server.stop().await
 }
 
-fn copy_dir(from: &str, to: &Path) -> Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        std::fs::copy(entry.path(), to.join(entry.file_name()))?;
-    }
-    Ok(())
-}
-
 /// Greedy text of `model` for the test prompt.
 async fn greedy(server: &Server, model: &str) -> Result<(u16, Value)> {
     let body = json!({"model": model, "prompt": "The capital of France", "max_tokens": 8, "temperature": 0,
@@ -170,6 +161,15 @@ async fn load_reload_unload_while_streams_run() -> Result<()> {
         let msg = body["error"]["message"].as_str().unwrap().to_lowercase();
         assert!(msg.contains(needle), "{name}: {msg}");
         assert_eq!(greedy(&server, name).await?.0, 404, "{name} is not served after a failed load");
+    }
+
+    // A failed in-place reload is rolled back: the version before it keeps serving.
+    for bad in ["truncated", "dora", "rank64"] {
+        let (status, body) = server.post("/v1/load_lora_adapter", &load("fresh", &root.join(bad), true)).await?;
+        assert_eq!(status, 400, "{bad}: {body}");
+        let (status, now) = greedy(&server, "fresh").await?;
+        assert_eq!(status, 200, "{bad}: {now}");
+        assert_eq!(now["choices"][0]["text"], second["choices"][0]["text"], "after the failed {bad} reload");
     }
 
     let (status, body) = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "fresh"})).await?;

@@ -196,6 +196,19 @@ impl EngineBuilder {
         self
     }
 
+    /// The context length: `max_model_len` if given, which may not exceed what the model's
+    /// config allows (`max_position_embeddings`, or a smaller sliding window), as vLLM refuses
+    /// it; else the model's own. Checked before anything is loaded.
+    fn context_length(&self, cfg: &ModelConfig) -> Result<usize> {
+        let limit = cfg.max_model_len();
+        match self.max_model_len {
+            Some(0) => Err(EngineError::MaxModelLen { requested: 0, limit }),
+            Some(n) if n > limit => Err(EngineError::MaxModelLen { requested: n, limit }),
+            Some(n) => Ok(n),
+            None => Ok(limit),
+        }
+    }
+
     /// Loads the model, tokenizer and startup adapters, sizes the KV cache, and starts the loop:
     /// read config → LoRA limits from the startup adapters' shapes → model → tokenizer → store →
     /// KV budget → scheduler → loop.
@@ -204,6 +217,7 @@ impl EngineBuilder {
         let source = ModelSource::parse(&self.model)?;
         let hub = HubConfig::from_env();
         let (files, cfg) = self.read_config(&source, &hub)?;
+        let max_model_len = self.context_length(&cfg)?;
         let lora = self.lora_limits(&cfg)?;
         let dtype = self.resolve_dtype(&cfg);
         let lora_dtype = self.lora_dtype.unwrap_or(dtype);
@@ -225,7 +239,6 @@ impl EngineBuilder {
             .lora_dtype(lora_dtype);
         let store = self.build_store(store_cfg, &tx, &events)?;
 
-        let max_model_len = self.max_model_len.unwrap_or(cfg.max_model_len());
         let slot_bytes = model.lora_slot_bytes();
         let (kv_budget, budget_from) = self.kv_budget(&model, slot_bytes, max_model_len)?;
         let kv_cfg = KvCacheConfig::for_budget(model.config(), dtype, self.block_size, kv_budget);

@@ -42,6 +42,18 @@ impl Detokenizer {
             }
             delta
         } else {
+            if full.len() <= prefix.len() && !full.ends_with('\u{FFFD}') {
+                // The new tokens show nothing (special tokens, skipped): nothing is pending, and
+                // only the last CONTEXT tokens are kept as context, so a flood of them costs
+                // O(1) per token instead of decoding an ever longer window.
+                self.read_offset = self.ids.len();
+                self.prefix_offset = self.prefix_offset.max(self.read_offset.saturating_sub(CONTEXT));
+                if self.prefix_offset > 4 * CONTEXT {
+                    self.ids.drain(..self.prefix_offset);
+                    self.read_offset -= self.prefix_offset;
+                    self.prefix_offset = 0;
+                }
+            }
             String::new()
         }
     }
@@ -68,5 +80,23 @@ mod tests {
         let whole = tok.decode(&ids, true).expect("decode");
         let head = tok.decode(prompt, true).expect("decode");
         assert_eq!(format!("{head}{out}"), whole);
+    }
+
+    #[test]
+    fn a_flood_of_skipped_special_tokens_keeps_the_window_short() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/peft-tiny/base/tokenizer.json");
+        let tok = Tokenizer::from_file(path).expect("fixture tokenizer");
+        let eos = tok.token_to_id("</s>").expect("an EOS token");
+        let text = tok.encode(" hello world", false).expect("encode").get_ids().to_vec();
+        let mut d = Detokenizer::new(&[1], true);
+        let mut out = String::new();
+        for i in 0..10_000 {
+            out.push_str(&d.push(&tok, eos));
+            assert!(d.ids.len() <= 6 * CONTEXT, "the window grew to {} tokens after {i} specials", d.ids.len());
+        }
+        for &t in &text {
+            out.push_str(&d.push(&tok, t));
+        }
+        assert_eq!(out, tok.decode(&text, true).expect("decode"), "the text after the flood is intact");
     }
 }

@@ -3,7 +3,9 @@
 //! activate adapter generations into slots → one forward over the flat batch → sample → update
 //! → stream). The live request table's entries are in `live.rs`, the metrics snapshot in
 //! `snapshot.rs`. When there is nothing to run it blocks on the command channel (the store's
-//! load events arrive there too), so an idle engine costs nothing.
+//! load events arrive there too), waking only to beat its heartbeat twice a second, so an idle
+//! engine costs next to nothing. What it publishes for readers that must not wait on it (state,
+//! heartbeat, snapshot) is in `health.rs`.
 //!
 //! Each step runs inside the engine's own rayon pool (`install`): the step's serial parts and its
 //! parallel kernels then share the pool's threads, so the dozens of parallel regions of a step

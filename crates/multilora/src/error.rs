@@ -75,6 +75,17 @@ pub enum EngineError {
         /// The value given.
         value: f64,
     },
+    /// `max_model_len` is 0 or beyond what the model's config allows.
+    #[error(
+        "invalid engine config: max_model_len {requested} must be between 1 and the model's limit {limit} \
+         (max_position_embeddings, or its sliding window, in config.json)"
+    )]
+    MaxModelLen {
+        /// The length asked for.
+        requested: usize,
+        /// The model's limit.
+        limit: usize,
+    },
     /// The LoRA limits cannot work.
     #[error("invalid engine config: {0}")]
     Limits(#[from] LimitsError),
@@ -155,6 +166,7 @@ impl EngineError {
             EngineError::Adapter { .. } | EngineError::AdapterTargets { .. } => "adapter_error",
             EngineError::RuntimeUpdatesDisabled => "runtime_updates_disabled",
             EngineError::LoraOff { .. }
+            | EngineError::MaxModelLen { .. }
             | EngineError::GpuMemoryUtilization { .. }
             | EngineError::Limits(_)
             | EngineError::Store { .. }

@@ -33,6 +33,13 @@
 //!   thread, so `submit` returns `invalid_request` / `prompt_too_long` / `model_not_found` at
 //!   once and an invalid request is never queued; only a cold adapter's failed load arrives on
 //!   the stream as [`Event::Error`].
+//! - A panic in the engine loop is caught: every live request gets
+//!   [`EngineError::EngineFailed`], and so does every later submit and adapter call.
+//!   [`EngineHandle::health`] and [`EngineHandle::published_metrics`] never wait on the loop, so
+//!   a failed or stuck loop is seen as one.
+//! - Stop strings (at most [`MAX_STOP_STRINGS`] of [`MAX_STOP_STRING_BYTES`] bytes) are matched
+//!   incrementally, and text that could still begin one is held back, so no part of a stop string
+//!   is ever streamed.
 //! - `n > 1` is refused with `invalid_request` for now.
 //! - Logprobs are the log-softmax of the raw logits (before temperature and penalties), as vLLM
 //!   reports them.

@@ -96,6 +96,11 @@ pub struct MetricsSnapshot {
     pub adapter_events_pending: usize,
     /// Adapter evictions from the CPU tier and from device slots.
     pub adapter_evictions: u64,
+    /// Adapter loads waiting now for a CPU-tier entry to be unpinned (not failures: their
+    /// requests wait).
+    pub adapter_loads_waiting: usize,
+    /// Adapter loads that ever had to wait for a CPU-tier entry.
+    pub adapter_capacity_waits: u64,
     /// Per adapter usage, by name.
     pub per_adapter: BTreeMap<String, AdapterUsage>,
     /// Time to first token.

@@ -142,25 +142,26 @@ impl SamplerState {
 
     fn sample_random(&mut self, logits: &[f32], p: &SamplingParams) -> u32 {
         let t = p.temperature as f64;
-        // Candidates sorted by logit, best first; the filters below only ever cut the tail.
-        let mut cand: Vec<(u32, f64)> =
+        let cand: Vec<(u32, f64)> =
             logits.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i as u32, x as f64 / t)).collect();
         if cand.is_empty() {
             return argmax(logits);
         }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // Candidates best first, sorted only as far as the filters and the draw look: a token
+        // costs O(vocabulary) plus the sort of the head actually walked, not a full sort.
+        let mut c = Ranked::new(cand);
         if p.top_k > 0 {
-            cand.truncate(p.top_k as usize);
+            c.truncate(p.top_k as usize);
         }
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|c| (c.1 - max).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-        let mut keep = probs.len();
+        let max = c.get(0).1;
+        let total: f64 = c.cand.iter().map(|x| (x.1 - max).exp()).sum();
+        let prob = |c: &mut Ranked, i: usize| (c.get(i).1 - max).exp() / total;
+        let n = c.cand.len();
+        let mut keep = n;
         if p.top_p < 1.0 {
             let mut acc = 0.0;
-            for (i, &q) in probs.iter().enumerate() {
-                acc += q;
+            for i in 0..n {
+                acc += prob(&mut c, i);
                 if acc >= p.top_p as f64 {
                     keep = i + 1;
                     break;
@@ -168,18 +169,63 @@ impl SamplerState {
             }
         }
         if p.min_p > 0.0 {
-            let floor = probs[0] * p.min_p as f64;
-            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+            let floor = prob(&mut c, 0) * p.min_p as f64;
+            let above = (0..keep).take_while(|&i| prob(&mut c, i) >= floor).count();
+            keep = keep.min(above.max(1));
         }
-        let mass: f64 = probs[..keep].iter().sum();
+        let mass: f64 = (0..keep).map(|i| prob(&mut c, i)).sum();
         let mut u = self.rng.next_f64() * mass;
         for i in 0..keep {
-            u -= probs[i];
+            u -= prob(&mut c, i);
             if u <= 0.0 {
-                return cand[i].0;
+                return c.get(i).0;
             }
         }
-        cand[keep - 1].0
+        c.get(keep - 1).0
+    }
+}
+
+/// Candidates `(token, logit / temperature)` ranked best first (ties: lower id first), sorted
+/// lazily in chunks: everything before `sorted` is in order and no later entry ranks above it.
+struct Ranked {
+    cand: Vec<(u32, f64)>,
+    sorted: usize,
+}
+
+/// How many more candidates are put in order when the walk reaches the end of the sorted head.
+const RANK_CHUNK: usize = 256;
+
+fn rank(a: &(u32, f64), b: &(u32, f64)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+impl Ranked {
+    fn new(cand: Vec<(u32, f64)>) -> Ranked {
+        Ranked { cand, sorted: 0 }
+    }
+
+    /// Keeps the best `k`.
+    fn truncate(&mut self, k: usize) {
+        if k < self.cand.len() {
+            self.cand.select_nth_unstable_by(k, rank);
+            self.cand.truncate(k);
+            self.sorted = 0;
+        }
+    }
+
+    /// The candidate of rank `i` (`i` < len).
+    fn get(&mut self, i: usize) -> (u32, f64) {
+        if i >= self.sorted {
+            let upto = (i + 1).max(self.sorted + RANK_CHUNK).min(self.cand.len());
+            let rest = &mut self.cand[self.sorted..];
+            let take = upto - self.sorted;
+            if take < rest.len() {
+                rest.select_nth_unstable_by(take - 1, rank);
+            }
+            rest[..take].sort_by(rank);
+            self.sorted = upto;
+        }
+        self.cand[i]
     }
 }
 
@@ -194,6 +240,24 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-6);
         assert_eq!(top_n(&lp, 2).iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3]);
         assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
+    }
+
+    #[test]
+    fn the_lazy_ranking_is_the_full_sort() {
+        let mut rng = Rng::new(7);
+        // Ties on purpose: values from a small set.
+        let cand: Vec<(u32, f64)> = (0..5000).map(|i| (i, (rng.next_f64() * 40.0).floor())).collect();
+        let mut full = cand.clone();
+        full.sort_by(rank);
+        let mut lazy = Ranked::new(cand.clone());
+        // Read out of order: a deep rank first, then from the start.
+        assert_eq!(lazy.get(1234), full[1234]);
+        for (i, want) in full.iter().enumerate() {
+            assert_eq!(lazy.get(i), *want, "rank {i}");
+        }
+        let mut top = Ranked::new(cand);
+        top.truncate(300);
+        assert_eq!((0..300).map(|i| top.get(i)).collect::<Vec<_>>(), full[..300].to_vec());
     }
 
     #[test]

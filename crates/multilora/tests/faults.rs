@@ -279,20 +279,26 @@ fn a_startup_adapter_claiming_a_huge_rank_is_a_typed_error() -> Result<()> {
     Ok(())
 }
 
+/// The fixture base with two slots and no start-up adapter, runtime loading allowed inside the
+/// fixtures.
+fn runtime_builder() -> multilora::EngineBuilder {
+    multilora::Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_loras(2)
+        .max_lora_rank(32)
+        .kv_cache_bytes(16 << 20)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(fixtures())
+}
+
 /// A CPU tier as small as the slots (2) and five adapters in use at once from four threads:
 /// a load that finds every CPU entry pinned waits for one to unpin instead of failing, so every
 /// request finishes, and the engine comes back to idle. (Before, such loads failed with "all 2
 /// entries of the cpu tier are pinned", and the failure stuck.)
 #[test]
 fn a_tight_cpu_tier_makes_requests_wait_not_fail() -> Result<()> {
-    let engine = multilora::Engine::builder(path("base"))
-        .served_model_name(BASE)
-        .max_loras(2)
+    let engine = runtime_builder()
         .max_cpu_loras(2)
-        .max_lora_rank(32)
-        .kv_cache_bytes(16 << 20)
-        .allow_runtime_lora_updating(true)
-        .allowed_lora_root(fixtures())
         .lora_resolver(multilora::DirectoryResolver::new(fixtures().join("adapters")))
         .build()?;
     let names = ["qv_r8", "all_r16", "rslora_r4", "pattern_r8", "rank32"];
@@ -329,6 +335,80 @@ fn a_tight_cpu_tier_makes_requests_wait_not_fail() -> Result<()> {
     let m = wait_for(&engine, |m| m.running == 0 && m.waiting == 0);
     assert_idle(&m);
     assert!(m.request_errors.is_empty(), "no request failed: {:?}", m.request_errors);
+    assert_eq!(m.adapter_loads_waiting, 0, "no load is left waiting");
     assert_eq!(m.requests_finished.get("length"), Some(&120), "{m:?}");
+    Ok(())
+}
+
+/// `max_model_len` beyond the model's own limit (512 positions in the fixture's config.json)
+/// is refused at build, naming both, before anything is loaded; vLLM refuses it too. Before,
+/// it was accepted and a sequence past the model's positions failed every request in its step.
+#[test]
+fn max_model_len_beyond_the_model_is_refused() {
+    let err = builder(2).max_model_len(4096).build().unwrap_err();
+    assert_eq!(err.kind(), "invalid_config", "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("max_model_len 4096") && msg.contains("512"), "{msg}");
+    let engine = builder(2).max_model_len(512).build().expect("the model's own limit is fine");
+    assert_eq!(engine.config().max_model_len, 512);
+}
+
+/// An in-place reload with a version that targets modules without slot buffers is refused and
+/// rolled back: the version before it stays current and serves the same output. (Before, the
+/// target check ran after the swap, so the refused version stayed current and every later
+/// request for the name failed.)
+#[test]
+fn a_refused_reload_leaves_the_previous_version_serving() -> Result<()> {
+    let engine = runtime_builder()
+        .lora_target_modules(&[multilora::ModuleKind::QProj, multilora::ModuleKind::VProj])
+        .lora("sql", path("adapters/qv_r8"))
+        .build()?;
+    let run = || -> Result<Vec<u32>> {
+        Ok(engine
+            .submit(GenerateRequest::new("sql", vec![1, 294, 488]).params(greedy(6)))?
+            .collect_blocking()?
+            .token_ids)
+    };
+    let before = run()?;
+    let err = engine.handle().reload_adapter("sql", &path("adapters/all_r16")).unwrap_err();
+    assert_eq!(err.cause_kind(), Some("not_a_target"), "{err}");
+    assert!(err.to_string().contains("sql"), "{err}");
+    assert_eq!(run()?, before, "the previous version still serves");
+    let info = engine.models().into_iter().find(|m| m.id == "sql").expect("still listed");
+    assert_eq!(info.source, path("adapters/qv_r8"), "{info:?}");
+    Ok(())
+}
+
+/// A request preempted (its KV blocks and slot given back) keeps its adapter generation while it
+/// waits: its adapter is reloaded in place with other weights meanwhile, and it still resumes and
+/// finishes on the weights it started with, with the tokens it would have had without the
+/// reload. (Before, the old generation was dropped at the reload, and the request failed with
+/// "left host memory mid-request".)
+#[test]
+fn a_preempted_request_keeps_its_generation_across_a_reload() -> Result<()> {
+    let prompt = |k: usize| -> Vec<u32> { (0..64).map(|i| (3 + i * 7 + k * 31) as u32 % 509).collect() };
+    let alone = builder(4).build()?;
+    let want = alone.submit(GenerateRequest::new("all_r16", prompt(5)).params(greedy(200)))?.collect_blocking()?;
+    drop(alone);
+
+    let probe = builder(4).build()?;
+    let slot_bytes = probe.config().lora_slot_bytes;
+    drop(probe);
+    let engine = builder(4)
+        .max_model_len(320)
+        .kv_cache_bytes(slot_bytes + 700_000)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(fixtures())
+        .build()?;
+    let first = engine.submit(GenerateRequest::new("qv_r8", prompt(4)).params(greedy(200)))?;
+    let second = engine.submit(GenerateRequest::new("all_r16", prompt(5)).params(greedy(200)))?;
+    until(&engine, "a preemption", |m| m.preemptions >= 1 && m.waiting == 1);
+    engine.handle().reload_adapter("all_r16", &path("adapters/rank32"))?;
+    let (first, second) = (first.collect_blocking()?, second.collect_blocking()?);
+    assert_eq!(first.token_ids.len(), 200);
+    assert_eq!(second.token_ids, want.token_ids, "resumed on the weights it started with");
+    let m = wait_for(&engine, |m| m.running == 0);
+    assert_idle(&m);
+    assert!(m.request_errors.is_empty(), "{:?}", m.request_errors);
     Ok(())
 }

@@ -188,6 +188,16 @@ pub async fn sse_events(resp: reqwest::Response) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// Copies the files of directory `from` (a fixture adapter) into `to`, created.
+pub fn copy_dir(from: &str, to: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), to.join(entry.file_name()))?;
+    }
+    Ok(())
+}
+
 pub fn ids(v: &Value) -> Vec<u32> {
     v.as_array().map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect()).unwrap_or_default()
 }

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use multilora_scheduler::{LogitsWanted, RequestResult, ScheduledRequest};
-use multilora_store::SlotLease;
+use multilora_store::{HostLease, SlotLease};
 use multilora_types::AdapterGen;
 use tokenizers::Tokenizer;
 
@@ -26,6 +26,9 @@ pub(super) struct Live {
     /// waiting requests of running adapters could pin every slot). Dropped with the request,
     /// so a pin cannot outlive it.
     pub(super) lease: Option<SlotLease>,
+    /// While preempted: a pin on `generation`'s host-memory entry only (not its slot), so the
+    /// request resumes on the same weights however the tiers move meanwhile.
+    pub(super) host: Option<HostLease>,
     pub(super) sampler: SamplerState,
     pub(super) detok: Option<Detokenizer>,
     /// Where the scan of the generated text for stop strings stands.
@@ -49,6 +52,7 @@ impl Live {
             sub,
             generation: None,
             lease: None,
+            host: None,
             detok,
             stop_scan,
             last_token: None,
@@ -61,6 +65,7 @@ impl Live {
     pub(super) fn restart(&mut self) {
         self.generation = None;
         self.lease = None;
+        self.host = None;
         self.prompt_lp = self.sub.params.prompt_logprobs.map(|_| vec![None; self.sub.prompt.len()]);
     }
 

@@ -55,6 +55,8 @@ impl EngineLoop {
             adapter_loads: sm.loads,
             adapter_events_pending: sm.events_pending + self.events.pending(),
             adapter_evictions: sm.cpu.evictions + sm.device.evictions,
+            adapter_loads_waiting: sm.waiting_for_capacity,
+            adapter_capacity_waits: sm.capacity_waits,
             per_adapter: self.counters.per_adapter.clone(),
             ttft: self.counters.ttft.clone(),
             inter_token_latency: self.counters.itl.clone(),

@@ -166,6 +166,11 @@ impl EngineLoop {
     fn update_pins(&mut self, out: &SchedulerOutput) {
         for &id in &out.preempted {
             if let Some(live) = self.live.get_mut(&id) {
+                // Its slot is let go (a waiting request must not pin one), its host-memory entry
+                // is held, taken before the slot lease goes so the generation is never unheld.
+                if let Some(g) = live.generation {
+                    live.host = self.store.host_lease(g).ok();
+                }
                 live.lease = None;
                 self.counters.preemptions += 1;
             }
@@ -178,6 +183,7 @@ impl EngineLoop {
             }
             if let Ok(lease) = self.store.lease(g) {
                 live.lease = Some(lease);
+                live.host = None;
             } else if live.sampler.num_generated == 0 {
                 // Evicted from the CPU tier while waiting: back to the engine's queue until it
                 // is loaded again (nothing was generated, so nothing is lost).
