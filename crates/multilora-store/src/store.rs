@@ -449,6 +449,11 @@ impl Store {
         self.shared.state.lock().slots.resident().into_iter().map(|(slot, g)| (SlotId::new(slot), g)).collect()
     }
 
+    /// Loads waiting now for a CPU-tier entry to be unpinned (cheap: one lock, no copies).
+    pub fn loads_waiting(&self) -> usize {
+        self.shared.state.lock().waiting.len()
+    }
+
     /// A snapshot of occupancy, traffic, load times and failures.
     pub fn metrics(&self) -> StoreMetrics {
         let inner = self.shared.state.lock();

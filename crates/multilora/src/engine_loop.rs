@@ -253,7 +253,10 @@ impl EngineLoop {
         }
         // `submit` refused names that are not served (LoRA off included); the store is asked
         // again because the adapter may have loaded, failed or been unloaded since.
-        let earlier = self.deferred.iter().any(|d| self.live.get(d).is_some_and(|l| l.sub.model == name));
+        // In arrival order behind an earlier request for the same adapter, and behind every
+        // deferred request while a load waits for a CPU entry (see `admit_deferred`).
+        let earlier = self.deferred.iter().any(|d| self.live.get(d).is_some_and(|l| l.sub.model == name))
+            || (!self.deferred.is_empty() && self.store.loads_waiting() > 0);
         match self.store.request(&name) {
             Ok(AdapterStatus::Ready(g)) if !earlier => self.admit(id, Some(g)),
             Ok(AdapterStatus::Failed(e)) => self.fail(id, EngineError::from_store_arc(&name, &e)),
@@ -262,9 +265,23 @@ impl EngineLoop {
         }
     }
 
-    /// Hands request `id` to the scheduler on `generation` (pinned once it first runs).
+    /// Hands request `id` to the scheduler on `generation`: from here until it finishes it
+    /// holds that generation's host-memory entry (a `HostLease`; its slot only while it runs),
+    /// so it keeps its place and aging in the scheduler whatever loads come meanwhile. If the
+    /// generation left host memory since it was looked up, the request waits again in order.
     fn admit(&mut self, id: u64, generation: Option<AdapterGen>) {
         let Some(live) = self.live.get_mut(&id) else { return };
+        if let Some(g) = generation {
+            match self.store.host_lease(g) {
+                Ok(host) => live.host = Some(host),
+                Err(_) => {
+                    self.store.prefetch([live.sub.model.as_str()]);
+                    let at = self.deferred.partition_point(|&d| d < id);
+                    self.deferred.insert(at, id);
+                    return;
+                }
+            }
+        }
         live.generation = generation;
         let p = &live.sub.params;
         let room = self.config.max_model_len.saturating_sub(live.sub.prompt.len()).max(1);
@@ -297,8 +314,17 @@ impl EngineLoop {
             return;
         }
         let mut status: HashMap<String, std::result::Result<AdapterStatus, EngineError>> = HashMap::new();
+        // While a load waits for a CPU entry to be unpinned, requests behind it wait too, even
+        // for adapters in host memory: admitting them would pin those entries again and could
+        // starve the waiting load. (Admitted requests hold their entry until they finish.)
+        let capacity_wait = self.store.loads_waiting() > 0;
+        let mut blocked = false;
         let queue = std::mem::take(&mut self.deferred);
         for id in queue {
+            if blocked {
+                self.deferred.push_back(id);
+                continue;
+            }
             let Some(name) = self.live.get(&id).map(|l| l.sub.model.clone()) else { continue };
             let st = status
                 .entry(name.clone())
@@ -307,7 +333,10 @@ impl EngineLoop {
             match st {
                 Ok(AdapterStatus::Ready(g)) => self.admit(id, Some(g)),
                 Ok(AdapterStatus::Failed(e)) => self.fail(id, EngineError::from_store_arc(&name, &e)),
-                Ok(_) => self.deferred.push_back(id),
+                Ok(_) => {
+                    self.deferred.push_back(id);
+                    blocked = capacity_wait;
+                }
                 Err(e) => self.fail(id, e),
             }
         }

@@ -412,3 +412,51 @@ fn a_preempted_request_keeps_its_generation_across_a_reload() -> Result<()> {
     assert!(m.request_errors.is_empty(), "{:?}", m.request_errors);
     Ok(())
 }
+
+/// A request admitted to the scheduler holds its adapter's host-memory entry while it waits, so
+/// a load of another adapter into a full CPU tier waits for it instead of evicting it: the
+/// waiting request keeps its place (it runs first, on the weights it was admitted on) and its
+/// adapter is loaded once, not evicted and loaded again. (Before, the load evicted it, and the
+/// request was sent back to wait for its adapter behind later ones.)
+#[test]
+fn a_waiting_request_keeps_its_place_when_another_adapter_needs_its_cpu_entry() -> Result<()> {
+    let engine = runtime_builder()
+        .max_num_seqs(1)
+        .max_loras(1)
+        .max_cpu_loras(1)
+        .lora("sql", path("adapters/qv_r8"))
+        .lora_resolver(multilora::DirectoryResolver::new(fixtures().join("adapters")))
+        .build()?;
+    let blocker = engine.submit(GenerateRequest::new(BASE, vec![1, 2, 3]).params(greedy(400)))?;
+    until(&engine, "the blocker runs", |m| m.running == 1);
+    let first = engine.submit(GenerateRequest::new("sql", vec![1, 294, 488]).params(greedy(4)))?;
+    let second = engine.submit(GenerateRequest::new("all_r16", vec![1, 294, 488]).params(greedy(4)))?;
+    until(&engine, "all_r16's load waits for the one cpu entry", |m| m.adapter_loads_waiting == 1);
+    // Each stream read on its own thread, noting when each token arrives.
+    let times = |mut s: multilora::RequestStream| {
+        move || {
+            let mut at = Vec::new();
+            while let Some(ev) = s.recv_blocking() {
+                match ev {
+                    Event::Token { .. } => at.push(std::time::Instant::now()),
+                    Event::Error(e) => panic!("{e}"),
+                    _ => {}
+                }
+            }
+            at
+        }
+    };
+    let (a, b) = std::thread::scope(|sc| {
+        let a = sc.spawn(times(first));
+        let b = sc.spawn(times(second));
+        drop(blocker);
+        (a.join().expect("sql stream"), b.join().expect("all_r16 stream"))
+    });
+    assert_eq!((a.len(), b.len()), (4, 4));
+    assert!(a[3] < b[0], "the request admitted first ran first");
+    let m = wait_for(&engine, |m| m.running == 0 && m.waiting == 0);
+    assert_idle(&m);
+    assert_eq!(m.adapter_loads, 2, "sql at start and all_r16 once: nothing evicted and loaded again: {m:?}");
+    assert_eq!(m.adapter_capacity_waits, 1, "{m:?}");
+    Ok(())
+}
