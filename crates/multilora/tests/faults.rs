@@ -460,3 +460,33 @@ fn a_waiting_request_keeps_its_place_when_another_adapter_needs_its_cpu_entry() 
     assert_eq!(m.adapter_capacity_waits, 1, "{m:?}");
     Ok(())
 }
+
+/// A failed load from source is not retried by every request (within its back-off the next
+/// request gets the same error at submit, without touching the files), and `retry_adapter`
+/// loads it again at once: once the files are fixed, it serves.
+#[test]
+fn a_failed_load_is_answered_from_memory_and_retry_reloads_it() -> Result<()> {
+    let root = tempfile::tempdir()?;
+    let dir = root.path().join("fixme");
+    std::fs::create_dir_all(&dir)?;
+    let src = fixtures().join("adapters/qv_r8");
+    std::fs::copy(src.join("adapter_config.json"), dir.join("adapter_config.json"))?;
+    let weights = std::fs::read(src.join("adapter_model.safetensors"))?;
+    std::fs::write(dir.join("adapter_model.safetensors"), &weights[..weights.len() / 2])?;
+    let engine = runtime_builder()
+        .allowed_lora_root(root.path())
+        .lora_resolver(multilora::DirectoryResolver::new(root.path()))
+        .build()?;
+    let submit = || engine.submit(GenerateRequest::new("fixme", vec![1, 294, 488]).params(greedy(3)));
+    let err = submit()?.collect_blocking().unwrap_err();
+    assert_eq!(err.cause_kind(), Some("truncated"), "{err}");
+    // Within the back-off (1 s): refused at submit with the same error.
+    let again = submit().unwrap_err();
+    assert_eq!(again.cause_kind(), Some("truncated"), "{again}");
+    std::fs::write(dir.join("adapter_model.safetensors"), &weights)?;
+    let ready = engine.handle().retry_adapter("fixme")?;
+    let stream = submit()?;
+    assert!(ready || !stream.adapter_ready(), "a fresh load started");
+    assert_eq!(stream.collect_blocking()?.token_ids.len(), 3);
+    Ok(())
+}
