@@ -102,25 +102,34 @@ impl Server {
         }
     }
 
-    /// Polls `/metrics` until nothing runs, waits or holds KV blocks and slot pins.
+    /// Polls `/metrics` until nothing runs, waits or holds KV blocks and slot pins. The page is
+    /// what the loop last published, at most 20 ms old while it steps, so an idle page read just
+    /// after new work arrived may predate that work: idle must hold across a publication
+    /// interval (a loop that goes idle publishes at once).
     pub async fn wait_idle(&self) -> Result<Scrape> {
-        let start = Instant::now();
-        loop {
-            let s = self.scrape().await?;
-            let busy = [
+        let busy = |s: &Scrape| {
+            [
                 "vllm:num_requests_running",
                 "vllm:num_requests_waiting",
                 "vllm:kv_cache_usage_perc",
                 "multilora_pinned_slots",
             ]
             .iter()
-            .map(|m| value(&s, m, &[]))
-            .sum::<f64>();
-            if busy == 0.0 {
-                return Ok(s);
+            .map(|m| value(s, m, &[]))
+            .sum::<f64>()
+        };
+        let start = Instant::now();
+        loop {
+            let s = self.scrape().await?;
+            if busy(&s) == 0.0 {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                let again = self.scrape().await?;
+                if busy(&again) == 0.0 {
+                    return Ok(again);
+                }
             }
             if start.elapsed() > Duration::from_secs(20) {
-                bail!("the engine is not idle after 20 s (sum of gauges {busy})");
+                bail!("the engine is not idle after 20 s (sum of gauges {})", busy(&s));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
