@@ -7,10 +7,10 @@
 mod common;
 
 use std::path::Path;
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{CountingLoader, CountingSink, synthetic, tiny_shapes, wait_for, wait_ready};
+use common::{CountingLoader, CountingSink, next_event, synthetic, tiny_shapes, wait_for, wait_ready, with_events};
 use multilora_adapter::{AdapterSource, ModuleKind, SyntheticAdapter};
 use multilora_store::{AdapterGen, AdapterStatus, DirectoryResolver, Error, LoadEvent, Store, StoreConfig};
 use multilora_types::LoraLimits;
@@ -40,18 +40,6 @@ fn qv_config(root: &Path, max_cpu_loras: usize) -> StoreConfig {
         .max_cpu_loras(max_cpu_loras)
         .allow_runtime_updates(true)
         .allowed_root(root)
-}
-
-/// A store whose load events arrive on the returned channel, as the engine's do.
-fn with_events(builder: multilora_store::StoreBuilder) -> anyhow::Result<(Store, mpsc::Receiver<LoadEvent>)> {
-    let (tx, rx) = mpsc::channel();
-    let store = builder.events(move |event| drop(tx.send(event))).build()?;
-    Ok((store, rx))
-}
-
-/// The next event on `rx`; the timeout only keeps a broken test from hanging.
-fn next_event(rx: &mpsc::Receiver<LoadEvent>) -> LoadEvent {
-    rx.recv_timeout(Duration::from_secs(60)).expect("no load event")
 }
 
 /// Waits until `n` finished loads wait for room; the timeout only keeps a broken test from hanging.

@@ -5,11 +5,11 @@
 mod common;
 
 use std::path::Path;
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{CountingSink, synthetic, tiny_shapes, wait_ready};
-use multilora_store::{AdapterGen, AdapterStatus, LoadEvent, Store, StoreBuilder, StoreConfig};
+use common::{CountingSink, next_event, synthetic, tiny_shapes, wait_ready, with_events};
+use multilora_store::{AdapterGen, AdapterStatus, LoadEvent, Store, StoreConfig};
 use multilora_types::LoraLimits;
 
 fn ready(store: &Store, name: &str) -> AdapterGen {
@@ -26,18 +26,6 @@ fn config(root: &Path, max_loras: usize, max_cpu_loras: usize) -> StoreConfig {
         .max_cpu_loras(max_cpu_loras)
         .allow_runtime_updates(true)
         .allowed_root(root)
-}
-
-/// A store whose load events arrive on the returned channel, as the engine's do.
-fn with_events(builder: StoreBuilder) -> anyhow::Result<(Store, mpsc::Receiver<LoadEvent>)> {
-    let (tx, rx) = mpsc::channel();
-    let store = builder.events(move |event| drop(tx.send(event))).build()?;
-    Ok((store, rx))
-}
-
-/// The next event on `rx`; the timeout only keeps a broken test from hanging.
-fn next_event(rx: &mpsc::Receiver<LoadEvent>) -> LoadEvent {
-    rx.recv_timeout(Duration::from_secs(60)).expect("no load event")
 }
 
 /// Waits until `n` finished loads wait for room; the timeout only keeps a broken test from hanging.

@@ -131,3 +131,15 @@ pub fn wait_ready(store: &Store, name: &str) -> AdapterGen {
         other => panic!("{name:?} failed to load: {other:?}"),
     }
 }
+
+/// A store whose load events arrive on the returned channel, as the engine's do.
+pub fn with_events(builder: multilora_store::StoreBuilder) -> anyhow::Result<(Store, mpsc::Receiver<LoadEvent>)> {
+    let (tx, rx) = mpsc::channel();
+    let store = builder.events(move |event| drop(tx.send(event))).build()?;
+    Ok((store, rx))
+}
+
+/// The next event on `rx`; the timeout only keeps a broken test from hanging.
+pub fn next_event(rx: &mpsc::Receiver<LoadEvent>) -> LoadEvent {
+    rx.recv_timeout(Duration::from_secs(60)).expect("no load event")
+}
