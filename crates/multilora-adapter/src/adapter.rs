@@ -50,21 +50,41 @@ impl LoraModule {
     }
 }
 
-/// `b: [rows, cols]` → a contiguous `[cols, rows]` copy: for f32 on the CPU a blocked transpose
-/// (candle's strided copy of a transposed view moves one element at a time), otherwise candle's.
+/// `b: [rows, cols]` → a contiguous `[cols, rows]` copy: for f32, bf16 and f16 on the CPU a
+/// blocked transpose (candle's strided copy of a transposed view moves one element at a time),
+/// otherwise candle's.
 fn transposed(b: &Tensor) -> candle_core::Result<Tensor> {
-    const BLOCK: usize = 32;
+    use candle_core::CpuStorage;
     let (rows, cols) = b.dims2()?;
-    if b.dtype() != DType::F32 || !b.device().is_cpu() {
+    if !b.device().is_cpu() || !matches!(b.dtype(), DType::F32 | DType::BF16 | DType::F16) {
         return b.t()?.contiguous();
     }
     let b = b.contiguous()?;
     let (guard, layout) = b.storage_and_layout();
-    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)) = &*guard else {
-        return b.t()?.contiguous();
+    let range = layout.start_offset()..layout.start_offset() + rows * cols;
+    let t = match &*guard {
+        candle_core::Storage::Cpu(CpuStorage::F32(v)) => block_transpose(&v[range], rows, cols, b.device()),
+        candle_core::Storage::Cpu(CpuStorage::BF16(v)) => block_transpose(&v[range], rows, cols, b.device()),
+        candle_core::Storage::Cpu(CpuStorage::F16(v)) => block_transpose(&v[range], rows, cols, b.device()),
+        _ => None,
     };
-    let src = &values[layout.start_offset()..layout.start_offset() + rows * cols];
-    let mut dst = vec![0f32; rows * cols];
+    drop(guard);
+    match t {
+        Some(t) => t,
+        None => b.t()?.contiguous(),
+    }
+}
+
+/// The `[cols, rows]` transpose of `src: [rows, cols]`, `BLOCK` rows at a time (so the reads of a
+/// block stay in cache while its columns are written out).
+fn block_transpose<T: candle_core::WithDType>(
+    src: &[T],
+    rows: usize,
+    cols: usize,
+    dev: &candle_core::Device,
+) -> Option<candle_core::Result<Tensor>> {
+    const BLOCK: usize = 32;
+    let mut dst = vec![T::zero(); rows * cols];
     for i0 in (0..rows).step_by(BLOCK) {
         let i1 = (i0 + BLOCK).min(rows);
         for j in 0..cols {
@@ -73,8 +93,7 @@ fn transposed(b: &Tensor) -> candle_core::Result<Tensor> {
             }
         }
     }
-    drop(guard);
-    Tensor::from_vec(dst, (cols, rows), b.device())
+    Some(Tensor::from_vec(dst, (cols, rows), dev))
 }
 
 /// A validated LoRA adapter held in memory (on the CPU, in the LoRA dtype).
@@ -200,5 +219,6 @@ pub fn embedding_digest(embedding: &Tensor) -> candle_core::Result<[u8; 32]> {
 /// Shorthand used by [`ModelShapes`] users: the digest as an `Option` for `embed_digest`.
 pub fn with_embedding_digest(mut shapes: ModelShapes, embedding: &Tensor) -> candle_core::Result<ModelShapes> {
     shapes.embed_digest = Some(embedding_digest(embedding)?);
+    shapes.embed_dtype = Some(embedding.dtype());
     Ok(shapes)
 }

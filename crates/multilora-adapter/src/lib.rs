@@ -52,7 +52,9 @@ pub use error::{Error, Result};
 pub use load::{
     CONFIG_FILE, ConfigSummary, LoadOptions, MAX_CONFIG_FILE_BYTES, ModuleSetting, WEIGHTS_FILE, load_dir, read_config,
 };
-pub use model_config::{Architecture, ConfigError, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling};
+pub use model_config::{
+    Architecture, ConfigError, GenerationConfig, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling,
+};
 pub use module::{ModuleId, ModuleKind};
 pub use shapes::ModelShapes;
 pub use source::{AdapterSource, HubConfig};

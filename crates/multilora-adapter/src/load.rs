@@ -466,7 +466,9 @@ fn classify(ctx: &Ctx<'_>, config: &AdapterConfig, key: &str) -> Result<(ModuleI
     Err(ctx.unexpected(key, "not a LoRA tensor name PEFT writes"))
 }
 
-/// PEFT copies a saved embedding over the base one; only an identical copy is harmless.
+/// PEFT copies a saved embedding over the base one; only an identical copy is harmless. A copy
+/// saved in another dtype than the checkpoint's (an f32 adapter over a bf16 checkpoint) is
+/// compared as PEFT would write it: rounded to the checkpoint's dtype.
 fn check_saved_embedding(ctx: &Ctx<'_>, st: &SafeTensors<'_>, key: &str, shapes: &ModelShapes) -> Result<()> {
     let (vocab, hidden) = shapes.in_out(ModuleKind::EmbedTokens);
     let mut scratch = blake3::Hasher::new();
@@ -480,11 +482,20 @@ fn check_saved_embedding(ctx: &Ctx<'_>, st: &SafeTensors<'_>, key: &str, shapes:
     let Some(expected) = shapes.embed_digest else {
         return Err(mismatch("the base model's embedding digest is unknown, so the copy cannot be checked"));
     };
-    let got = crate::adapter::embedding_digest(&t).map_err(|e| ctx.candle("digest the saved embedding", e))?;
-    if got != expected {
-        return Err(mismatch("its digest differs"));
+    let digest = |t: &candle_core::Tensor| {
+        crate::adapter::embedding_digest(t).map_err(|e| ctx.candle("digest the saved embedding", e))
+    };
+    if digest(&t)? == expected {
+        return Ok(());
     }
-    Ok(())
+    if let Some(dt) = shapes.embed_dtype.filter(|&dt| dt != t.dtype()) {
+        let rounded = t.to_dtype(dt).map_err(|e| ctx.candle("round the saved embedding", e))?;
+        if digest(&rounded)? == expected {
+            return Ok(());
+        }
+        return Err(mismatch(&format!("its digest differs, also rounded to the base embedding's {dt:?}")));
+    }
+    Err(mismatch("its digest differs"))
 }
 
 /// Strict mode: `base_model_name_or_path` must lead to a `config.json` of the served architecture.

@@ -83,6 +83,10 @@ pub enum RopeScaling {
 pub enum HiddenAct {
     /// SiLU (`silu`, also spelled `swish`): every Llama, Mistral and Qwen2 checkpoint.
     Silu,
+    /// GELU with the exact erf (`gelu`).
+    Gelu,
+    /// GELU's tanh approximation (`gelu_new`, `gelu_pytorch_tanh`, `gelu_fast`).
+    GeluTanh,
 }
 
 /// Why a `config.json` was refused.
@@ -144,7 +148,10 @@ pub enum ConfigError {
         kind: String,
     },
     /// An MLP activation this engine does not implement.
-    #[error("{}: field \"hidden_act\" is {name:?}, which is not supported (supported: silu)", path.display())]
+    #[error(
+        "{}: field \"hidden_act\" is {name:?}, which is not supported (supported: silu, swish, gelu, gelu_new, gelu_pytorch_tanh, gelu_fast)",
+        path.display()
+    )]
     UnsupportedActivation {
         /// The file.
         path: PathBuf,
@@ -200,8 +207,8 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Longest position the model supports.
     pub max_position_embeddings: usize,
-    /// Mistral's sliding window, when the config enables one. The forward refuses a sequence whose
-    /// context exceeds it instead of silently attending further (see [`ModelConfig::max_model_len`]).
+    /// Mistral's sliding window, when the config enables one: each position attends to the last
+    /// this many positions, itself included.
     pub sliding_window: Option<usize>,
     /// `bos_token_id`.
     pub bos_token_id: Option<u32>,
@@ -262,22 +269,27 @@ enum TokenIds {
     Many(Vec<u32>),
 }
 
+/// The text of a JSON config file: a regular file of at most [`MAX_CONFIG_BYTES`] (`metadata`
+/// follows symlinks and does not open the file, so a FIFO cannot block here).
+pub(crate) fn read_config_text(path: &Path) -> Result<String, ConfigError> {
+    let io = |source| ConfigError::Io { path: path.to_path_buf(), source };
+    let not = |reason: String| ConfigError::NotAConfigFile { path: path.to_path_buf(), reason };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        return Err(not("not a regular file".to_string()));
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(not(format!("{} bytes, more than the {MAX_CONFIG_BYTES} a config may have", meta.len())));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path).map_err(io)?.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text).map_err(io)?;
+    Ok(text)
+}
+
 impl ModelConfig {
     /// Reads `config.json` from a file: a regular file of at most [`MAX_CONFIG_BYTES`].
     pub fn from_file(path: &Path) -> Result<ModelConfig, ConfigError> {
-        let io = |source| ConfigError::Io { path: path.to_path_buf(), source };
-        let not = |reason: String| ConfigError::NotAConfigFile { path: path.to_path_buf(), reason };
-        // `metadata` follows symlinks and does not open the file, so a FIFO cannot block here.
-        let meta = std::fs::metadata(path).map_err(io)?;
-        if !meta.is_file() {
-            return Err(not("not a regular file".to_string()));
-        }
-        if meta.len() > MAX_CONFIG_BYTES {
-            return Err(not(format!("{} bytes, more than the {MAX_CONFIG_BYTES} a config may have", meta.len())));
-        }
-        let mut text = String::new();
-        std::fs::File::open(path).map_err(io)?.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text).map_err(io)?;
-        ModelConfig::parse(&text, path)
+        ModelConfig::parse(&read_config_text(path)?, path)
     }
 
     /// Reads the text of a `config.json`; errors name `path`.
@@ -352,6 +364,8 @@ impl ModelConfig {
         };
         let hidden_act = match raw.hidden_act.as_deref() {
             None | Some("silu") | Some("swish") => HiddenAct::Silu,
+            Some("gelu") => HiddenAct::Gelu,
+            Some("gelu_new") | Some("gelu_pytorch_tanh") | Some("gelu_fast") => HiddenAct::GeluTanh,
             Some(other) => {
                 return Err(ConfigError::UnsupportedActivation { path: path.to_path_buf(), name: other.to_string() });
             }
@@ -408,13 +422,10 @@ impl ModelConfig {
         s
     }
 
-    /// The longest sequence the forward accepts: `max_position_embeddings`, or the sliding window
-    /// when one is set and smaller (the window is not implemented, so longer contexts are refused).
+    /// The longest sequence the forward accepts: `max_position_embeddings` (a sliding window is
+    /// applied in attention, not as a cap).
     pub fn max_model_len(&self) -> usize {
-        match self.sliding_window {
-            Some(w) if w > 0 => w.min(self.max_position_embeddings),
-            _ => self.max_position_embeddings,
-        }
+        self.max_position_embeddings
     }
 
     /// The checkpoint's own dtype, when the config names one this engine serves in.
@@ -469,6 +480,9 @@ fn rope_scaling(p: &RawRope, path: &Path) -> Result<RopeScaling, ConfigError> {
         other => Err(ConfigError::UnsupportedRopeScaling { path: path.to_path_buf(), kind: other.to_string() }),
     }
 }
+
+mod generation;
+pub use generation::GenerationConfig;
 
 #[cfg(test)]
 mod tests;

@@ -33,6 +33,9 @@ pub struct ModelShapes {
     /// blake3-256 of the base embedding (see [`crate::embedding_digest`]); `None` when unknown,
     /// in which case an adapter that carries a saved embedding is refused, since it cannot be checked.
     pub embed_digest: Option<[u8; 32]>,
+    /// The dtype the base embedding is stored in (set with the digest): a saved copy in another
+    /// dtype is compared after rounding to it, as PEFT's copy over a model of that dtype would be.
+    pub embed_dtype: Option<candle_core::DType>,
 }
 
 impl ModelShapes {
@@ -57,6 +60,7 @@ impl ModelShapes {
             head_dim: hidden_size / num_heads.max(1),
             tie_word_embeddings: false,
             embed_digest: None,
+            embed_dtype: None,
         }
     }
 

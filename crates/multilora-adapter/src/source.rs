@@ -105,27 +105,70 @@ fn is_revision(s: &str) -> bool {
         && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'))
 }
 
-/// Where the hub cache is and whether the network may be used.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where the hub cache is, whether the network may be used, and the credentials and endpoint
+/// for it.
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct HubConfig {
     /// The cache root (`$HF_HOME/hub`, or `~/.cache/huggingface/hub`).
     pub cache_dir: PathBuf,
     /// Serve from the cache alone (`HF_HUB_OFFLINE`).
     pub offline: bool,
+    /// `HF_TOKEN` (or the older `HUGGING_FACE_HUB_TOKEN`): sent as a bearer token, for gated and
+    /// private repos; never printed. Without it, the token file `huggingface-cli login` writes
+    /// is used, as `hf-hub` does.
+    token: Option<String>,
+    /// `HF_ENDPOINT`: another hub (a mirror); `https://huggingface.co` when `None`.
+    endpoint: Option<String>,
+}
+
+impl std::fmt::Debug for HubConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HubConfig")
+            .field("cache_dir", &self.cache_dir)
+            .field("offline", &self.offline)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
 }
 
 impl HubConfig {
-    /// Settings as `huggingface_hub` reads them: `HF_HOME` and `HF_HUB_OFFLINE`.
+    /// Settings as `huggingface_hub` reads them: `HF_HOME`, `HF_HUB_OFFLINE`, `HF_TOKEN` (else
+    /// `HUGGING_FACE_HUB_TOKEN`) and `HF_ENDPOINT`.
     pub fn from_env() -> HubConfig {
-        let offline = std::env::var("HF_HUB_OFFLINE")
-            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
-        HubConfig { cache_dir: Cache::from_env().path().clone(), offline }
+        HubConfig::from_vars(Cache::from_env().path().clone(), |k| std::env::var(k).ok())
     }
 
-    /// Explicit settings.
+    /// [`HubConfig::from_env`] over `var` instead of the process environment.
+    fn from_vars(cache_dir: PathBuf, var: impl Fn(&str) -> Option<String>) -> HubConfig {
+        let offline = var("HF_HUB_OFFLINE")
+            .is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+        let nonempty = |k: &str| var(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let token = nonempty("HF_TOKEN").or_else(|| nonempty("HUGGING_FACE_HUB_TOKEN"));
+        HubConfig { cache_dir, offline, token, endpoint: nonempty("HF_ENDPOINT") }
+    }
+
+    /// Explicit settings (no token, the default endpoint).
     pub fn new(cache_dir: impl Into<PathBuf>, offline: bool) -> HubConfig {
-        HubConfig { cache_dir: cache_dir.into(), offline }
+        HubConfig { cache_dir: cache_dir.into(), offline, token: None, endpoint: None }
+    }
+
+    /// Sends `token` to the hub (for gated and private repos).
+    pub fn with_token(mut self, token: impl Into<String>) -> HubConfig {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// Talks to the hub at `url` instead of `https://huggingface.co`.
+    pub fn with_endpoint(mut self, url: impl Into<String>) -> HubConfig {
+        self.endpoint = Some(url.into());
+        self
+    }
+
+    /// Whether a token will be sent (its value is never shown).
+    pub fn has_token(&self) -> bool {
+        self.token.is_some()
     }
 
     /// A file of a hub repo if the cache holds it: by ref name through `hf-hub`, or directly
@@ -153,10 +196,14 @@ impl HubConfig {
                 self.cache_dir.display()
             )));
         }
-        let api = hf_hub::api::sync::ApiBuilder::from_env()
-            .with_cache_dir(self.cache_dir.clone())
-            .build()
-            .map_err(|e| hub_err(format!("cannot start the hub client: {e}")))?;
+        let mut builder = hf_hub::api::sync::ApiBuilder::from_env().with_cache_dir(self.cache_dir.clone());
+        if let Some(token) = &self.token {
+            builder = builder.with_token(Some(token.clone()));
+        }
+        if let Some(url) = &self.endpoint {
+            builder = builder.with_endpoint(url.clone());
+        }
+        let api = builder.build().map_err(|e| hub_err(format!("cannot start the hub client: {e}")))?;
         api.repo(Repo::with_revision(repo.into(), RepoType::Model, revision.into()))
             .get(file)
             .map_err(|e| hub_err(format!("cannot fetch {file}: {e}")))
@@ -166,6 +213,50 @@ impl HubConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_token_comes_from_hf_token_and_is_never_printed() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let hub =
+            HubConfig::from_vars("/c".into(), vars(&[("HF_TOKEN", " hf_abc "), ("HUGGING_FACE_HUB_TOKEN", "old")]));
+        assert!(hub.has_token() && hub.token.as_deref() == Some("hf_abc"));
+        assert!(!format!("{hub:?}").contains("hf_abc"), "{hub:?}");
+        let hub =
+            HubConfig::from_vars("/c".into(), vars(&[("HUGGING_FACE_HUB_TOKEN", "old"), ("HF_HUB_OFFLINE", "1")]));
+        assert_eq!((hub.token.as_deref(), hub.offline), (Some("old"), true));
+        let hub = HubConfig::from_vars("/c".into(), vars(&[("HF_TOKEN", ""), ("HF_ENDPOINT", "http://mirror")]));
+        assert_eq!((hub.has_token(), hub.endpoint.as_deref()), (false, Some("http://mirror")));
+    }
+
+    /// A fetch sends `Authorization: Bearer <HF_TOKEN>` (to a stand-in hub on loopback, which
+    /// refuses it as the hub refuses a gated repo without access), and the error names the
+    /// file, not the token.
+    #[test]
+    fn a_fetch_sends_the_token_as_a_bearer() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            conn.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                head.push(byte[0]);
+            }
+            let _ = conn.write_all(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            String::from_utf8_lossy(&head).to_ascii_lowercase()
+        });
+        let cache = tempfile::tempdir().unwrap();
+        let hub = HubConfig::new(cache.path(), false).with_endpoint(url).with_token("hf_secret_value");
+        let err = hub.file("org/gated", "main", "config.json").unwrap_err().to_string();
+        let head = server.join().unwrap();
+        assert!(head.contains("authorization: bearer hf_secret_value"), "{head}");
+        assert!(head.contains("/org/gated/resolve/main/config.json"), "{head}");
+        assert!(err.contains("config.json") && !err.contains("hf_secret_value"), "{err}");
+    }
 
     #[test]
     fn parse_tells_directories_from_hub_ids() {

@@ -54,10 +54,16 @@ pub(crate) struct EngineArgs {
     /// `cpu` or `cuda:N` (`cuda` = `cuda:0`; needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
-    /// Model dtype, in vLLM's spellings: `auto` (the checkpoint's own on CUDA, f32 on the CPU),
-    /// `bfloat16`/`bf16`, `half`/`float16`/`f16`, `float`/`float32`/`f32`.
+    /// Model dtype (weights and KV cache), in vLLM's spellings: `auto` (the checkpoint's own
+    /// `torch_dtype`, f32 when it names none), `bfloat16`/`bf16`, `half`/`float16`/`f16`,
+    /// `float`/`float32`/`f32`. On the CPU the activations are f32 whatever it is.
     #[arg(long, default_value = "auto", value_parser = parse_dtype)]
     pub(crate) dtype: Dtype,
+    /// vLLM's `--generation-config`: `auto` (default) reads the checkpoint's
+    /// `generation_config.json` (EOS ids; default temperature, top_p, top_k, min_p,
+    /// repetition_penalty, max_new_tokens for requests that set none); `vllm` ignores it.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "vllm"])]
+    pub(crate) generation_config: String,
 }
 
 /// `--max-step-ms`: `auto`, `off` or a positive number of milliseconds.
@@ -174,6 +180,7 @@ impl EngineArgs {
         if let Some(bytes) = self.kv_cache_bytes {
             b = b.kv_cache_bytes(bytes);
         }
+        b = b.generation_config(self.generation_config == "auto");
         more(b).build().map_err(|e| {
             // The adapter error's text names the adapter, its file and the reason; say which flag
             // (its message already starts with `adapter "NAME":`, so it is not repeated here).

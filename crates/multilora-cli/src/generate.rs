@@ -38,8 +38,18 @@ pub(crate) struct GenerateArgs {
 /// One input line once read: a request to submit, or the error line it already earned.
 #[derive(Debug)]
 enum Parsed {
-    Request { id: Value, model: Option<String>, prompt: PromptIn, params: Box<SamplingParams> },
-    Error { id: Value, message: String },
+    /// `line`'s sampling fields were checked at parse; its parameters are made once the engine's
+    /// defaults are known.
+    Request {
+        id: Value,
+        model: Option<String>,
+        prompt: PromptIn,
+        line: Box<RequestLine>,
+    },
+    Error {
+        id: Value,
+        message: String,
+    },
 }
 
 #[derive(Debug)]
@@ -63,14 +73,14 @@ fn parse_input(path: &Path) -> Result<Vec<Parsed>, Failure> {
             return Err(bad("not a JSON object".into()));
         }
         let id = v.get("id").cloned().unwrap_or(Value::Null);
-        let parsed = serde_json::from_value::<RequestLine>(v).map_err(|e| e.to_string()).and_then(|r| {
-            let params = r.params()?;
-            let prompt = match (r.input_ids, r.prompt) {
+        let parsed = serde_json::from_value::<RequestLine>(v).map_err(|e| e.to_string()).and_then(|mut r| {
+            r.params(SamplingParams::default())?;
+            let prompt = match (r.input_ids.take(), r.prompt.take()) {
                 (Some(ids), None) => PromptIn::Ids(ids),
                 (None, Some(t)) => PromptIn::Text(t),
                 _ => return Err("give exactly one of input_ids and prompt".to_string()),
             };
-            Ok(Parsed::Request { id: id.clone(), model: r.model, prompt, params: Box::new(params) })
+            Ok(Parsed::Request { id: id.clone(), model: r.model.take(), prompt, line: Box::new(r) })
         });
         out.push(parsed.unwrap_or_else(|message| Parsed::Error { id, message }));
     }
@@ -86,6 +96,7 @@ pub(crate) fn run(a: GenerateArgs) -> Result<(), Failure> {
         .map_err(Failure::input)?;
     let engine = a.engine.build(|b| b)?;
     let served = engine.config().served_model_name.clone();
+    let defaults = engine.config().default_params();
     // Tokenize text prompts here (as the engine would: special tokens added) so `prompt_ids`
     // can be reported.
     let handle = engine.handle();
@@ -99,9 +110,13 @@ pub(crate) fn run(a: GenerateArgs) -> Result<(), Failure> {
                 pending.push(Err(error_line(&id, "invalid_request", &message)));
                 continue;
             }
-            Parsed::Request { id, model, prompt, params } => {
-                (id, model.unwrap_or_else(|| served.clone()), prompt, params)
-            }
+            Parsed::Request { id, model, prompt, line } => match line.params(defaults.clone()) {
+                Ok(params) => (id, model.unwrap_or_else(|| served.clone()), prompt, Box::new(params)),
+                Err(message) => {
+                    pending.push(Err(error_line(&id, "invalid_request", &message)));
+                    continue;
+                }
+            },
         };
         let (engine_prompt, ids) = match prompt {
             PromptIn::Ids(ids) => (Prompt::Tokens(ids.clone()), Some(ids)),

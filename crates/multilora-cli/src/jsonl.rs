@@ -65,24 +65,26 @@ fn logprob_count(field: &str, v: &Option<Value>) -> Result<Option<usize>, String
 }
 
 impl RequestLine {
-    /// The sampling parameters, with vLLM's defaults for what is absent.
-    pub(crate) fn params(&self) -> Result<SamplingParams, String> {
-        let mut p = SamplingParams::default();
-        p.max_tokens = Some(self.max_tokens.unwrap_or(16));
-        p.temperature = self.temperature.unwrap_or(1.0);
+    /// The sampling parameters: `base` (the engine's defaults: vLLM's, or the checkpoint's
+    /// `generation_config.json`) with every field the line sets in its place; `max_tokens` is
+    /// 16 when neither the line nor `base` sets it (vLLM's completions default).
+    pub(crate) fn params(&self, base: SamplingParams) -> Result<SamplingParams, String> {
+        let mut p = base;
+        p.max_tokens = Some(self.max_tokens.or(p.max_tokens).unwrap_or(16));
+        p.temperature = self.temperature.unwrap_or(p.temperature);
         p.prompt_logprobs = logprob_count("prompt_logprobs", &self.prompt_logprobs)?;
         p.logprobs = logprob_count("logprobs", &self.logprobs)?;
         p.ignore_eos = self.ignore_eos.unwrap_or(false);
         p.stop_token_ids = self.stop_token_ids.clone().unwrap_or_default();
         p.stop = self.stop.clone().unwrap_or_default();
         p.seed = self.seed;
-        p.top_p = self.top_p.unwrap_or(1.0);
-        p.top_k = self.top_k.unwrap_or(0);
-        p.min_p = self.min_p.unwrap_or(0.0);
+        p.top_p = self.top_p.unwrap_or(p.top_p);
+        p.top_k = self.top_k.unwrap_or(p.top_k);
+        p.min_p = self.min_p.unwrap_or(p.min_p);
         p.min_tokens = self.min_tokens.unwrap_or(0);
         p.presence_penalty = self.presence_penalty.unwrap_or(0.0);
         p.frequency_penalty = self.frequency_penalty.unwrap_or(0.0);
-        p.repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
+        p.repetition_penalty = self.repetition_penalty.unwrap_or(p.repetition_penalty);
         Ok(p)
     }
 }
@@ -143,18 +145,27 @@ mod tests {
     #[test]
     fn defaults_are_vllms() {
         let r: RequestLine = serde_json::from_str(r#"{"id": "a", "input_ids": [1]}"#).unwrap();
-        let p = r.params().unwrap();
+        let p = r.params(SamplingParams::default()).unwrap();
         assert_eq!((p.max_tokens, p.temperature, p.logprobs, p.prompt_logprobs), (Some(16), 1.0, None, None));
+    }
+
+    #[test]
+    fn the_checkpoints_defaults_fill_what_the_line_leaves_unset() {
+        let mut base = SamplingParams::default();
+        (base.temperature, base.top_p, base.max_tokens) = (0.6, 0.9, Some(64));
+        let r: RequestLine = serde_json::from_str(r#"{"input_ids": [1], "top_p": 0.5}"#).unwrap();
+        let p = r.params(base).unwrap();
+        assert_eq!((p.temperature, p.top_p, p.max_tokens), (0.6, 0.5, Some(64)));
     }
 
     #[test]
     fn logprob_fields_take_true_or_a_count() {
         let r: RequestLine =
             serde_json::from_str(r#"{"input_ids": [1], "logprobs": 3, "prompt_logprobs": true}"#).unwrap();
-        let p = r.params().unwrap();
+        let p = r.params(SamplingParams::default()).unwrap();
         assert_eq!((p.logprobs, p.prompt_logprobs), (Some(3), Some(0)));
         let r: RequestLine = serde_json::from_str(r#"{"input_ids": [1], "logprobs": "x"}"#).unwrap();
-        assert!(r.params().is_err());
+        assert!(r.params(SamplingParams::default()).is_err());
         assert!(serde_json::from_str::<RequestLine>(r#"{"input_ids": [1], "max_token": 3}"#).is_err());
     }
 }

@@ -110,7 +110,14 @@ fn main() -> ExitCode {
     let result = match cli.command {
         None => demo::run(demo::DemoArgs::default()),
         Some(Command::Demo(a)) => demo::run(a),
-        Some(Command::Generate(a)) => generate::run(a),
+        Some(Command::Generate(a)) => {
+            // Its stderr is part of its contract (a progress bar, one line per failure): the
+            // engine's log only when asked for with RUST_LOG.
+            if std::env::var_os("RUST_LOG").is_some() {
+                init_logging();
+            }
+            generate::run(a)
+        }
         Some(Command::Serve(a)) => {
             init_logging();
             serve::run(a)

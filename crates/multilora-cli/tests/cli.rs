@@ -358,3 +358,40 @@ fn generate_exits_non_zero_when_the_engine_fails() {
         assert!(l["error"]["message"].as_str().unwrap().contains("injected"), "{l}");
     }
 }
+
+/// `generate` on a bf16 checkpoint (the fixture's base rounded to bf16, `config.json` naming
+/// `bfloat16`) with no `--dtype`: served in bf16, as the start-up log says with the kernels'
+/// instruction set, and every request answered.
+#[test]
+fn generate_serves_a_bf16_checkpoint_in_bf16() {
+    use candle_core::{DType, Device};
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base-bf16");
+    std::fs::create_dir_all(&base).unwrap();
+    let from = fixtures().join("base");
+    let tensors = candle_core::safetensors::load(from.join("model.safetensors"), &Device::Cpu).unwrap();
+    let bf16: std::collections::HashMap<_, _> =
+        tensors.into_iter().map(|(k, t)| (k, t.to_dtype(DType::BF16).unwrap())).collect();
+    candle_core::safetensors::save(&bf16, base.join("model.safetensors")).unwrap();
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(from.join("config.json")).unwrap()).unwrap();
+    cfg["dtype"] = json!("bfloat16");
+    std::fs::write(base.join("config.json"), cfg.to_string()).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        std::fs::copy(from.join(f), base.join(f)).unwrap();
+    }
+    let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
+    std::fs::write(&input, "{\"id\": 1, \"input_ids\": [1, 294, 488], \"max_tokens\": 4, \"ignore_eos\": true}\n")
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_multilora"))
+        .args(["generate", "--model", base.to_str().unwrap(), "--input", input.to_str().unwrap()])
+        .args(["--output", output.to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run multilora");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let ready = stderr.lines().find(|l| l.contains("multilora engine ready")).unwrap_or_default();
+    assert!(ready.contains("dtype=BF16") && ready.contains("over BF16 weights"), "{stderr}");
+    let line: Value = serde_json::from_str(std::fs::read_to_string(&output).unwrap().trim()).unwrap();
+    assert_eq!(line["output_ids"].as_array().map(Vec::len), Some(4), "{line}");
+}

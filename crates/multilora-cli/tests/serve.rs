@@ -1,5 +1,6 @@
 //! `multilora serve` as a process: the official `openai` Python client against it (with a chat
-//! template given by `--chat-template`, and without one), and a graceful exit 0 on SIGTERM.
+//! template given by `--chat-template`, and without one), a graceful exit 0 on SIGTERM, and a
+//! bf16 checkpoint served in its own dtype within its own bytes.
 //!
 //! The Python part needs `python3` with the `openai` package. `.ci/run` installs it and sets
 //! `MULTILORA_REQUIRE_OPENAI=1`, so in CI its absence fails the test; elsewhere the Python part
@@ -18,6 +19,8 @@ fn fixtures() -> PathBuf {
 struct Serve {
     child: Child,
     url: String,
+    /// Every line it wrote to stderr so far.
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     _stderr: std::thread::JoinHandle<()>,
 }
 
@@ -27,17 +30,20 @@ fn serve(extra: &[&str]) -> Serve {
 
 fn serve_with_env(extra: &[&str], env: &[(&str, &str)]) -> Serve {
     let f = fixtures();
-    let mut args: Vec<String> = ["serve", "--model"].map(String::from).to_vec();
-    args.push(f.join("base").display().to_string());
-    args.extend(
-        ["--served-model-name", "base", "--port", "0", "--api-key", "test-key", "--lora-modules"].map(String::from),
-    );
+    let mut args: Vec<String> = ["--served-model-name", "base", "--lora-modules"].map(String::from).to_vec();
     for name in ["qv_r8", "all_r16"] {
         args.push(format!("{name}={}", f.join("adapters").join(name).display()));
     }
     args.extend(extra.iter().map(|s| s.to_string()));
+    serve_model(&f.join("base"), &args, env)
+}
+
+/// `multilora serve --model <model> --port 0 --api-key test-key <args>`, its stderr echoed and
+/// kept (`lines`).
+fn serve_model(model: &Path, args: &[String], env: &[(&str, &str)]) -> Serve {
     let mut child = Command::new(env!("CARGO_BIN_EXE_multilora"))
-        .args(&args)
+        .args(["serve", "--model", model.to_str().expect("utf-8 path"), "--port", "0", "--api-key", "test-key"])
+        .args(args)
         .env("RUST_LOG", "warn")
         .envs(env.iter().copied())
         .stderr(Stdio::piped())
@@ -46,20 +52,28 @@ fn serve_with_env(extra: &[&str], env: &[(&str, &str)]) -> Serve {
         .expect("start multilora serve");
     let stderr = child.stderr.take().expect("stderr piped");
     let (tx, rx) = std::sync::mpsc::channel();
-    let reader = std::thread::spawn(move || forward(stderr, tx));
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = lines.clone();
+    let reader = std::thread::spawn(move || forward(stderr, tx, kept));
     let line = rx.recv_timeout(Duration::from_secs(60)).expect("multilora serve printed its address");
     let url = line.rsplit(' ').next().expect("an address").to_string();
     assert!(url.starts_with("http://127.0.0.1:"), "{line}");
-    Serve { child, url, _stderr: reader }
+    Serve { child, url, lines, _stderr: reader }
 }
 
-/// Sends the "serving ... on URL" line to `tx`, and echoes everything for the test log.
-fn forward(stderr: ChildStderr, tx: std::sync::mpsc::Sender<String>) {
+/// Sends the "serving ... on URL" line to `tx`, keeps every line in `kept`, and echoes them for
+/// the test log.
+fn forward(
+    stderr: ChildStderr,
+    tx: std::sync::mpsc::Sender<String>,
+    kept: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) {
     for line in BufReader::new(stderr).lines().map_while(Result::ok) {
         eprintln!("[serve] {line}");
         if line.starts_with("multilora serving") {
-            let _ = tx.send(line);
+            let _ = tx.send(line.clone());
         }
+        kept.lock().expect("lines").push(line);
     }
 }
 
@@ -137,6 +151,104 @@ fn a_bad_chat_template_file_is_refused_at_start() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--chat-template") && err.contains("/nonexistent/chat.jinja"), "{err}");
+}
+
+/// A random bf16 checkpoint of the engine bench's layer shapes (hidden 1024, intermediate 2816,
+/// 16 / 8 heads, vocab 32000) with 4 layers, `config.json` naming `bfloat16`: 224 MB of weights.
+/// Returns its weight bytes.
+fn write_bf16_checkpoint(dir: &Path) -> u64 {
+    use candle_core::{DType, Device, Tensor};
+    let (h, i, v, layers) = (1024usize, 2816usize, 32000usize, 4usize);
+    let config = serde_json::json!({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": h, "intermediate_size": i, "num_hidden_layers": layers, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "vocab_size": v, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048,
+        "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"});
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let r =
+        |shape: (usize, usize)| Tensor::randn(0f32, 0.02, shape, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+    let mut w = std::collections::HashMap::new();
+    w.insert("model.embed_tokens.weight".to_string(), r((v, h)));
+    w.insert("lm_head.weight".to_string(), r((v, h)));
+    w.insert("model.norm.weight".to_string(), Tensor::ones(h, DType::BF16, &Device::Cpu).unwrap());
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        for (n, shape) in [
+            ("self_attn.q_proj", (h, h)),
+            ("self_attn.k_proj", (h / 2, h)),
+            ("self_attn.v_proj", (h / 2, h)),
+            ("self_attn.o_proj", (h, h)),
+            ("mlp.gate_proj", (i, h)),
+            ("mlp.up_proj", (i, h)),
+            ("mlp.down_proj", (h, i)),
+        ] {
+            w.insert(format!("{p}.{n}.weight"), r(shape));
+        }
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            w.insert(format!("{p}.{n}.weight"), Tensor::ones(h, DType::BF16, &Device::Cpu).unwrap());
+        }
+    }
+    let bytes = w.values().map(|t| (t.elem_count() * 2) as u64).sum();
+    candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
+    bytes
+}
+
+/// `VmRSS` and `VmHWM` of a process, in bytes (Linux).
+fn resident(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// A bf16 checkpoint served with no `--dtype`: served in bf16 (the start-up log and
+/// `/v1/models` say so, with the kernels' instruction set), a request answered, and the
+/// resident memory once serving at most 1.25× the checkpoint's bytes plus the KV budget.
+#[test]
+fn a_bf16_checkpoint_is_served_in_bf16_within_its_own_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let weights = write_bf16_checkpoint(dir.path());
+    let kv = 64u64 << 20;
+    let args: Vec<String> = ["--served-model-name", "base", "--max-loras", "0", "--kv-cache-bytes", &kv.to_string()]
+        .map(String::from)
+        .to_vec();
+    let server = serve_model(dir.path(), &args, &[("RUST_LOG", "info")]);
+    let body = r#"{"model": "base", "prompt": [1, 5, 9, 13], "max_tokens": 4}"#;
+    let resp = post(&server.url, "/v1/completions", body);
+    assert!(resp.starts_with("HTTP/1.1 200") && resp.contains("\"completion_tokens\":4"), "{resp}");
+    let models = get(&server.url, "/v1/models");
+    assert!(models.contains("\"dtype\":\"bfloat16\""), "{models}");
+    let ready = server.lines.lock().unwrap().iter().find(|l| l.contains("multilora engine ready")).cloned();
+    let ready = ready.expect("the start-up log line");
+    assert!(ready.contains("dtype=BF16") && ready.contains("over BF16 weights"), "{ready}");
+    if let Some((rss, hwm)) = resident(server.child.id()) {
+        let bound = weights as f64 * 1.25 + kv as f64;
+        eprintln!(
+            "bf16 checkpoint {:.1} MB, KV budget {:.1} MB: resident {:.1} MB (bound {:.1} MB), peak {:.1} MB",
+            weights as f64 / 1e6,
+            kv as f64 / 1e6,
+            rss as f64 / 1e6,
+            bound / 1e6,
+            hwm as f64 / 1e6
+        );
+        assert!((rss as f64) <= bound, "resident {rss} bytes > {bound}");
+    } else {
+        eprintln!("SKIPPED the resident-memory check: no /proc/<pid>/status on this system");
+    }
+    assert_eq!(server.terminate().code(), Some(0));
+}
+
+/// A raw HTTP/1.1 GET: the whole response.
+fn get(url: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let addr = url.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer test-key\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
 }
 
 /// A raw HTTP/1.1 POST (no client library needed): the whole response, headers included.

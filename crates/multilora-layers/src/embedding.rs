@@ -19,6 +19,8 @@ use crate::slots::{LoraSlots, SlotConfig};
 pub struct LoraEmbedding {
     weight: Tensor,
     lora: Option<LoraSlots>,
+    /// The dtype rows come out in (the table's own unless set).
+    out_dtype: DType,
 }
 
 impl LoraEmbedding {
@@ -30,13 +32,22 @@ impl LoraEmbedding {
             Some(cfg) if cfg.max_loras > 0 => Some(LoraSlots::zeros_embedding(id, vocab, hidden, cfg)?),
             _ => None,
         };
-        Ok(LoraEmbedding { weight, lora })
+        let out_dtype = weight.dtype();
+        Ok(LoraEmbedding { weight, lora, out_dtype })
+    }
+
+    /// Rows come out in `dtype` (e.g. f32 activations over a bf16 table, which stays bf16); the
+    /// LoRA deltas are added in it.
+    pub fn output_dtype(mut self, dtype: DType) -> LoraEmbedding {
+        self.out_dtype = dtype;
+        self
     }
 
     /// `ids: [rows]` (u32, or `[..]` flattened) → `[rows, hidden]`.
     pub fn forward(&self, ids: &Tensor, mapping: &LoraMapping) -> Result<Tensor> {
         let ids = ids.flatten_all()?;
         let y = self.weight.index_select(&ids, 0)?;
+        let y = if y.dtype() == self.out_dtype { y } else { y.to_dtype(self.out_dtype)? };
         let Some(slots) = &self.lora else { return Ok(y) };
         if mapping.no_lora() {
             return Ok(y);

@@ -1,9 +1,9 @@
 //! `LoraLinear`: a base linear layer (plain or fused, e.g. qkv or gate_up) plus the LoRA slot
 //! buffers of each module it holds.
 //!
-//! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row (for f32 on the CPU
-//! with the crate's kernel over the weight packed at construction, [`PackedWeight`]; otherwise
-//! candle's matmul), then adds each LoRA
+//! `forward(x, mapping)` computes `y = x · Wᵀ (+ bias)` once for every row (on the CPU with the
+//! crate's kernel over the weight packed at construction in its own dtype, f32, bf16 or f16,
+//! [`PackedWeight`], in f32; otherwise candle's matmul), then adds each LoRA
 //! row's own `B_k · A_k · x` with the segmented ops; rows without a slot keep the base output bit for
 //! bit. `merge(slot)` folds one adapter into the weight for deployments where one tenant carries
 //! nearly all the traffic.
@@ -14,7 +14,7 @@ use multilora_types::SlotId;
 
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
-use crate::ops::expand::cpu::{shrink_expand_f32, shrink_expand_in_place};
+use crate::ops::expand::cpu::{shrink_expand_fused, shrink_expand_in_place};
 use crate::ops::expand::lora_expand;
 use crate::ops::gemm::PackedWeight;
 use crate::ops::shrink::lora_shrink;
@@ -31,7 +31,7 @@ pub struct LoraLinear {
     merged: Option<Merged>,
 }
 
-/// The base weight: packed for the CPU kernel (f32 on the CPU), or the tensor as given.
+/// The base weight: packed for the CPU kernel (f32, bf16 or f16 on the CPU), or the tensor as given.
 #[derive(Clone, Debug)]
 enum Base {
     Dense(Tensor),
@@ -52,10 +52,20 @@ impl Base {
         })
     }
 
+    /// `x · Wᵀ` in `x`'s dtype (a packed weight computes in f32, whatever its own dtype).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Base::Dense(w) => crate::ops::gemm::linear(x, w),
-            Base::Packed(p) => p.forward(x),
+            Base::Packed(p) if x.dtype() == DType::F32 => p.forward(x),
+            Base::Packed(p) => Ok(p.forward(x)?.to_dtype(x.dtype())?),
+        }
+    }
+
+    /// `(out, in)`.
+    fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            Base::Dense(w) => Ok(w.dims2()?),
+            Base::Packed(p) => Ok(p.dims()),
         }
     }
 
@@ -81,8 +91,8 @@ impl LoraLinear {
     /// plain projection, e.g. `[(q, 4096), (k, 1024), (v, 1024)]` for a fused qkv. `lora: None`
     /// means no slot buffers (the module is not a LoRA target, or `max_loras` is 0).
     ///
-    /// An f32 weight on the CPU is packed for the crate's kernel (the layer keeps the packed
-    /// copy, not the tensor).
+    /// An f32, bf16 or f16 weight on the CPU is packed for the crate's kernel in its dtype (the
+    /// layer keeps the packed copy, not the tensor); `y` comes back in `x`'s dtype.
     pub fn new(
         weight: Tensor,
         bias: Option<Tensor>,
@@ -104,6 +114,21 @@ impl LoraLinear {
         Self::build(weight, bias, slices, lora, true)
     }
 
+    /// [`LoraLinear::new`] over the weight whose rows are those of `parts` in order (q, k and v
+    /// of a fused projection, say): on the CPU packed straight from the parts, so the fused
+    /// weight is never materialised as one more copy; elsewhere concatenated.
+    pub fn new_fused(
+        parts: Vec<Tensor>,
+        bias: Option<Tensor>,
+        slices: Vec<(ModuleId, usize)>,
+        lora: Option<&SlotConfig>,
+    ) -> Result<LoraLinear> {
+        match PackedWeight::pack_parts(&parts)? {
+            Some(p) => Self::with_base(Base::Packed(p), bias, slices, lora),
+            None => Self::new(Tensor::cat(&parts, 0)?, bias, slices, lora),
+        }
+    }
+
     fn build(
         weight: Tensor,
         bias: Option<Tensor>,
@@ -112,7 +137,18 @@ impl LoraLinear {
         shared: bool,
     ) -> Result<LoraLinear> {
         let name = slices.first().map(|s| s.0.to_string()).unwrap_or_else(|| "linear".to_string());
-        let (out, inp) = weight.dims2().map_err(|_| Error::shape(&name, "weight", weight.dims(), &[0, 0]))?;
+        weight.dims2().map_err(|_| Error::shape(&name, "weight", weight.dims(), &[0, 0]))?;
+        Self::with_base(Base::new(weight, shared)?, bias, slices, lora)
+    }
+
+    fn with_base(
+        base: Base,
+        bias: Option<Tensor>,
+        slices: Vec<(ModuleId, usize)>,
+        lora: Option<&SlotConfig>,
+    ) -> Result<LoraLinear> {
+        let name = slices.first().map(|s| s.0.to_string()).unwrap_or_else(|| "linear".to_string());
+        let (out, inp) = base.dims()?;
         if slices.is_empty() {
             return Err(Error::InvalidLayer {
                 module: name,
@@ -137,7 +173,7 @@ impl LoraLinear {
             }
             _ => None,
         };
-        Ok(LoraLinear { base: Base::new(weight, shared)?, bias, slices, lora, merged: None })
+        Ok(LoraLinear { base, bias, slices, lora, merged: None })
     }
 
     /// Wraps a `candle_nn::Linear` as one slice named `module`.
@@ -152,7 +188,7 @@ impl LoraLinear {
         let x2 = if dims.len() == 2 { x.clone() } else { x.flatten_to(dims.len().saturating_sub(2))? };
         let mut y = self.base.forward(&x2)?;
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
+            y = if b.dtype() == y.dtype() { y.broadcast_add(b)? } else { y.broadcast_add(&b.to_dtype(y.dtype())?)? };
         }
         if let Some(slots) = &self.lora
             && !mapping.no_lora()
@@ -373,7 +409,7 @@ pub fn lora_apply(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMa
 fn apply_lora(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
     if x.device().is_cpu() && y.is_contiguous() {
         crate::ops::check_input("lora_linear", x, slices, mapping)?;
-        if shrink_expand_f32(x, &y, slices, mapping)? {
+        if shrink_expand_fused(x, &y, slices, mapping)? {
             return Ok(y);
         }
         if let Some(xs) = mapping.gather_lora_rows(x)? {

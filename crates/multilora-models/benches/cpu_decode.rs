@@ -1,8 +1,11 @@
 //! One decode step of a random Llama of the PEFT comparison shape (hidden 1024, intermediate 2816,
-//! 8 layers, 16 heads / 8 KV heads, vocab 32000, f32) at batch 1, 16 and 64 with 64 tokens of
-//! context each: base only, 8 adapters of rank 16 on all seven projections (rows spread over
-//! them), and the bare matmuls of one step (the floor this machine allows). After criterion, a
-//! summary measured in the same run prints tokens/s and the LoRA/base ratio (target ≤ 1.10).
+//! 8 layers, 16 heads / 8 KV heads, vocab 32000) in f32 and in bf16 (weights, slots and KV cache;
+//! f32 activations) at batch 1, 16 and 64 with 64 tokens of context each: base only, 8 adapters
+//! of rank 16 on all seven projections (rows spread over them), and the bare f32 matmuls of one
+//! step through candle. After criterion, a summary measured in the same run prints tokens/s, the
+//! LoRA/base ratio, and each step against its memory floor: the bytes it must read (every base
+//! weight once, plus the A and B of the adapters its rows use) at the read bandwidth of all
+//! threads measured in the same run.
 //!
 //! `cargo bench -p multilora-models --bench cpu_decode -- --warm-up-time 1 --measurement-time 3`
 
@@ -58,11 +61,16 @@ struct Setup {
     model: Model,
     cache: KvCache,
     weights: Vec<Tensor>,
+    /// Bytes of the base weights one step reads (every projection and `lm_head`, in the dtype).
+    base_bytes: f64,
+    /// Bytes of one adapter's A and B over the seven projections of every layer, in the dtype.
+    adapter_bytes: f64,
 }
 
-fn setup() -> Setup {
+fn setup(dtype: DType) -> Setup {
     let cfg = config();
     let tensors = random_tensors(&cfg);
+    let size = dtype.size_in_bytes() as f64;
     let weights: Vec<Tensor> = {
         // The step's GEMM operands in the model's fused layout: qkv, o, gate_up, down per layer, lm_head.
         let get = |k: &str| tensors[k].clone();
@@ -80,7 +88,13 @@ fn setup() -> Setup {
         ws.push(get("lm_head.weight"));
         ws
     };
-    let opts = ModelOptions::default().lora(LoraLimits::new(8, 16, &ModuleKind::PROJECTIONS).expect("limits"));
+    let base_bytes = weights.iter().map(|w| w.elem_count() as f64).sum::<f64>() * size;
+    let (h, i, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_size(), cfg.kv_size());
+    // Per layer, rank 16 · (in + out) per projection: q, k, v, o, gate, up, down.
+    let per_layer = 16 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h));
+    let adapter_bytes = (per_layer * cfg.num_layers) as f64 * size;
+    let opts =
+        ModelOptions::default().dtype(dtype).lora(LoraLimits::new(8, 16, &ModuleKind::PROJECTIONS).expect("limits"));
     let mut model = Model::from_tensors(cfg, tensors, &opts).expect("model");
     let dir = tempfile::tempdir().expect("tempdir");
     for slot in 0..8 {
@@ -90,7 +104,7 @@ fn setup() -> Setup {
             &format!("a{slot}"),
             &d,
             model.shapes(),
-            &LoadOptions::default().max_lora_rank(16),
+            &LoadOptions::new(dtype).max_lora_rank(16),
         )
         .expect("load");
         model.write_slot(SlotId::new(slot), &a).expect("slot");
@@ -98,7 +112,22 @@ fn setup() -> Setup {
     let per_seq = (CONTEXT + 1).div_ceil(BLOCK);
     // The cache content does not change the cost of a step, so the context is left zeroed.
     let cache = model.new_kv_cache(KvCacheConfig::new(per_seq * 64, BLOCK)).expect("cache");
-    Setup { model, cache, weights }
+    Setup { model, cache, weights, base_bytes, adapter_bytes }
+}
+
+/// Bytes per second all threads read from memory (a sum over 512 MiB, far past the caches, on
+/// the rayon pool; the best of 5).
+fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let buf = vec![1u64; 64 << 20];
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let sum: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v))).sum();
+        black_box(sum);
+        best = best.max((buf.len() * 8) as f64 / t.elapsed().as_secs_f64());
+    }
+    best
 }
 
 fn batch(n: usize, lora: bool) -> Batch {
@@ -108,6 +137,21 @@ fn batch(n: usize, lora: bool) -> Batch {
             .map(|i| {
                 let table = (i as u32 * per_seq..(i as u32 + 1) * per_seq).collect();
                 SeqInput::new(vec![(i * 31 % 32000) as u32], CONTEXT, table, lora.then(|| SlotId::new(i % 8)))
+            })
+            .collect(),
+    )
+}
+
+/// The engine bench's prefill: 16 prompts of 64 tokens from position 0 in one step, logits for
+/// the last token of each (over the 8 adapters when `lora`).
+fn prefill(lora: bool) -> Batch {
+    let per_seq = (CONTEXT + 1).div_ceil(BLOCK) as u32;
+    Batch::new(
+        (0..16)
+            .map(|i| {
+                let table = (i as u32 * per_seq..(i as u32 + 1) * per_seq).collect();
+                let tokens = (0..CONTEXT).map(|k| ((i * 131 + k * 17) % 31990 + 3) as u32).collect();
+                SeqInput::new(tokens, 0, table, lora.then(|| SlotId::new(i % 8)))
             })
             .collect(),
     )
@@ -137,51 +181,84 @@ fn time<F: FnMut()>(mut f: F) -> f64 {
 }
 
 fn main() {
-    let mut s = setup();
+    let mut setups = [(DType::F32, setup(DType::F32)), (DType::BF16, setup(DType::BF16))];
     let mut c = Criterion::default().configure_from_args();
     let mut g = c.benchmark_group("cpu_decode");
     // A step at batch 64 takes a good fraction of a second on two cores; ten samples keep a run short.
     g.sample_size(10);
     for &n in &BATCHES {
         g.throughput(Throughput::Elements(n as u64));
-        for (name, lora) in [("base", false), ("lora8_r16", true)] {
-            let b = batch(n, lora);
-            g.bench_with_input(BenchmarkId::new(name, n), &b, |bench, b| {
-                bench.iter(|| black_box(s.model.forward(b, &mut s.cache).expect("forward")))
-            });
+        for (dt, s) in setups.iter_mut() {
+            for (name, lora) in [("base", false), ("lora8_r16", true)] {
+                let b = batch(n, lora);
+                g.bench_with_input(BenchmarkId::new(format!("{dt:?}/{name}"), n), &b, |bench, b| {
+                    bench.iter(|| black_box(s.model.forward(b, &mut s.cache).expect("forward")))
+                });
+            }
         }
+        let s = &setups[0].1;
         let x = Tensor::randn(0f32, 1.0, (n, 1024), &Device::Cpu).expect("x");
         let xi = Tensor::randn(0f32, 1.0, (n, 2816), &Device::Cpu).expect("xi");
         g.bench_with_input(BenchmarkId::new("bare_matmuls", n), &n, |bench, _| {
-            bench.iter(|| black_box(matmuls(&s, &x, &xi)))
+            bench.iter(|| black_box(matmuls(s, &x, &xi)))
         });
     }
+    g.throughput(Throughput::Elements(16 * CONTEXT as u64));
+    for (dt, s) in setups.iter_mut() {
+        for (name, lora) in [("prefill base", false), ("prefill lora8_r16", true)] {
+            let b = prefill(lora);
+            g.bench_with_input(BenchmarkId::new(format!("{dt:?}/{name}"), 16 * CONTEXT), &b, |bench, b| {
+                bench.iter(|| black_box(s.model.forward(b, &mut s.cache).expect("forward")))
+            });
+        }
+    }
     g.finish();
-    println!("\nsummary (median of 7 steps, same run):");
+    let bw = read_bandwidth();
+    println!("\nsummary (median of 7 steps, same run); read bandwidth of all threads {:.2} GB/s", bw / 1e9);
+    println!("kernels: {}", setups[1].1.model.kernels());
     println!(
-        "{:>6} {:>12} {:>12} {:>12} {:>10} {:>14}",
-        "batch", "base tok/s", "lora tok/s", "floor tok/s", "lora/base", "base/matmuls"
+        "{:>5} {:>6} {:>11} {:>11} {:>11} {:>9} {:>12} {:>12} {:>10}",
+        "dtype", "batch", "base tok/s", "lora tok/s", "candle f32", "lora/base", "base/floor", "lora/floor", "MB/step"
     );
     for &n in &BATCHES {
-        let (bb, bl) = (batch(n, false), batch(n, true));
+        let x = Tensor::randn(0f32, 1.0, (n, 1024), &Device::Cpu).expect("x");
+        let xi = Tensor::randn(0f32, 1.0, (n, 2816), &Device::Cpu).expect("xi");
+        let tm = time(|| {
+            black_box(matmuls(&setups[0].1, &x, &xi));
+        });
+        for (dt, s) in setups.iter_mut() {
+            let (bb, bl) = (batch(n, false), batch(n, true));
+            let tb = time(|| {
+                black_box(s.model.forward(&bb, &mut s.cache).expect("forward"));
+            });
+            let tl = time(|| {
+                black_box(s.model.forward(&bl, &mut s.cache).expect("forward"));
+            });
+            // Rows spread over the 8 adapters: min(n, 8) of them are read.
+            let lora_bytes = s.base_bytes + n.min(8) as f64 * s.adapter_bytes;
+            println!(
+                "{:>5} {n:>6} {:>11.1} {:>11.1} {:>11.1} {:>9.3} {:>12.3} {:>12.3} {:>10.1}",
+                format!("{dt:?}"),
+                n as f64 / tb,
+                n as f64 / tl,
+                n as f64 / tm,
+                tl / tb,
+                tb / (s.base_bytes / bw),
+                tl / (lora_bytes / bw),
+                lora_bytes / 1e6,
+            );
+        }
+    }
+    println!("\nprefill: 16 prompts of {CONTEXT} tokens in one step (median of 7), prompt tokens/s:");
+    for (dt, s) in setups.iter_mut() {
+        let (bb, bl) = (prefill(false), prefill(true));
         let tb = time(|| {
             black_box(s.model.forward(&bb, &mut s.cache).expect("forward"));
         });
         let tl = time(|| {
             black_box(s.model.forward(&bl, &mut s.cache).expect("forward"));
         });
-        let x = Tensor::randn(0f32, 1.0, (n, 1024), &Device::Cpu).expect("x");
-        let xi = Tensor::randn(0f32, 1.0, (n, 2816), &Device::Cpu).expect("xi");
-        let tm = time(|| {
-            black_box(matmuls(&s, &x, &xi));
-        });
-        println!(
-            "{n:>6} {:>12.1} {:>12.1} {:>12.1} {:>10.3} {:>14.3}",
-            n as f64 / tb,
-            n as f64 / tl,
-            n as f64 / tm,
-            tl / tb,
-            tb / tm
-        );
+        let t = (16 * CONTEXT) as f64;
+        println!("  {:>5}  base {:>8.1}   lora {:>8.1}   lora/base {:.3}", format!("{dt:?}"), t / tb, t / tl, tl / tb);
     }
 }

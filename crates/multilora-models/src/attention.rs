@@ -6,6 +6,7 @@
 //! (`[kv_heads, group · len, d]`), so GQA needs no copy of K or V.
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use multilora_layers::{PagedDecodeDims, paged_decode_attention};
@@ -23,9 +24,12 @@ pub(crate) struct AttnDims {
 }
 
 /// Writes the step's new `k`, `v` (`[tokens, kv_heads · head_dim]`) into the layer's cache rows.
+/// Keys and values are rounded to the cache's dtype (bf16 / f16 caches under f32 activations on
+/// the CPU).
 pub(crate) fn write_kv(plan: &StepPlan, cache_k: &Tensor, cache_v: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
-    cache_k.scatter_set(&plan.write_index, &k.contiguous()?, 0)?;
-    cache_v.scatter_set(&plan.write_index, &v.contiguous()?, 0)?;
+    let dt = cache_k.dtype();
+    cache_k.scatter_set(&plan.write_index, &k.to_dtype(dt)?.contiguous()?, 0)?;
+    cache_v.scatter_set(&plan.write_index, &v.to_dtype(dt)?.contiguous()?, 0)?;
     Ok(())
 }
 
@@ -57,7 +61,7 @@ pub(crate) fn paged_attention(
                 };
                 outs.push(paged_decode_attention(&qd, cache_k, cache_v, block_tables, ctx_lens, pd)?);
             }
-            DecodeReads::Gathered { ctx_rows, mask } => match decode_f32(&qd, cache_k, cache_v, g, d)? {
+            DecodeReads::Gathered { ctx_rows, mask } => match decode_in_place(&qd, cache_k, cache_v, g, d)? {
                 Some(o) => outs.push(o),
                 None => outs.push(decode_tensor_ops(&qd, cache_k, cache_v, g, ctx_rows, mask.as_ref(), d)?),
             },
@@ -72,7 +76,11 @@ pub(crate) fn paged_attention(
             d.head_dim,
         ))?;
         let gather = |c: &Tensor| -> Result<Tensor> {
-            Ok(c.index_select(&s.ctx_rows, 0)?.reshape((ctx, d.kv_heads, d.head_dim))?.transpose(0, 1)?.contiguous()?)
+            Ok(c.index_select(&s.ctx_rows, 0)?
+                .to_dtype(q.dtype())?
+                .reshape((ctx, d.kv_heads, d.head_dim))?
+                .transpose(0, 1)?
+                .contiguous()?)
         };
         let (k, v) = (gather(cache_k)?, gather(cache_v)?);
         // Softmax in f32 even for half-precision models: the row sums are what loses precision.
@@ -109,6 +117,7 @@ fn decode_tensor_ops(
     let qd = qd.reshape((g.n, d.kv_heads, group, d.head_dim))?;
     let gather = |c: &Tensor| -> Result<Tensor> {
         Ok(c.index_select(ctx_rows, 0)?
+            .to_dtype(qd.dtype())?
             .reshape((g.n, g.max_ctx, d.kv_heads, d.head_dim))?
             .transpose(1, 2)?
             .contiguous()?)
@@ -122,19 +131,43 @@ fn decode_tensor_ops(
     Ok(probs.matmul(&v)?.reshape((g.n, d.heads * d.head_dim))?)
 }
 
-/// The decode group for f32 on the CPU, reading each sequence's keys and values straight from
-/// the cache rows (no gather, no transpose, no padding): per sequence and query head,
+/// The decode group on the CPU (f32 queries over an f32, bf16 or f16 cache), reading each
+/// sequence's keys and values straight from the cache rows (no gather, no transpose, no padding;
+/// half-precision values widened as they are read): per sequence and query head,
 /// `softmax(q · kᵀ) · v` over its own context, sequences side by side on the rayon pool.
-/// `None` when the operands are not contiguous f32 CPU tensors.
-fn decode_f32(qd: &Tensor, cache_k: &Tensor, cache_v: &Tensor, g: &DecodeGroup, d: AttnDims) -> Result<Option<Tensor>> {
-    if qd.dtype() != DType::F32 || cache_k.dtype() != DType::F32 || !qd.device().is_cpu() {
+/// `None` when the operands are not contiguous CPU tensors of those dtypes.
+fn decode_in_place(
+    qd: &Tensor,
+    cache_k: &Tensor,
+    cache_v: &Tensor,
+    g: &DecodeGroup,
+    d: AttnDims,
+) -> Result<Option<Tensor>> {
+    if qd.dtype() != DType::F32 || !qd.device().is_cpu() || cache_v.dtype() != cache_k.dtype() {
         return Ok(None);
     }
+    match cache_k.dtype() {
+        DType::F32 => decode_with::<f32>(qd, cache_k, cache_v, g, d),
+        DType::BF16 => decode_with::<bf16>(qd, cache_k, cache_v, g, d),
+        DType::F16 => decode_with::<f16>(qd, cache_k, cache_v, g, d),
+        _ => Ok(None),
+    }
+}
+
+/// [`decode_in_place`] over a cache of element `E`.
+fn decode_with<E: KvElem>(
+    qd: &Tensor,
+    cache_k: &Tensor,
+    cache_v: &Tensor,
+    g: &DecodeGroup,
+    d: AttnDims,
+) -> Result<Option<Tensor>> {
     let qd = qd.contiguous()?;
     let (qg, ql) = qd.storage_and_layout();
     let (kg, kl) = cache_k.storage_and_layout();
     let (vg, vl) = cache_v.storage_and_layout();
-    let (Some(q), Some(k), Some(v)) = (cpu_f32(&qg, ql), cpu_f32(&kg, kl), cpu_f32(&vg, vl)) else {
+    let (Some(q), Some(k), Some(v)) = (cpu_values::<f32>(&qg, ql), cpu_values::<E>(&kg, kl), cpu_values::<E>(&vg, vl))
+    else {
         return Ok(None);
     };
     let (hd, heads) = (d.head_dim, d.heads);
@@ -164,7 +197,7 @@ fn decode_f32(qd: &Tensor, cache_k: &Tensor, cache_v: &Tensor, g: &DecodeGroup, 
             for (&s, &r) in scores.iter().zip(rows) {
                 let p = s / sum;
                 for (a, &x) in oh.iter_mut().zip(&v[r as usize * width + col..][..hd]) {
-                    *a += p * x;
+                    *a += p * x.f32();
                 }
             }
         }
@@ -173,23 +206,60 @@ fn decode_f32(qd: &Tensor, cache_k: &Tensor, cache_v: &Tensor, g: &DecodeGroup, 
     Ok(Some(Tensor::from_vec(out, (g.n, heads * hd), qd.device())?))
 }
 
+/// A KV cache element: f32, or bf16 / f16 widened exactly.
+trait KvElem: Copy + Send + Sync {
+    fn f32(self) -> f32;
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+    fn slice(s: &CpuStorage) -> Option<&[f32]> {
+        if let CpuStorage::F32(v) = s { Some(v) } else { None }
+    }
+}
+
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        // The high half of an f32: a shift the compiler vectorises.
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    fn slice(s: &CpuStorage) -> Option<&[bf16]> {
+        if let CpuStorage::BF16(v) = s { Some(v) } else { None }
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+    fn slice(s: &CpuStorage) -> Option<&[f16]> {
+        if let CpuStorage::F16(v) = s { Some(v) } else { None }
+    }
+}
+
 /// `a · b` with eight partial sums, so the compiler vectorises it.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y.f32()).sum();
     for (x, y) in ac.zip(bc) {
         for l in 0..8 {
-            acc[l] += x[l] * y[l];
+            acc[l] += x[l] * y[l].f32();
         }
     }
     acc.iter().sum::<f32>() + tail
 }
 
-/// The contiguous f32 values of a CPU tensor from its layout's start, if it is one.
-fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Option<&'a [f32]> {
+/// The contiguous values of a CPU tensor of element `E` from its layout's start, if it is one.
+fn cpu_values<'a, E: KvElem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
     match storage {
-        Storage::Cpu(CpuStorage::F32(v)) if layout.is_contiguous() => v.get(layout.start_offset()..),
+        Storage::Cpu(cpu) if layout.is_contiguous() => E::slice(cpu)?.get(layout.start_offset()..),
         _ => None,
     }
 }

@@ -78,6 +78,8 @@ pub(crate) struct Limits {
     /// Decode rows read the cache through their block tables on the device (the CUDA kernel);
     /// otherwise their context rows are listed (and, off the CPU, gathered).
     pub(crate) paged_decode: bool,
+    /// Mistral's sliding window: position `q` attends to positions `q + 1 - w ..= q` only.
+    pub(crate) window: Option<usize>,
 }
 
 /// One sequence's attention inputs.
@@ -87,9 +89,10 @@ pub(crate) struct SeqPlan {
     pub(crate) offset: usize,
     /// New tokens.
     pub(crate) len: usize,
-    /// Flat cache rows of positions `0..start_pos + len`.
+    /// Flat cache rows of the positions its new tokens may see: `0..start_pos + len`, or from
+    /// the first token's window start under a sliding window.
     pub(crate) ctx_rows: Tensor,
-    /// `[len, ctx]` additive causal mask in f32.
+    /// `[len, ctx]` additive causal (and window) mask in f32.
     pub(crate) mask: Tensor,
 }
 
@@ -202,17 +205,24 @@ impl StepPlan {
             };
             logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
             logit_rows.extend(wanted.map(|r| r as u32));
-            let ctx_rows: Vec<u32> = (0..ctx).map(row).collect();
+            // The first position `q` sees: 0, or the start of its window.
+            let window = lim.window;
+            let first = move |q: usize| window.map_or(0, |w| (q + 1).saturating_sub(w));
+            let lo = first(s.start_pos);
+            let ctx_rows: Vec<u32> = (lo..ctx).map(row).collect();
             if len == 1 {
                 decode.push((offset, ctx_rows, &s.block_table[..ctx.div_ceil(bs)]));
                 continue;
             }
-            // New token j sits at position start_pos + j and sees positions up to it.
+            // New token j sits at position q = start_pos + j and sees positions first(q) ..= q.
             let m: Vec<f32> = (0..len)
-                .flat_map(|j| (0..ctx).map(move |p| if p <= s.start_pos + j { 0.0 } else { f32::NEG_INFINITY }))
+                .flat_map(|j| {
+                    let q = s.start_pos + j;
+                    (lo..ctx).map(move |p| if p <= q && p >= first(q) { 0.0 } else { f32::NEG_INFINITY })
+                })
                 .collect();
-            let mask = Tensor::from_vec(m, (len, ctx), device)?;
-            seqs.push(SeqPlan { offset, len, ctx_rows: Tensor::from_vec(ctx_rows, ctx, device)?, mask });
+            let mask = Tensor::from_vec(m, (len, ctx - lo), device)?;
+            seqs.push(SeqPlan { offset, len, ctx_rows: Tensor::from_vec(ctx_rows, ctx - lo, device)?, mask });
         }
         let mut order: Vec<u32> = decode.iter().map(|d| d.0 as u32).collect();
         for sp in &seqs {

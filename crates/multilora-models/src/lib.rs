@@ -22,8 +22,12 @@
 //! ```
 //!
 //! Decisions worth knowing:
-//! - Mistral's sliding window is not implemented; a sequence longer than the window is refused
-//!   ([`ModelConfig::max_model_len`]) rather than attended over wrongly.
+//! - Mistral's sliding window is applied in attention: a position sees the last `sliding_window`
+//!   positions (itself included), as transformers masks them; contexts beyond the window are
+//!   served up to `max_position_embeddings` (their blocks are kept, not recycled).
+//! - On the CPU the activations are f32 whatever the model dtype: bf16 / f16 weights, slots and
+//!   KV cache are read in place and widened as they are read, with f32 accumulation. On CUDA the
+//!   activations are in the model dtype.
 //! - Logits come back in f32 whatever the model dtype; attention softmax runs in f32.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -33,6 +37,7 @@ mod batch;
 mod error;
 mod kv_cache;
 mod llama;
+mod reader;
 mod rope;
 mod weights;
 
@@ -46,4 +51,4 @@ pub use llama::{Model, ModelOptions};
 pub use multilora_layers::HubConfig;
 pub use multilora_layers::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
 pub use multilora_types::{LogitsWanted, LoraLimits, SlotId};
-pub use weights::{CheckpointFiles, ModelSource};
+pub use weights::{CheckpointFiles, ModelSource, write_checkpoint_copy};

@@ -26,7 +26,9 @@ use multilora_layers::{HiddenAct, ModelConfig};
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ModelOptions {
-    /// Weight and activation dtype (f32 by default; bf16/f16 allowed).
+    /// The dtype the model is served in (f32 by default; bf16/f16 allowed): its weights and its
+    /// KV cache. On CUDA the activations are in it too; on the CPU they are f32 (the kernels
+    /// widen half-precision weights as they read them and accumulate in f32).
     pub dtype: DType,
     /// Where the model runs.
     pub device: Device,
@@ -99,6 +101,8 @@ struct Layer {
 pub struct Model {
     cfg: ModelConfig,
     dtype: DType,
+    /// Activations: `dtype` on CUDA, f32 on the CPU.
+    act_dtype: DType,
     lora_dtype: DType,
     device: Device,
     lora: LoraLimits,
@@ -125,19 +129,22 @@ impl Model {
     /// Loads from resolved checkpoint files.
     pub fn load_files(files: &CheckpointFiles, opts: &ModelOptions) -> Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
-        let w = Weights::open(files, opts.dtype, &opts.device)?;
+        let w = Weights::open(files, activation_dtype(opts), &opts.device)?;
         Model::build(cfg, &w, opts)
     }
 
     /// Builds a model from tensors already in memory, named as in a Hugging Face checkpoint
     /// (benches and tests use it for random models without writing a file).
     pub fn from_tensors(cfg: ModelConfig, tensors: HashMap<String, Tensor>, opts: &ModelOptions) -> Result<Model> {
-        let w = Weights::in_memory(tensors, opts.dtype, &opts.device);
+        let w = Weights::in_memory(tensors, activation_dtype(opts), &opts.device);
         Model::build(cfg, &w, opts)
     }
 
     fn build(cfg: ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<Model> {
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (wdt, act) = (opts.dtype, activation_dtype(opts));
+        // The projections' weights in the served dtype (norms and biases in the activations').
+        let mat = |name: &str, shape: &[usize]| w.get_in(name, shape, wdt);
         let (qs, kvs) = (cfg.q_size(), cfg.kv_size());
         let lora = &opts.lora;
         let slot_cfg = SlotConfig::new(
@@ -151,21 +158,18 @@ impl Model {
         // the embedding as saved, and must match it whatever dtype the model runs in.
         let embed_stored = w.get_as_stored("model.embed_tokens.weight", &[v, h])?;
         let shapes = model_shapes(&cfg, &embed_stored)?;
-        let embed_w = embed_stored.to_dtype(opts.dtype)?.to_device(&opts.device)?;
+        let embed_w = embed_stored.to_dtype(wdt)?.to_device(&opts.device)?;
         drop(embed_stored);
-        let embed = LoraEmbedding::new(embed_w.clone(), lora_for(&[ModuleKind::EmbedTokens]))?;
+        let embed = LoraEmbedding::new(embed_w.clone(), lora_for(&[ModuleKind::EmbedTokens]))?.output_dtype(act);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
             let id = |k| ModuleId::layer(l, k);
-            let qkv_w = Tensor::cat(
-                &[
-                    w.get(&format!("{p}.self_attn.q_proj.weight"), &[qs, h])?,
-                    w.get(&format!("{p}.self_attn.k_proj.weight"), &[kvs, h])?,
-                    w.get(&format!("{p}.self_attn.v_proj.weight"), &[kvs, h])?,
-                ],
-                0,
-            )?;
+            let qkv_w = vec![
+                mat(&format!("{p}.self_attn.q_proj.weight"), &[qs, h])?,
+                mat(&format!("{p}.self_attn.k_proj.weight"), &[kvs, h])?,
+                mat(&format!("{p}.self_attn.v_proj.weight"), &[kvs, h])?,
+            ];
             let qkv_b = if cfg.attention_bias {
                 Some(Tensor::cat(
                     &[
@@ -179,7 +183,7 @@ impl Model {
                 None
             };
             let qkv_kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
-            let qkv = LoraLinear::new(
+            let qkv = LoraLinear::new_fused(
                 qkv_w,
                 qkv_b,
                 vec![(id(ModuleKind::QProj), qs), (id(ModuleKind::KProj), kvs), (id(ModuleKind::VProj), kvs)],
@@ -191,26 +195,23 @@ impl Model {
                 None
             };
             let o = LoraLinear::new(
-                w.get(&format!("{p}.self_attn.o_proj.weight"), &[h, qs])?,
+                mat(&format!("{p}.self_attn.o_proj.weight"), &[h, qs])?,
                 o_b,
                 vec![(id(ModuleKind::OProj), h)],
                 lora_for(&[ModuleKind::OProj]),
             )?;
-            let gate_up_w = Tensor::cat(
-                &[
-                    w.get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                    w.get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
-                ],
-                0,
-            )?;
-            let gate_up = LoraLinear::new(
+            let gate_up_w = vec![
+                mat(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                mat(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+            ];
+            let gate_up = LoraLinear::new_fused(
                 gate_up_w,
                 None,
                 vec![(id(ModuleKind::GateProj), i), (id(ModuleKind::UpProj), i)],
                 lora_for(&[ModuleKind::GateProj, ModuleKind::UpProj]),
             )?;
             let down = LoraLinear::new(
-                w.get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                mat(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
                 None,
                 vec![(id(ModuleKind::DownProj), h)],
                 lora_for(&[ModuleKind::DownProj]),
@@ -227,7 +228,7 @@ impl Model {
         let norm = w.get("model.norm.weight", &[h])?;
         // A tied head shares the embedding's storage; a checkpoint that also stores `lm_head`
         // for a tied model is read from the embedding all the same, as transformers does.
-        let head_w = if cfg.tie_word_embeddings { embed_w.clone() } else { w.get("lm_head.weight", &[v, h])? };
+        let head_w = if cfg.tie_word_embeddings { embed_w.clone() } else { mat("lm_head.weight", &[v, h])? };
         let head_slices = vec![(ModuleId::lm_head(), v)];
         let head_lora = lora_for(&[ModuleKind::LmHead]);
         let lm_head = if cfg.tie_word_embeddings {
@@ -235,10 +236,11 @@ impl Model {
         } else {
             LoraLinear::new(head_w, None, head_slices, head_lora)?
         };
-        let rope = Rope::new(&cfg, opts.dtype, &opts.device)?;
+        let rope = Rope::new(&cfg, act, &opts.device)?;
         Ok(Model {
             cfg,
-            dtype: opts.dtype,
+            dtype: wdt,
+            act_dtype: act,
             lora_dtype: opts.lora_dtype.unwrap_or(opts.dtype),
             device: opts.device.clone(),
             lora: opts.lora.clone(),
@@ -261,9 +263,14 @@ impl Model {
         &self.shapes
     }
 
-    /// The activation dtype.
+    /// The dtype the model is served in: its weights and KV cache.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype of the activations: [`Model::dtype`] on CUDA, f32 on the CPU.
+    pub fn activation_dtype(&self) -> DType {
+        self.act_dtype
     }
 
     /// The device.
@@ -298,8 +305,8 @@ impl Model {
     }
 
     /// Whether decode rows attend with the paged CUDA kernel (on CUDA, for the head sizes and
-    /// dtypes it is built for); otherwise the CPU reads the cache in place (f32) or the contexts
-    /// are gathered with tensor ops.
+    /// dtypes it is built for); otherwise the CPU reads the cache in place (any dtype) or the
+    /// contexts are gathered with tensor ops.
     pub fn paged_decode(&self) -> bool {
         let dims = multilora_layers::PagedDecodeDims {
             heads: self.cfg.num_heads,
@@ -307,16 +314,32 @@ impl Model {
             head_dim: self.cfg.head_dim,
             block_size: 1,
         };
-        self.device.is_cuda() && dims.kernel_supported(self.dtype)
+        // The CUDA kernel reads whole contexts: a sliding window lists its rows instead.
+        self.device.is_cuda() && dims.kernel_supported(self.dtype) && self.cfg.sliding_window.is_none_or(|w| w == 0)
     }
 
     /// How decode attention runs, in words (for the start-up log).
     pub fn decode_attention(&self) -> &'static str {
-        match (self.paged_decode(), self.device.is_cpu(), self.dtype) {
-            (true, _, _) => "paged CUDA kernel (block tables read on the device)",
-            (false, true, DType::F32) => "CPU, reading the paged cache in place",
+        match (self.paged_decode(), self.device.is_cpu()) {
+            (true, _) => "paged CUDA kernel (block tables read on the device)",
+            (false, true) => "CPU, reading the paged cache in place",
             _ => "contexts gathered with tensor ops",
         }
+    }
+
+    /// Which kernel each path of a step runs, in words (for the start-up log and benches): on
+    /// the CPU the instruction set picked at run time for the base products and the LoRA
+    /// products, with the dtypes they read.
+    pub fn kernels(&self) -> String {
+        if !self.device.is_cpu() {
+            return format!("{:?} weights, {:?} slots on {:?}", self.dtype, self.lora_dtype, self.device.location());
+        }
+        let isa = multilora_layers::Isa::best();
+        format!(
+            "base products {isa:?} over {:?} weights, LoRA products {isa:?} over {:?} slots, \
+             f32 activations and accumulation, decode attention in place over a {:?} KV cache",
+            self.dtype, self.lora_dtype, self.dtype
+        )
     }
 
     /// A zeroed KV cache for this model.
@@ -337,6 +360,7 @@ impl Model {
             block_size: kc.block_size,
             kv_width: self.cfg.kv_size(),
             paged_decode: self.paged_decode(),
+            window: self.cfg.sliding_window.filter(|&w| w > 0),
         };
         let plan = StepPlan::new(batch, lim, &self.device)?;
         let tokens = batch.num_tokens();
@@ -366,8 +390,11 @@ impl Model {
             let h = candle_nn::ops::rms_norm(&x, &layer.post_norm, eps)?;
             let gu = layer.gate_up.forward(&h, map)?;
             let inter = self.cfg.intermediate_size;
+            let g = gu.narrow(1, 0, inter)?;
             let gate = match self.cfg.hidden_act {
-                HiddenAct::Silu => candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)?,
+                HiddenAct::Silu => candle_nn::ops::silu(&g)?,
+                HiddenAct::Gelu => g.gelu_erf()?,
+                HiddenAct::GeluTanh => g.gelu()?,
             };
             let act = (gate * gu.narrow(1, inter, inter)?)?;
             x = (x + layer.down.forward(&act, map)?)?;
@@ -464,6 +491,12 @@ fn into_adapter_error(e: Error, slot: SlotId, adapter: &str) -> multilora_layers
             source: Box::new(other),
         },
     }
+}
+
+/// The activations' dtype for `opts`: the served dtype on CUDA, f32 on the CPU (where the kernels
+/// read half-precision weights and KV in place and accumulate in f32).
+fn activation_dtype(opts: &ModelOptions) -> DType {
+    if opts.device.is_cpu() { DType::F32 } else { opts.dtype }
 }
 
 fn model_shapes(cfg: &ModelConfig, embed: &Tensor) -> Result<ModelShapes> {

@@ -4,11 +4,11 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use multilora_layers::{AdapterError, HubConfig};
 
 use crate::error::{Error, Result};
+use crate::reader::SafetensorsFiles;
 
 /// A file of a hub repo through the shared hub settings, with the bare reason on failure (the
 /// caller names the repo; an absent `model.safetensors` is expected for a sharded repo).
@@ -84,6 +84,52 @@ impl ModelSource {
 
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// Writes a copy of the checkpoint in `src` to `dst` with every floating-point tensor in `dtype`
+/// (one `model.safetensors`) and `config.json` naming it (`torch_dtype` and `dtype`), the other
+/// regular files of `src` copied as they are: e.g. a bf16 checkpoint from an f32 one, for tests
+/// and benchmarks.
+pub fn write_checkpoint_copy(src: &Path, dst: &Path, dtype: DType) -> Result<()> {
+    let files = CheckpointFiles::from_dir(src)?;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    std::fs::create_dir_all(dst).map_err(io(dst))?;
+    let mut tensors = HashMap::new();
+    for f in &files.weights {
+        for (name, t) in candle_core::safetensors::load(f, &Device::Cpu)? {
+            let t = if t.dtype().is_float() { t.to_dtype(dtype)? } else { t };
+            tensors.insert(name, t);
+        }
+    }
+    candle_core::safetensors::save(&tensors, dst.join("model.safetensors"))?;
+    let text = std::fs::read_to_string(&files.config).map_err(io(&files.config))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::Config { path: files.config.clone(), reason: format!("not valid JSON: {e}") })?;
+    let name = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    };
+    for key in ["torch_dtype", "dtype"] {
+        cfg[key] = serde_json::Value::from(name);
+    }
+    let out = dst.join("config.json");
+    std::fs::write(&out, cfg.to_string()).map_err(io(&out))?;
+    for entry in std::fs::read_dir(src).map_err(io(src))? {
+        let entry = entry.map_err(io(src))?;
+        let name = entry.file_name();
+        let keep = entry.file_type().map_err(io(src))?.is_file()
+            && name != "config.json"
+            && !name.to_string_lossy().ends_with(".safetensors")
+            && name != INDEX_FILE;
+        if keep {
+            std::fs::copy(entry.path(), dst.join(&name)).map_err(io(&entry.path()))?;
+        }
+    }
+    Ok(())
+}
+
 /// The files of one checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -143,7 +189,7 @@ pub(crate) struct Weights {
 }
 
 enum Source {
-    Mmap(MmapedSafetensors),
+    Files(SafetensorsFiles),
     Memory(HashMap<String, Tensor>),
 }
 
@@ -154,22 +200,14 @@ impl std::fmt::Debug for Weights {
 }
 
 impl Weights {
-    #[allow(unsafe_code)]
     pub(crate) fn open(files: &CheckpointFiles, dtype: DType, device: &Device) -> Result<Weights> {
         for f in &files.weights {
             if !f.is_file() {
                 return Err(Error::Config { path: f.clone(), reason: "file not found".into() });
             }
         }
-        // SAFETY: the mapping is read-only and lives in `Weights`, which is dropped once the model
-        // is built; every tensor is copied out of it. A checkpoint file truncated or rewritten by
-        // another process while we load is outside what any mmap reader can guard against, the
-        // same contract as candle's and safetensors' own loaders.
-        let st = unsafe { MmapedSafetensors::multi(&files.weights) }.map_err(|e| Error::Config {
-            path: files.weights.first().cloned().unwrap_or_default(),
-            reason: format!("not a readable safetensors file: {e}"),
-        })?;
-        Ok(Weights { source: Source::Mmap(st), dir: files.dir.clone(), dtype, device: device.clone() })
+        let st = SafetensorsFiles::open(&files.weights)?;
+        Ok(Weights { source: Source::Files(st), dir: files.dir.clone(), dtype, device: device.clone() })
     }
 
     pub(crate) fn in_memory(tensors: HashMap<String, Tensor>, dtype: DType, device: &Device) -> Weights {
@@ -178,7 +216,7 @@ impl Weights {
 
     pub(crate) fn contains(&self, name: &str) -> bool {
         match &self.source {
-            Source::Mmap(st) => st.get(name).is_ok(),
+            Source::Files(st) => st.shape(name).is_some(),
             Source::Memory(m) => m.contains_key(name),
         }
     }
@@ -187,33 +225,35 @@ impl Weights {
     /// tensor handed over on the device stays there; one read from disk is converted on the host
     /// for the CPU, and on the device after its upload otherwise.
     pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.get_in(name, shape, self.dtype)
+    }
+
+    /// [`Weights::get`] in `dtype` instead of the default one (a tensor already stored in it is
+    /// not copied again).
+    pub(crate) fn get_in(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
         if let Source::Memory(m) = &self.source
             && let Some(t) = m.get(name)
             && t.dims() == shape
             && t.device().same_device(&self.device)
         {
-            return Ok(t.to_dtype(self.dtype)?);
+            return Ok(t.to_dtype(dtype)?);
         }
         let t = self.get_as_stored(name, shape)?;
-        Ok(if self.device.is_cpu() {
-            t.to_dtype(self.dtype)?
-        } else {
-            t.to_device(&self.device)?.to_dtype(self.dtype)?
-        })
+        Ok(if self.device.is_cpu() { t.to_dtype(dtype)? } else { t.to_device(&self.device)?.to_dtype(dtype)? })
     }
 
     /// The tensor `name`, checked against `shape`, in the checkpoint's own dtype, on the CPU.
     pub(crate) fn get_as_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let missing = || Error::TensorMissing { tensor: name.to_string(), dir: self.dir.clone() };
         let got = match &self.source {
-            Source::Mmap(st) => st.get(name).map_err(|_| missing())?.shape().to_vec(),
+            Source::Files(st) => st.shape(name).ok_or_else(missing)?.to_vec(),
             Source::Memory(m) => m.get(name).ok_or_else(missing)?.dims().to_vec(),
         };
         if got != shape {
             return Err(Error::ShapeMismatch { tensor: name.to_string(), got, expected: shape.to_vec() });
         }
         let t = match &self.source {
-            Source::Mmap(st) => st.load(name, &Device::Cpu)?,
+            Source::Files(st) => st.load(name)?.ok_or_else(missing)?,
             Source::Memory(m) => m.get(name).ok_or_else(missing)?.to_device(&Device::Cpu)?,
         };
         Ok(t)

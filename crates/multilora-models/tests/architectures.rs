@@ -1,6 +1,7 @@
 //! Llama 3 (llama3 RoPE scaling, tied embeddings), Mistral (sliding window) and Qwen2 (q/k/v bias,
-//! sharded checkpoint) load from small generated checkpoints, and the paged forward matches a
-//! reference written here from plain tensor ops (full sequence, no cache, HF `rotate_half` RoPE).
+//! sharded checkpoint) load from small generated checkpoints, and the paged forward (two prefill
+//! chunks, then decode steps) matches a reference written here from plain tensor ops (full
+//! sequence, no cache, HF `rotate_half` RoPE, the sliding window as transformers masks it).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -138,6 +139,40 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok((x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?)?)
 }
 
+/// `x · Φ(x)` with Φ from erf, element by element in f64 (libm's erf, not candle's).
+fn gelu_erf(x: &Tensor) -> Result<Tensor> {
+    let v: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let g: Vec<f32> =
+        v.iter().map(|&t| (0.5 * t as f64 * (1.0 + erf(t as f64 / std::f64::consts::SQRT_2))) as f32).collect();
+    Ok(Tensor::from_vec(g, x.shape(), x.device())?)
+}
+
+/// erf by its Maclaurin series, `2/√π · Σ (-1)ⁿ x^(2n+1) / (n! (2n+1))`, summed in f64 (the
+/// cancellation costs at most ~1e-8 for |x| ≤ 5); beyond 5, erf is ±1 to 1.5e-12.
+fn erf(x: f64) -> f64 {
+    if x.abs() > 5.0 {
+        return x.signum();
+    }
+    let (mut term, mut sum, mut n) = (x, x, 0.0f64);
+    while term.abs() > 1e-17 * sum.abs().max(1e-300) {
+        n += 1.0;
+        term *= -x * x / n;
+        sum += term / (2.0 * n + 1.0);
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`.
+fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    let v: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let g: Vec<f32> = v
+        .iter()
+        .map(|&t| (0.5 * t as f64 * (1.0 + (c * (t as f64 + 0.044715 * (t as f64).powi(3))).tanh())) as f32)
+        .collect();
+    Ok(Tensor::from_vec(g, x.shape(), x.device())?)
+}
+
 /// The whole sequence at once, straight from the weights: logits `[seq, vocab]`.
 fn reference(cfg: &Value, w: &HashMap<String, Tensor>, ids: &[u32]) -> Result<Tensor> {
     let dev = Device::Cpu;
@@ -154,8 +189,11 @@ fn reference(cfg: &Value, w: &HashMap<String, Tensor>, ids: &[u32]) -> Result<Te
     let ang = Tensor::from_vec(ang, (n, HD / 2), &dev)?;
     let ang = Tensor::cat(&[&ang, &ang], 1)?;
     let (cos, sin) = (ang.cos()?, ang.sin()?);
-    let mask: Vec<f32> =
-        (0..n).flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    // Query i sees key j when j <= i and, under a sliding window of w, i - j < w.
+    let window = cfg["sliding_window"].as_u64().map_or(usize::MAX, |w| w as usize);
+    let mask: Vec<f32> = (0..n)
+        .flat_map(|i| (0..n).map(move |j| if j <= i && i - j < window { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
     let mask = Tensor::from_vec(mask, (n, n), &dev)?;
     let eps = cfg["rms_norm_eps"].as_f64().unwrap_or(1e-6);
     let embed = &w["model.embed_tokens.weight"];
@@ -178,8 +216,14 @@ fn reference(cfg: &Value, w: &HashMap<String, Tensor>, ids: &[u32]) -> Result<Te
         let attn = Tensor::stack(&outs, 0)?.transpose(0, 1)?.reshape((n, HEADS * HD))?;
         x = (x + lin(&attn, &format!("{p}.self_attn.o_proj"))?)?;
         let h = rms(&x, &w[&format!("{p}.post_attention_layernorm.weight")], eps)?;
-        let act =
-            (candle_nn::ops::silu(&lin(&h, &format!("{p}.mlp.gate_proj"))?)? * lin(&h, &format!("{p}.mlp.up_proj"))?)?;
+        let gate = lin(&h, &format!("{p}.mlp.gate_proj"))?;
+        // transformers' ACT2FN: `gelu` is erf GELU, `gelu_pytorch_tanh` its tanh approximation.
+        let gate = match cfg["hidden_act"].as_str().unwrap_or("silu") {
+            "gelu" => gelu_erf(&gate)?,
+            "gelu_pytorch_tanh" => gelu_tanh(&gate)?,
+            _ => candle_nn::ops::silu(&gate)?,
+        };
+        let act = (gate * lin(&h, &format!("{p}.mlp.up_proj"))?)?;
         x = (x + lin(&act, &format!("{p}.mlp.down_proj"))?)?;
     }
     let x = rms(&x, &w["model.norm.weight"], eps)?;
@@ -207,10 +251,18 @@ fn check(cfg: Value, sharded: bool) -> Result<Model> {
         &mut kv,
     )?;
     let b = model.forward(
-        &Batch::new(vec![SeqInput::new(ids[20..].to_vec(), 20, table, None).with_logits(LogitsWanted::AllPrompt)]),
+        &Batch::new(vec![
+            SeqInput::new(ids[20..34].to_vec(), 20, table.clone(), None).with_logits(LogitsWanted::AllPrompt),
+        ]),
         &mut kv,
     )?;
-    let got = Tensor::cat(&[a, b], 0)?;
+    // Then one token at a time (the decode path).
+    let mut parts = vec![a, b];
+    for (p, &id) in ids.iter().enumerate().skip(34) {
+        let seq = SeqInput::new(vec![id], p, table.clone(), None).with_logits(LogitsWanted::Last);
+        parts.push(model.forward(&Batch::new(vec![seq]), &mut kv)?);
+    }
+    let got = Tensor::cat(&parts, 0)?;
     let d = (got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     println!("{}: max abs diff vs tensor-op reference {d}", cfg["model_type"]);
     assert!(d < 1e-4, "{}: {d}", cfg["model_type"]);
@@ -231,17 +283,34 @@ fn llama3_with_rope_scaling_and_tied_embeddings() -> Result<()> {
     Ok(())
 }
 
+/// A window of 8 under a 37-token sequence: every prefill row and decode step past the window
+/// matches the windowed reference, and a context beyond the window is served.
 #[test]
-fn mistral_loads_and_refuses_beyond_its_window() -> Result<()> {
+fn mistral_attends_within_its_sliding_window() -> Result<()> {
     let mut cfg = config("mistral");
-    cfg["sliding_window"] = json!(40);
-    let model = check(cfg, false)?;
-    assert_eq!(model.config().max_model_len(), 40);
-    let mut kv = model.new_kv_cache(KvCacheConfig::new(8, 8))?;
-    let err = model
-        .forward(&Batch::new(vec![SeqInput::new(vec![3; 41], 0, vec![0, 1, 2, 3, 4, 5], None)]), &mut kv)
-        .unwrap_err();
-    assert_eq!(err.kind(), "invalid_batch", "{err}");
+    cfg["sliding_window"] = json!(8);
+    let model = check(cfg.clone(), false)?;
+    assert_eq!(model.config().sliding_window, Some(8));
+    assert_eq!(model.config().max_model_len(), 256, "the window is not a context cap");
+    // The window changes the result: without it the same weights give other logits.
+    let w = random_weights(&cfg, 7)?;
+    let ids: Vec<u32> = (0..37).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
+    let mut open = cfg.clone();
+    open["sliding_window"] = Value::Null;
+    let d = (reference(&cfg, &w, &ids)? - reference(&open, &w, &ids)?)?.abs()?.max_keepdim(1)?;
+    let d = d.flatten_all()?.to_vec1::<f32>()?;
+    assert!(d[..8].iter().all(|&x| x == 0.0), "inside the window nothing changes");
+    assert!(d[8..].iter().all(|&x| x > 1e-3), "past the window every row changes: {d:?}");
+    Ok(())
+}
+
+#[test]
+fn gelu_activations_match_their_definitions() -> Result<()> {
+    for act in ["gelu", "gelu_pytorch_tanh"] {
+        let mut cfg = config("llama");
+        cfg["hidden_act"] = json!(act);
+        check(cfg, false)?;
+    }
     Ok(())
 }
 

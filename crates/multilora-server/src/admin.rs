@@ -46,12 +46,25 @@ pub(crate) fn tier_name(t: Tier) -> &'static str {
     }
 }
 
+/// PyTorch's name of a dtype, as `config.json` and vLLM spell it.
+fn torch_name(dt: multilora::DType) -> &'static str {
+    match dt {
+        multilora::DType::BF16 => "bfloat16",
+        multilora::DType::F16 => "float16",
+        multilora::DType::F32 => "float32",
+        multilora::DType::F64 => "float64",
+        _ => "other",
+    }
+}
+
 /// `GET /v1/models`: the base model, then every adapter (vLLM's model cards, plus this engine's
-/// rank, fingerprint and tier under `multilora`).
+/// rank, fingerprint, tier and the dtype it is served in under `multilora`; an adapter also
+/// names its slots' dtype).
 pub(crate) async fn models(State(state): State<AppState>) -> Result<Json<Value>> {
     let engine = state.engine.clone();
     let list = blocking(move || Ok(engine.models())).await?;
-    let max_model_len = state.engine.config().max_model_len;
+    let cfg = state.engine.config();
+    let (max_model_len, dtype, lora_dtype) = (cfg.max_model_len, torch_name(cfg.dtype), torch_name(cfg.lora_dtype));
     let data: Vec<Value> = list
         .iter()
         .map(|m| {
@@ -64,7 +77,12 @@ pub(crate) async fn models(State(state): State<AppState>) -> Result<Json<Value>>
                 "parent": m.parent,
                 "max_model_len": max_model_len,
                 "permission": [],
-                "multilora": {"rank": m.rank, "fingerprint": m.fingerprint, "tier": tier_name(m.tier)},
+                "multilora": if m.parent.is_some() {
+                    json!({"rank": m.rank, "fingerprint": m.fingerprint, "tier": tier_name(m.tier),
+                           "dtype": dtype, "lora_dtype": lora_dtype})
+                } else {
+                    json!({"rank": m.rank, "fingerprint": m.fingerprint, "tier": tier_name(m.tier), "dtype": dtype})
+                },
             })
         })
         .collect();

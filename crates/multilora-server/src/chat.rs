@@ -34,7 +34,7 @@ pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes)
     let n = req.sampling.n()?;
     let admission = state.admit(n)?;
     let logprobs = req.logprobs()?;
-    let params = req.sampling.params(req.max_completion_tokens, logprobs)?;
+    let params = req.sampling.params(state.engine.config().default_params(), req.max_completion_tokens, logprobs)?;
     let requests = fan_out(&req.model, vec![Prompt::Tokens(ids)], &params, n);
     let started = generation::start(&state, admission, requests, n).await?;
     let meta = Meta { id: state.response_id("chatcmpl"), created: unix_now(), model: req.model.clone() };

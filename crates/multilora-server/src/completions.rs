@@ -22,9 +22,11 @@ pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> R
     let n = req.sampling.n()?;
     // Counted before the n copies of every prompt are built.
     let admission = state.admit(prompts.len().saturating_mul(n))?;
-    // OpenAI's and vLLM's default for completions: 16 tokens, not the rest of the context.
-    let max_tokens = req.sampling.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
-    let params = req.sampling.params(Some(max_tokens), req.logprobs)?;
+    // OpenAI's and vLLM's default for completions: 16 tokens, not the rest of the context
+    // (unless the checkpoint's generation_config.json sets `max_new_tokens`).
+    let base = state.engine.config().default_params();
+    let max_tokens = req.sampling.max_tokens.or(base.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS);
+    let params = req.sampling.params(base, Some(max_tokens), req.logprobs)?;
     let requests = fan_out(&req.model, prompts, &params, n);
     let started = generation::start(&state, admission, requests, n).await?;
     let meta = Meta { id: state.response_id("cmpl"), created: unix_now(), model: req.model.clone() };

@@ -10,6 +10,8 @@ mod mutate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use multilora::SamplingParams;
+
 use crate::error::Error;
 use crate::protocol::{ChatRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest, fan_out, parse_body};
 
@@ -30,7 +32,8 @@ fn translate(body: &[u8]) -> Result<(), Error> {
     if let Ok(req) = CompletionRequest::parse(body) {
         let prompts = req.prompts()?;
         let n = req.sampling.n()?;
-        let params = req.sampling.params(req.sampling.max_tokens.or(Some(16)), req.logprobs)?;
+        let params =
+            req.sampling.params(SamplingParams::default(), req.sampling.max_tokens.or(Some(16)), req.logprobs)?;
         // The fan-out is bounded by admission before it is built; here, by the cap.
         if prompts.len().saturating_mul(n) <= 256 {
             let _ = fan_out(&req.model, prompts, &params, n);
@@ -42,7 +45,7 @@ fn translate(body: &[u8]) -> Result<(), Error> {
         }
         req.sampling.n()?;
         let logprobs = req.logprobs()?;
-        req.sampling.params(req.max_completion_tokens, logprobs)?;
+        req.sampling.params(SamplingParams::default(), req.max_completion_tokens, logprobs)?;
     }
     let _ = parse_body::<LoadLoraRequest>(body);
     let _ = parse_body::<UnloadLoraRequest>(body);

@@ -139,10 +139,17 @@ pub(crate) struct Sampling {
 }
 
 impl Sampling {
-    /// The engine's parameters; `logprobs` is the count of alternatives asked for.
-    pub(crate) fn params(&self, max_tokens: Option<usize>, logprobs: Option<usize>) -> Result<SamplingParams> {
-        let mut p = SamplingParams::default();
-        p.max_tokens = max_tokens.or(self.max_tokens);
+    /// The engine's parameters: `base` (the engine's defaults, `EngineConfig::default_params`)
+    /// with every field the request sets in its place; `logprobs` is the count of alternatives
+    /// asked for.
+    pub(crate) fn params(
+        &self,
+        base: SamplingParams,
+        max_tokens: Option<usize>,
+        logprobs: Option<usize>,
+    ) -> Result<SamplingParams> {
+        let mut p = base;
+        p.max_tokens = max_tokens.or(self.max_tokens).or(p.max_tokens);
         if let Some(t) = self.temperature {
             p.temperature = t;
         }
@@ -389,14 +396,14 @@ mod tests {
                 "logit_bias": {"7": 3.5}, "seed": 9, "n": 2}"#,
         )
         .unwrap();
-        let p = req.sampling.params(None, Some(2)).unwrap();
+        let p = req.sampling.params(SamplingParams::default(), None, Some(2)).unwrap();
         assert_eq!((p.max_tokens, p.temperature, p.stop.clone()), (Some(5), 0.0, vec!["x".to_string()]));
         assert_eq!(p.logit_bias.get(&7), Some(&3.5));
         let reqs = fan_out("m", req.prompts().unwrap(), &p, req.sampling.n().unwrap());
         let seeds: Vec<_> = reqs.iter().map(|r| r.params.seed).collect();
         assert_eq!(seeds, vec![Some(9), Some(10)]);
         let bad = CompletionRequest::parse(br#"{"model": "m", "prompt": "a", "logit_bias": {"x": 1}}"#).unwrap();
-        assert!(bad.sampling.params(None, None).is_err());
+        assert!(bad.sampling.params(SamplingParams::default(), None, None).is_err());
     }
 
     #[test]

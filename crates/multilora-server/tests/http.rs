@@ -7,7 +7,7 @@ mod common;
 use anyhow::Result;
 use common::{BASE, Server, builder, cases, ids, logprob_ids, samples, sse_events, value};
 use futures_util::future::join_all;
-use multilora::{GenerateRequest, SamplingParams};
+use multilora::{Engine, GenerateRequest, SamplingParams};
 use multilora_server::{ChatTemplate, ServerConfig};
 use openmetrics_parser::OpenMetricsValue;
 use serde_json::{Value, json};
@@ -22,14 +22,49 @@ async fn models_lists_the_base_and_every_adapter() -> Result<()> {
     let data = body["data"].as_array().unwrap();
     assert_eq!(data.len(), 1 + common::ADAPTERS.len());
     assert_eq!((data[0]["id"].as_str(), &data[0]["parent"]), (Some(BASE), &Value::Null));
+    assert_eq!(data[0]["multilora"]["dtype"], "float32", "the dtype the base is served in");
     for &(name, rel) in common::ADAPTERS {
         let m = data.iter().find(|m| m["id"] == name).unwrap_or_else(|| panic!("{name} not listed"));
         assert_eq!(m["object"], "model");
         assert_eq!(m["parent"], BASE);
         assert_eq!(m["root"], common::path(rel));
         assert_eq!(m["owned_by"], "multilora");
+        assert_eq!((&m["multilora"]["dtype"], &m["multilora"]["lora_dtype"]), (&json!("float32"), &json!("float32")));
     }
     server.stop().await
+}
+
+/// The checkpoint's `generation_config.json` fills what a request leaves unset (vLLM's
+/// `--generation-config auto`): here greedy and 3 tokens, so a completion naming neither is
+/// the greedy 3-token one; its EOS ids join `config.json`'s; off, vLLM's defaults hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checkpoints_generation_config_fills_unset_fields() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let base = tmp.path().join("base");
+    common::copy_dir(&common::path("base"), &base)?;
+    let generation = json!({"temperature": 0.0, "max_new_tokens": 3, "eos_token_id": [2, 9], "do_sample": true});
+    std::fs::write(base.join("generation_config.json"), generation.to_string())?;
+    let b = Engine::builder(base.display().to_string()).served_model_name(BASE).kv_cache_bytes(16 << 20);
+    let server = Server::start(b, ServerConfig::default()).await?;
+    assert_eq!(server.engine().config().eos_token_ids, vec![2, 9]);
+    let prompt = json!({"model": BASE, "prompt": [1, 294, 488, 497]});
+    let (status, unset) = server.post("/v1/completions", &prompt).await?;
+    assert_eq!(status, 200, "{unset}");
+    assert_eq!(unset["usage"]["completion_tokens"], 3, "max_new_tokens is the default max_tokens: {unset}");
+    let mut greedy = prompt.clone();
+    (greedy["temperature"], greedy["max_tokens"]) = (json!(0.0), json!(3));
+    let (_, want) = server.post("/v1/completions", &greedy).await?;
+    assert_eq!(unset["choices"][0]["text"], want["choices"][0]["text"], "temperature 0 from the file");
+    // The request's own fields win.
+    let mut own = prompt.clone();
+    own["max_tokens"] = json!(5);
+    let (_, five) = server.post("/v1/completions", &own).await?;
+    assert_eq!(five["usage"]["completion_tokens"], 5);
+    server.stop().await?;
+    let off = Engine::builder(base.display().to_string()).generation_config(false).kv_cache_bytes(16 << 20).build()?;
+    let p = off.config().default_params();
+    assert_eq!((p.temperature, p.max_tokens, off.config().eos_token_ids.clone()), (1.0, None, vec![2]));
+    Ok(())
 }
 
 /// Every greedy generation case of the fixtures, all at once over HTTP: the token ids are PEFT's

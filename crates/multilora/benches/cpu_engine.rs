@@ -1,9 +1,10 @@
 //! End-to-end throughput through the engine API on the PEFT comparison model shape (hidden 1024,
-//! intermediate 2816, 8 layers, 16 heads / 8 KV heads, vocab 32000, f32; random weights written
-//! to a temp dir): 16 requests of 64-token prompts and 32 greedy new tokens, (1) base only,
-//! (2) over 8 rank-16 adapters on all seven projections, (3) the same with `max_loras 1`, (4) (2)
-//! with the step-time budget off (the default is `auto`: the ratio of (2) to (4) is its cost on a
-//! burst that arrives at once).
+//! intermediate 2816, 8 layers, 16 heads / 8 KV heads, vocab 32000; random weights written to a
+//! temp dir as an f32 checkpoint and a bf16 copy of it, each served in its own dtype, `auto`):
+//! 16 requests of 64-token prompts and 32 greedy new tokens, (1) base only, (2) over 8 rank-16
+//! adapters on all seven projections, (3) the same with `max_loras 1`, each in f32 and in bf16,
+//! and (4) f32 (2) with the step-time budget off (the default is `auto`: the ratio of (2) to (4)
+//! is its cost on a burst that arrives at once).
 //! After criterion, a summary prints new tokens/s and the ratios to the base run from rounds that
 //! run every scenario in turn (medians), so that the machine's drift falls on all of them alike.
 //!
@@ -22,8 +23,8 @@ const REQUESTS: usize = 16;
 const PROMPT: usize = 64;
 const NEW: usize = 32;
 
-fn engine(dir: &Path, max_loras: usize, step_time: StepTime) -> anyhow::Result<Engine> {
-    let mut b = Engine::builder(dir.display().to_string())
+fn engine(model: &Path, dir: &Path, max_loras: usize, step_time: StepTime) -> anyhow::Result<Engine> {
+    let mut b = Engine::builder(model.display().to_string())
         .served_model_name("base")
         .max_loras(max_loras)
         .kv_cache_bytes(512 << 20)
@@ -55,18 +56,28 @@ const ROUNDS: usize = 7;
 fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     write_model(tmp.path())?;
+    let bf16 = tmp.path().join("bf16");
+    multilora_models::write_checkpoint_copy(tmp.path(), &bf16, multilora::DType::BF16)?;
     let mut criterion = Criterion::default().configure_from_args().sample_size(10);
     let auto = StepTime::Auto { factor: DEFAULT_STEP_FACTOR };
+    let (f32_dir, bf16_dir) = (tmp.path(), bf16.as_path());
     let scenarios = [
-        ("base only", 8, false, auto),
-        ("16 over 8 adapters", 8, true, auto),
-        ("16 over 8 adapters, max_loras 1", 1, true, auto),
-        ("16 over 8 adapters, step time off", 8, true, StepTime::Unbounded),
+        ("f32 base only", f32_dir, 8, false, auto),
+        ("f32 16 over 8 adapters", f32_dir, 8, true, auto),
+        ("f32 16 over 8 adapters, max_loras 1", f32_dir, 1, true, auto),
+        ("f32 16 over 8 adapters, step time off", f32_dir, 8, true, StepTime::Unbounded),
+        ("bf16 base only", bf16_dir, 8, false, auto),
+        ("bf16 16 over 8 adapters", bf16_dir, 8, true, auto),
+        ("bf16 16 over 8 adapters, max_loras 1", bf16_dir, 1, true, auto),
     ];
     let engines = scenarios
         .iter()
-        .map(|&(_, max_loras, _, step_time)| engine(tmp.path(), max_loras, step_time))
+        .map(|&(_, model, max_loras, _, step_time)| engine(model, tmp.path(), max_loras, step_time))
         .collect::<Result<Vec<_>, _>>()?;
+    for e in [&engines[0], &engines[4]] {
+        println!("{:?}: {}", e.config().dtype, e.config().kernels);
+    }
+    let scenarios: Vec<_> = scenarios.iter().map(|&(name, _, l, mixed, st)| (name, l, mixed, st)).collect();
     for ((name, _, mixed, _), engine) in scenarios.iter().zip(&engines) {
         run(engine, *mixed);
         criterion.bench_function(&format!("cpu_engine/{name}"), |b| b.iter(|| run(engine, *mixed)));
@@ -98,7 +109,7 @@ fn main() -> anyhow::Result<()> {
     for (i, (name, _, _, _)) in scenarios.iter().enumerate() {
         let tps = tokens as f64 / median(&mut times[i]);
         println!(
-            "  {name:<34} {tps:8.1} tok/s   {:.3}x base (per-round median)   {:.2}x PEFT mixed",
+            "  {name:<39} {tps:8.1} tok/s   {:.3}x f32 base (per-round median)   {:.2}x PEFT mixed",
             median(&mut ratios[i]),
             tps / 131.0
         );

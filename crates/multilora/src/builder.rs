@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
 use candle_core::{DType, Device};
-use multilora_adapter::{AdapterSource, LoadOptions, ModuleKind};
+use multilora_adapter::{AdapterSource, GenerationConfig, LoadOptions, ModuleKind};
 use multilora_models::{CheckpointFiles, HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
@@ -44,7 +44,7 @@ impl Engine {
 /// | `lora_target_modules` | 7 projections ∪ startup targets | all supported | slots for what adapters use |
 /// | `kv_cache_bytes` | CPU: 256 MiB, slots counted against it; GPU: from `gpu_memory_utilization` | 0.9 of device memory | no device memory to measure on CPU |
 /// | `gpu_memory_utilization` | 0.9 | 0.9 | |
-/// | `dtype` | `auto`: the checkpoint's on CUDA, f32 on the CPU | `auto` | the CPU fast paths are f32 |
+/// | `dtype` | `auto`: the checkpoint's `torch_dtype` (f32 when it names none) | `auto` | a bf16 checkpoint is served in its own bytes; the CPU kernels read bf16 / f16 and accumulate in f32 |
 /// | `max_num_seqs` | 256 | 256 | |
 /// | `max_num_batched_tokens` | 8192 | 2048–8192 | a hard cap; the step-time budget bounds steps that carry decodes |
 /// | `step_time` | auto: 2.5× the step's decode rows alone | a token budget only | streams never stall behind arriving prompts |
@@ -71,6 +71,7 @@ pub struct EngineBuilder {
     kv_cache_bytes: Option<u64>,
     gpu_memory_utilization: f64,
     enable_prefix_caching: bool,
+    generation_config: bool,
     allow_runtime_lora_updating: bool,
     allowed_lora_roots: Vec<PathBuf>,
     resolvers: Resolvers,
@@ -117,6 +118,7 @@ impl EngineBuilder {
             kv_cache_bytes: None,
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             enable_prefix_caching: true,
+            generation_config: true,
             allow_runtime_lora_updating: false,
             allowed_lora_roots: Vec::new(),
             resolvers: Resolvers::default(),
@@ -138,8 +140,8 @@ impl EngineBuilder {
         max_lora_rank: usize => max_lora_rank = Some);
     setter!(/// Dtype of adapters and slots (default: the model dtype).
         lora_dtype: DType => lora_dtype = Some);
-    setter!(/// Model dtype (default `auto`: on CUDA the checkpoint's own `torch_dtype`, bf16 for most;
-        /// on the CPU f32, where the fast paths are).
+    setter!(/// Model dtype: weights and KV cache (default `auto`: the checkpoint's own `torch_dtype`,
+        /// f32 when it names none). On the CPU the activations are f32 whatever it is.
         dtype: DType => dtype = Some);
     setter!(/// Where the model runs (default CPU).
         device: Device => device = |v| v);
@@ -165,6 +167,12 @@ impl EngineBuilder {
         gpu_memory_utilization: f64 => gpu_memory_utilization = |v| v);
     setter!(/// Prefix caching (default on).
         enable_prefix_caching: bool => enable_prefix_caching = |v| v);
+    setter!(/// Read the checkpoint's `generation_config.json` (default on, vLLM's `--generation-config
+        /// auto`): its EOS ids stop generation beside `config.json`'s, and its `temperature`,
+        /// `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens` are the defaults of
+        /// [`EngineConfig::default_params`] (what the server and `generate` start a request from).
+        /// Off is vLLM's `--generation-config vllm`: vLLM's defaults, `config.json`'s EOS only.
+        generation_config: bool => generation_config = |v| v);
     setter!(/// Runtime load / unload / reload (default off).
         allow_runtime_lora_updating: bool => allow_runtime_lora_updating = |v| v);
 
@@ -218,6 +226,18 @@ impl EngineBuilder {
         let hub = HubConfig::from_env();
         let (files, cfg) = self.read_config(&source, &hub)?;
         let max_model_len = self.context_length(&cfg)?;
+        let generation = if self.generation_config {
+            GenerationConfig::from_file(&files.dir.join("generation_config.json"))
+                .map_err(multilora_models::Error::from)?
+        } else {
+            GenerationConfig::default()
+        };
+        let mut eos_token_ids = cfg.eos_token_ids.clone();
+        for id in &generation.eos_token_ids {
+            if !eos_token_ids.contains(id) {
+                eos_token_ids.push(*id);
+            }
+        }
         let lora = self.lora_limits(&cfg)?;
         let dtype = self.resolve_dtype(&cfg);
         let lora_dtype = self.lora_dtype.unwrap_or(dtype);
@@ -252,6 +272,7 @@ impl EngineBuilder {
             dtype = ?dtype,
             checkpoint_dtype = cfg.torch_dtype.as_deref().unwrap_or("unknown"),
             decode_attention = model.decode_attention(),
+            kernels = %model.kernels(),
             kv_budget = %budget_from,
             max_loras = lora.max_loras(),
             max_lora_rank = lora.max_lora_rank(),
@@ -268,6 +289,7 @@ impl EngineBuilder {
             max_cpu_loras,
             lora_dtype,
             dtype,
+            kernels: model.kernels(),
             max_model_len,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -278,7 +300,8 @@ impl EngineBuilder {
             enable_prefix_caching: self.enable_prefix_caching,
             allow_runtime_lora_updating: self.allow_runtime_lora_updating,
             vocab_size: cfg.vocab_size,
-            eos_token_ids: cfg.eos_token_ids.clone(),
+            eos_token_ids,
+            generation,
         };
         Engine::start(config, model, kv, scheduler, store, tokenizer, (tx, rx, events))
     }
@@ -300,8 +323,9 @@ impl EngineBuilder {
         let files = source.resolve(hub)?;
         let cfg = ModelConfig::from_file(&files.config).map_err(multilora_models::Error::from)?;
         if let ModelSource::Hub { repo, revision } = source {
-            // The tokenizer files sit next to config.json in the snapshot; fetch them too.
-            for f in ["tokenizer.json", "tokenizer_config.json"] {
+            // The tokenizer files and the generation defaults sit next to config.json in the
+            // snapshot; fetch them too (a repo without one of them is not an error).
+            for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
                 if let Err(e) = hub.file(repo, revision, f) {
                     tracing::warn!(repo = %repo, file = f, error = %e, "tokenizer file not fetched");
                 }
@@ -380,13 +404,9 @@ impl EngineBuilder {
         Scheduler::new(cfg)
     }
 
-    /// `auto` (no dtype given): the checkpoint's own dtype on CUDA; f32 on the CPU.
+    /// `auto` (no dtype given): the checkpoint's own dtype (f32 when `config.json` names none).
     fn resolve_dtype(&self, cfg: &ModelConfig) -> DType {
-        match self.dtype {
-            Some(d) => d,
-            None if self.device.is_cuda() => cfg.auto_dtype(),
-            None => DType::F32,
-        }
+        self.dtype.unwrap_or_else(|| cfg.auto_dtype())
     }
 
     /// Bytes for the KV cache, and where the figure came from (for the log and errors): the

@@ -4,6 +4,9 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
+use multilora_adapter::GenerationConfig;
+
+use crate::request::SamplingParams;
 use multilora_scheduler::StepTime;
 use multilora_types::LoraLimits;
 
@@ -25,8 +28,12 @@ pub struct EngineConfig {
     pub max_cpu_loras: usize,
     /// Dtype of adapters and slots.
     pub lora_dtype: DType,
-    /// Model dtype.
+    /// The dtype the model is served in (weights and KV cache; on the CPU the activations are
+    /// f32 whatever it is).
     pub dtype: DType,
+    /// Which kernel each path of a step runs, with the instruction set picked at run time (the
+    /// start-up log's `kernels`).
+    pub kernels: String,
     /// Context length.
     pub max_model_len: usize,
     /// Most running requests.
@@ -47,6 +54,27 @@ pub struct EngineConfig {
     pub allow_runtime_lora_updating: bool,
     /// Vocabulary size.
     pub vocab_size: usize,
-    /// EOS ids from the model config.
+    /// EOS ids: `config.json`'s, then `generation_config.json`'s.
     pub eos_token_ids: Vec<u32>,
+    /// The checkpoint's `generation_config.json` (empty when it has none, or when the builder's
+    /// `generation_config` is off).
+    pub generation: GenerationConfig,
+}
+
+impl EngineConfig {
+    /// The sampling parameters a request starts from: vLLM's defaults, with what the
+    /// checkpoint's `generation_config.json` sets in their place (`temperature`, `top_p`,
+    /// `top_k`, `min_p`, `repetition_penalty`, and `max_new_tokens` as `max_tokens`); the
+    /// request's own fields then override them, as vLLM does with `--generation-config auto`.
+    pub fn default_params(&self) -> SamplingParams {
+        let g = &self.generation;
+        let mut p = SamplingParams::default();
+        p.temperature = g.temperature.unwrap_or(p.temperature);
+        p.top_p = g.top_p.unwrap_or(p.top_p);
+        p.top_k = g.top_k.unwrap_or(p.top_k);
+        p.min_p = g.min_p.unwrap_or(p.min_p);
+        p.repetition_penalty = g.repetition_penalty.unwrap_or(p.repetition_penalty);
+        p.max_tokens = g.max_new_tokens.or(p.max_tokens);
+        p
+    }
 }

@@ -79,7 +79,7 @@ pub use metrics::{
     STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
 };
 /// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
-pub use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};
+pub use multilora_adapter::{GenerationConfig, ModelShapes, ModuleKind, SyntheticAdapter};
 pub use multilora_models::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
 /// The step-time budget (`EngineBuilder::step_time`) and the step cost model it is applied with.
 pub use multilora_scheduler::{DEFAULT_STEP_FACTOR, StepCost, StepTime};

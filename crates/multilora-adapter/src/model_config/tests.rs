@@ -87,12 +87,12 @@ fn variants_real_checkpoints_use() {
             assert_eq!((c.checkpoint_dtype(), c.auto_dtype()), (None, DType::F32))
         }),
         (
-            "Mistral's sliding window caps the context",
+            "Mistral's sliding window is read, and is not a context cap",
             json!({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 256}),
             |c| {
                 assert_eq!(
                     (c.architecture, c.sliding_window, c.max_model_len()),
-                    (Architecture::Mistral, Some(256), 256)
+                    (Architecture::Mistral, Some(256), 512)
                 );
                 assert_eq!(c.shapes().architecture, "MistralForCausalLM");
             },
@@ -116,6 +116,13 @@ fn variants_real_checkpoints_use() {
             },
         ),
         ("hidden_act swish is SiLU", json!({"hidden_act": "swish"}), |c| assert_eq!(c.hidden_act, HiddenAct::Silu)),
+        ("hidden_act gelu is exact GELU", json!({"hidden_act": "gelu"}), |c| assert_eq!(c.hidden_act, HiddenAct::Gelu)),
+        ("gelu_pytorch_tanh is the tanh GELU", json!({"hidden_act": "gelu_pytorch_tanh"}), |c| {
+            assert_eq!(c.hidden_act, HiddenAct::GeluTanh)
+        }),
+        ("gelu_new is the tanh GELU", json!({"hidden_act": "gelu_new"}), |c| {
+            assert_eq!(c.hidden_act, HiddenAct::GeluTanh)
+        }),
     ];
     for (what, changes, check) in table {
         let c = ModelConfig::from_json(&variant(changes)).unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -127,7 +134,7 @@ fn variants_real_checkpoints_use() {
 #[test]
 fn refusals_name_the_field() {
     let table = [
-        (json!({"hidden_act": "gelu_pytorch_tanh"}), "unsupported_activation", "hidden_act"),
+        (json!({"hidden_act": "quick_gelu"}), "unsupported_activation", "hidden_act"),
         (json!({"hidden_act": "relu"}), "unsupported_activation", "\"relu\""),
         (json!({"model_type": "gpt2"}), "unsupported_architecture", "gpt2"),
         (json!({"model_type": null, "architectures": null}), "config", "model_type"),

@@ -1,6 +1,8 @@
 //! The CPU linear kernel against candle's matmul, for every instruction set this CPU has, over
 //! random shapes (odd sizes, `k` not a multiple of the vector width, strided inputs), and the
-//! property the layers rely on: a row's output does not depend on the rest of the batch.
+//! property the layers rely on: a row's output does not depend on the rest of the batch; and
+//! each bf16 / f16 kernel against its f32 twin, bit for bit (a half-precision weight is widened
+//! exactly, then multiplied by the same chains of FMAs).
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use proptest::prelude::*;
@@ -110,8 +112,8 @@ fn packed_rows_do_not_depend_on_the_batch() -> anyhow::Result<()> {
             anyhow::ensure!(bits(&part)? == bits(&all.i(lo..hi)?)?, "{isa:?}: rows {lo}..{hi} differ");
         }
     }
-    // Other dtypes are not packed.
-    anyhow::ensure!(PackedWeight::pack(&w.to_dtype(DType::BF16)?)?.is_none());
+    // Integer weights are not packed.
+    anyhow::ensure!(PackedWeight::pack(&w.to_dtype(DType::U8)?)?.is_none());
     Ok(())
 }
 
@@ -160,4 +162,134 @@ proptest! {
     fn outer_product_matches_a_plain_sum(m in 1usize..30, n in 1usize..100, k in 0usize..40, seed in any::<u64>()) {
         check_outer(m, n, k, seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
     }
+}
+
+/// `w` rounded to `dt` and widened back: the f32 weight a half-precision kernel must match.
+fn widened(w: &Tensor, dt: DType) -> anyhow::Result<Tensor> {
+    Ok(w.to_dtype(dt)?.to_dtype(DType::F32)?)
+}
+
+/// Every kernel over a bf16 / f16 weight gives the bits of its f32 twin over the same values,
+/// for each instruction set of this CPU, on shapes with edges everywhere: streaming and packed
+/// `linear` (up to and past 64 rows), the pre-packed weight, and the LoRA shrink and expand.
+fn check_half(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
+    let mut rng = Rng::new(seed);
+    let x = rng.tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
+    let w = rng.tensor(&[n, k], 1.0, DType::F32, &Device::Cpu)?;
+    for dt in [DType::BF16, DType::F16] {
+        let (wh, wf) = (w.to_dtype(dt)?, widened(&w, dt)?);
+        let packed = PackedWeight::pack(&wh)?.ok_or_else(|| anyhow::anyhow!("a {dt:?} cpu weight packs"))?;
+        anyhow::ensure!(packed.dtype() == dt, "packed in {:?}, not {dt:?}", packed.dtype());
+        anyhow::ensure!(bits(&packed.unpack()?)? == bits(&wh)?, "{dt:?}: unpack gives the weight back");
+        let packed_f = PackedWeight::pack(&wf)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
+        for isa in Isa::all_available() {
+            let got = linear_with(&x, &wh, isa)?;
+            anyhow::ensure!(got.dtype() == DType::F32, "{dt:?} {isa:?}: output {:?}", got.dtype());
+            let want = linear_with(&x, &wf, isa)?;
+            anyhow::ensure!(bits(&got)? == bits(&want)?, "linear {dt:?} {isa:?} [{m}, {n}, {k}] differs from f32");
+            let got = packed.forward_with(&x, isa)?;
+            let want = packed_f.forward_with(&x, isa)?;
+            anyhow::ensure!(bits(&got)? == bits(&want)?, "packed {dt:?} {isa:?} [{m}, {n}, {k}] differs from f32");
+        }
+        // The LoRA products (best instruction set): `x · Wᵀ` over rows of `w` and `x · Wt` over
+        // a `k`-major `Wt`.
+        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let (wh_v, wf_v) = (half_values(&wh)?, wf.flatten_all()?.to_vec1::<f32>()?);
+        let (mut got, mut want) = (vec![0f32; m * n], vec![0f32; m * n]);
+        half_matmul_t(&xs, k, &wh_v, k, (m, n, k), &mut got, n);
+        crate::ops::gemm::matmul_t_into(&xs, k, &wf_v, k, (m, n, k), &mut want, n);
+        anyhow::ensure!(got == want, "shrink {dt:?} [{m}, {n}, {k}] differs from f32");
+        // `w` read as `[n, k]` = a `k`-major `[rows n, cols k]` operand of the expand: x2: [m, n].
+        let x2 = rng.tensor(&[m, n], 1.0, DType::F32, &Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let (mut got, mut want) = (vec![0f32; m * k], vec![0f32; m * k]);
+        half_matmul(&x2, n, &wh_v, k, (m, k, n), &mut got, k);
+        crate::ops::gemm::matmul_into(&x2, n, &wf_v, k, (m, k, n), &mut want, k);
+        anyhow::ensure!(got == want, "expand {dt:?} [{m}, {k}, {n}] differs from f32");
+    }
+    Ok(())
+}
+
+/// A bf16 or f16 tensor's values, as the kernels' element type.
+enum Half {
+    Bf16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+}
+
+fn half_values(t: &Tensor) -> anyhow::Result<Half> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::BF16 => Half::Bf16(t.to_vec1()?),
+        _ => Half::F16(t.to_vec1()?),
+    })
+}
+
+fn half_matmul_t(x: &[f32], ldx: usize, w: &Half, ldw: usize, mnk: (usize, usize, usize), y: &mut [f32], ldy: usize) {
+    match w {
+        Half::Bf16(w) => crate::ops::gemm::matmul_t_into(x, ldx, w, ldw, mnk, y, ldy),
+        Half::F16(w) => crate::ops::gemm::matmul_t_into(x, ldx, w, ldw, mnk, y, ldy),
+    }
+}
+
+fn half_matmul(x: &[f32], ldx: usize, w: &Half, ldw: usize, mnk: (usize, usize, usize), y: &mut [f32], ldy: usize) {
+    match w {
+        Half::Bf16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy),
+        Half::F16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn half_weights_match_their_f32_twin(m in 1usize..80, n in 1usize..70, k in 1usize..70, seed in any::<u64>()) {
+        check_half(m, n, k, seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+}
+
+#[test]
+fn half_weights_match_their_f32_twin_on_threaded_shapes() -> anyhow::Result<()> {
+    // Past 64 rows (the packed regime of `linear`), cut into rectangles on the pool, with edges.
+    check_half(70, 301, 67, 4)?;
+    check_half(131, 97, 260, 5)
+}
+
+#[test]
+fn half_packed_rows_do_not_depend_on_the_batch() -> anyhow::Result<()> {
+    let mut rng = Rng::new(13);
+    let x = rng.tensor(&[150, 300], 1.0, DType::F32, &Device::Cpu)?;
+    let w = rng.tensor(&[107, 300], 1.0, DType::BF16, &Device::Cpu)?;
+    let packed = PackedWeight::pack(&w)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
+    for isa in Isa::all_available() {
+        let all = packed.forward_with(&x, isa)?;
+        for (lo, hi) in [(0, 1), (5, 6), (60, 64), (0, 65), (70, 150), (149, 150)] {
+            let part = packed.forward_with(&x.i(lo..hi)?, isa)?;
+            anyhow::ensure!(bits(&part)? == bits(&all.i(lo..hi)?)?, "{isa:?}: rows {lo}..{hi} differ");
+        }
+    }
+    Ok(())
+}
+
+/// A weight packed from its row parts (a fused projection's q, k, v) is the weight packed from
+/// their concatenation, in every dtype; parts of different widths or dtypes are not packed.
+#[test]
+fn packing_from_parts_is_packing_the_concatenation() -> anyhow::Result<()> {
+    let mut rng = Rng::new(21);
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let parts: Vec<Tensor> =
+            [37, 5, 64].iter().map(|&rows| rng.tensor(&[rows, 70], 1.0, dt, &Device::Cpu)).collect::<Result<_, _>>()?;
+        let whole = Tensor::cat(&parts, 0)?;
+        let from_parts = PackedWeight::pack_parts(&parts)?.ok_or_else(|| anyhow::anyhow!("{dt:?} parts pack"))?;
+        anyhow::ensure!(from_parts.dims() == (106, 70) && from_parts.dtype() == dt);
+        anyhow::ensure!(bits(&from_parts.unpack()?)? == bits(&whole)?, "{dt:?}: parts unpack to the concatenation");
+        let x = rng.tensor(&[9, 70], 1.0, DType::F32, &Device::Cpu)?;
+        let packed = PackedWeight::pack(&whole)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
+        anyhow::ensure!(bits(&from_parts.forward(&x)?)? == bits(&packed.forward(&x)?)?, "{dt:?}: same products");
+    }
+    let a = rng.tensor(&[4, 8], 1.0, DType::F32, &Device::Cpu)?;
+    anyhow::ensure!(
+        PackedWeight::pack_parts(&[a.clone(), rng.tensor(&[4, 9], 1.0, DType::F32, &Device::Cpu)?])?.is_none()
+    );
+    anyhow::ensure!(PackedWeight::pack_parts(&[a.clone(), a.to_dtype(DType::BF16)?])?.is_none());
+    anyhow::ensure!(PackedWeight::pack_parts(&[])?.is_none());
+    Ok(())
 }

@@ -81,21 +81,7 @@ pub fn model_with_adapters(dtype: DType) -> Result<(Model, HashMap<String, SlotI
 
 /// [`model_with_adapters`] on `device`.
 pub fn model_with_adapters_on(dtype: DType, device: &Device) -> Result<(Model, HashMap<String, SlotId>)> {
-    let lora = LoraLimits::new(ADAPTERS.len(), 32, &LoraLimits::default_targets())?;
-    let opts = ModelOptions::default().dtype(dtype).device(device.clone()).lora(lora);
-    let mut model = Model::load_dir(&fixture().join("base"), &opts)?;
-    let mut slots = HashMap::new();
-    for (slot, (name, dir)) in ADAPTERS.iter().enumerate() {
-        let adapter = multilora_adapter::load_dir(
-            name,
-            &fixture().join(dir),
-            model.shapes(),
-            &LoadOptions::new(dtype).max_lora_rank(32),
-        )?;
-        model.write_slot(SlotId::new(slot), &adapter)?;
-        slots.insert(name.to_string(), SlotId::new(slot));
-    }
-    Ok((model, slots))
+    model_at_with_adapters(&fixture().join("base"), dtype, device)
 }
 
 /// One row of a fixture batch.
@@ -212,4 +198,31 @@ pub fn run_all_positions(model: &Model, slots: &HashMap<String, SlotId>, rows: &
 
 pub fn argmax(row: &Tensor) -> Result<u32> {
     Ok(row.to_dtype(DType::F32)?.argmax(0)?.to_scalar::<u32>()?)
+}
+
+/// A bf16 checkpoint made from the fixture's base (every tensor rounded to bf16, `config.json`
+/// naming `bfloat16`), in `dir`.
+pub fn bf16_checkpoint(dir: &std::path::Path) -> Result<PathBuf> {
+    let out = dir.join("base-bf16");
+    multilora_models::write_checkpoint_copy(&fixture().join("base"), &out, DType::BF16)?;
+    Ok(out)
+}
+
+/// The checkpoint in `base` in `dtype` on `device`, with every fixture adapter in a slot.
+pub fn model_at_with_adapters(
+    base: &std::path::Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Model, HashMap<String, SlotId>)> {
+    let lora = LoraLimits::new(ADAPTERS.len(), 32, &LoraLimits::default_targets())?;
+    let opts = ModelOptions::default().dtype(dtype).device(device.clone()).lora(lora);
+    let mut model = Model::load_dir(base, &opts)?;
+    let mut slots = HashMap::new();
+    for (slot, (name, dir)) in ADAPTERS.iter().enumerate() {
+        let load = LoadOptions::new(dtype).max_lora_rank(32);
+        let adapter = multilora_adapter::load_dir(name, &fixture().join(dir), model.shapes(), &load)?;
+        model.write_slot(SlotId::new(slot), &adapter)?;
+        slots.insert(name.to_string(), SlotId::new(slot));
+    }
+    Ok((model, slots))
 }

@@ -38,11 +38,13 @@ pub fn cases() -> Result<Value> {
 
 /// A builder on the fixture base model with every fixture adapter registered at start.
 pub fn builder(max_loras: usize) -> EngineBuilder {
-    let mut b = Engine::builder(path("base"))
-        .served_model_name(BASE)
-        .max_loras(max_loras)
-        .max_lora_rank(32)
-        .kv_cache_bytes(16 << 20);
+    builder_at(&path("base"), max_loras)
+}
+
+/// [`builder`] over the checkpoint at `model`.
+pub fn builder_at(model: &str, max_loras: usize) -> EngineBuilder {
+    let mut b =
+        Engine::builder(model).served_model_name(BASE).max_loras(max_loras).max_lora_rank(32).kv_cache_bytes(16 << 20);
     for (name, rel) in ADAPTERS {
         b = b.lora(name, path(rel));
     }

@@ -8,9 +8,10 @@ use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Te
 
 use crate::error::Result;
 use crate::mapping::LoraMapping;
-use crate::ops::gemm::{matmul_into, matmul_t_into};
+use crate::ops::gemm::{Elem, matmul_into, matmul_t_into};
 use crate::ops::run_tasks;
 use crate::slots::LoraSlots;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 pub(super) fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
@@ -75,33 +76,51 @@ pub(crate) fn shrink_expand_in_place(
     Ok(())
 }
 
-/// The f32 case of [`shrink_expand_in_place`] on plain slices, as one in-place op on `y`, reading
-/// the LoRA rows of `x` (`[rows, in]`, not gathered) in place, a run of consecutive rows at a time
-/// (a prefill sequence is one run): each
+/// The fast case of [`shrink_expand_in_place`] on plain slices (`x` and `y` f32, the slots f32,
+/// bf16 or f16, widened as they are read), as one in-place op on `y`, reading the LoRA rows of
+/// `x` (`[rows, in]`, not gathered) in place, a run of consecutive rows at a time (a prefill
+/// sequence is one run): each
 /// (slice, segment) task owns its rows' columns of that slice in `y` and runs both products with
 /// the crate's kernel straight on the slot buffers at the true rank (`x_seg · Aᵀ`, then `· Bᵀ`
 /// as outer products over the rank-major `Bᵀ`), [`DELTA_ROWS`] rows at a time through a small
 /// scratch block it adds into its rows. No candle op runs per segment, and no delta as large as
-/// the output is allocated and added in a second pass. Returns `false`, doing nothing, when an
-/// operand is not f32.
-pub(crate) fn shrink_expand_f32(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
-    let f32s = x.dtype() == DType::F32
-        && y.dtype() == DType::F32
-        && slices.iter().all(|s| s.a().dtype() == DType::F32 && s.b().dtype() == DType::F32);
-    if !f32s {
+/// the output is allocated and added in a second pass. Returns `false`, doing nothing, when `x`
+/// or `y` is not f32 or the slots are not all of one of those dtypes.
+pub(crate) fn shrink_expand_fused(
+    x: &Tensor,
+    y: &Tensor,
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+) -> Result<bool> {
+    let Some(first) = slices.first() else { return Ok(true) };
+    let dt = first.a().dtype();
+    let same = slices.iter().all(|s| s.a().dtype() == dt && s.b().dtype() == dt);
+    if x.dtype() != DType::F32 || y.dtype() != DType::F32 || !same {
         return Ok(false);
     }
+    match dt {
+        DType::F32 => shrink_expand_with::<f32>(x, y, slices, mapping),
+        DType::BF16 => shrink_expand_with::<bf16>(x, y, slices, mapping),
+        DType::F16 => shrink_expand_with::<f16>(x, y, slices, mapping),
+        _ => Ok(false),
+    }
+}
+
+/// [`shrink_expand_fused`] with slots of element `E`.
+fn shrink_expand_with<E: Elem>(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
     let xs = x.contiguous()?;
     let (rows, in_features) = xs.dims2()?;
     let (x_guard, x_layout) = xs.storage_and_layout();
-    let Some(x) = cpu_f32(&x_guard, x_layout).and_then(|v| v.get(..rows * in_features)) else { return Ok(false) };
+    let Some(x) = cpu_values::<f32>(&x_guard, x_layout).and_then(|v| v.get(..rows * in_features)) else {
+        return Ok(false);
+    };
     if rows != mapping.num_rows() {
         return Ok(false);
     }
     let guards: Vec<_> = slices.iter().map(|s| (s.a().storage_and_layout(), s.b().storage_and_layout())).collect();
     let mut ab = Vec::with_capacity(slices.len());
     for ((a, al), (b, bl)) in &guards {
-        let (Some(a), Some(b)) = (cpu_f32(a, al), cpu_f32(b, bl)) else { return Ok(false) };
+        let (Some(a), Some(b)) = (cpu_values::<E>(a, al), cpu_values::<E>(b, bl)) else { return Ok(false) };
         ab.push((a, b));
     }
     let mut tasks = Vec::new();
@@ -143,19 +162,19 @@ struct Task {
     len: usize,
 }
 
-/// The in-place op of [`shrink_expand_f32`]: `y[rows[start + j], offset + c] += (x[rows[start + j]]
+/// The in-place op of [`shrink_expand_fused`]: `y[rows[start + j], offset + c] += (x[rows[start + j]]
 /// · Aᵀ · Bᵀ)[c]` for every task (`x` all rows, `[rows, in]`).
-struct AddDeltas<'a> {
+struct AddDeltas<'a, E> {
     x: &'a [f32],
     in_features: usize,
-    ab: Vec<(&'a [f32], &'a [f32])>,
+    ab: Vec<(&'a [E], &'a [E])>,
     slices: &'a [&'a LoraSlots],
     tasks: Vec<Task>,
     rows: &'a [u32],
     work: usize,
 }
 
-impl AddDeltas<'_> {
+impl<E: Elem> AddDeltas<'_, E> {
     /// Runs one task into its cells of `y` (one per row of the segment, in order).
     fn run(&self, t: &Task, mut cells: Vec<&mut [f32]>) {
         let sl = self.slices[t.slice];
@@ -190,7 +209,7 @@ impl AddDeltas<'_> {
     }
 }
 
-impl InplaceOp1 for AddDeltas<'_> {
+impl<E: Elem> InplaceOp1 for AddDeltas<'_, E> {
     fn name(&self) -> &'static str {
         "lora-add-deltas"
     }
@@ -246,10 +265,10 @@ impl InplaceOp1 for AddDeltas<'_> {
     }
 }
 
-/// The contiguous f32 values of a CPU tensor from its layout's start, if it is one.
-fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Option<&'a [f32]> {
+/// The contiguous values of a CPU tensor of element `E` from its layout's start, if it is one.
+fn cpu_values<'a, E: Elem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
     match storage {
-        Storage::Cpu(CpuStorage::F32(v)) if layout.is_contiguous() => v.get(layout.start_offset()..),
+        Storage::Cpu(cpu) if layout.is_contiguous() => E::slice(cpu)?.get(layout.start_offset()..),
         _ => None,
     }
 }

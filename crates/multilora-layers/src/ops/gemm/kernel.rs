@@ -1,5 +1,8 @@
-//! The f32 micro-kernels of [`super::linear`]: `y[i, j] = Σ_k x[i, k] · w[j, k]`, with the rows of
-//! `x` and of `w` both contiguous along `k` (row strides `ldx`, `ldw`).
+//! The micro-kernels of [`super::linear`]: `y[i, j] = Σ_k x[i, k] · w[j, k]`, with the rows of
+//! `x` and of `w` both contiguous along `k` (row strides `ldx`, `ldw`). `x` and `y` are f32; `w`
+//! is any [`Elem`]: f32, or bf16 / f16 widened to f32 in registers as it is loaded (exactly: every
+//! bf16 and f16 value is an f32 value), so a half-precision weight is read from memory at half the
+//! bytes and multiplied by the same chains of f32 FMAs as an f32 one.
 //!
 //! - Streaming ([`tile`], llama.cpp's tinyBLAS): nothing is packed. A tile of `RM` rows of `x` by
 //!   `RN` rows of `w` keeps `RM · RN` vector accumulators in registers; each step along `k` loads
@@ -24,6 +27,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use candle_core::CpuStorage;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::Isa;
@@ -40,6 +45,56 @@ pub(super) struct Rect {
     pub(super) n1: usize,
 }
 
+/// How an [`Elem`] is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ElemKind {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// A weight element the kernels read (f32, bf16 or f16): widened to f32 as it is loaded.
+pub(crate) trait Elem: Copy + Default + Send + Sync + 'static {
+    const KIND: ElemKind;
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+    /// The values of a CPU storage of this dtype.
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+}
+
+impl Elem for f32 {
+    const KIND: ElemKind = ElemKind::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn slice(s: &CpuStorage) -> Option<&[f32]> {
+        if let CpuStorage::F32(v) = s { Some(v) } else { None }
+    }
+}
+
+impl Elem for bf16 {
+    const KIND: ElemKind = ElemKind::Bf16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    fn slice(s: &CpuStorage) -> Option<&[bf16]> {
+        if let CpuStorage::BF16(v) = s { Some(v) } else { None }
+    }
+}
+
+impl Elem for f16 {
+    const KIND: ElemKind = ElemKind::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn slice(s: &CpuStorage) -> Option<&[f16]> {
+        if let CpuStorage::F16(v) = s { Some(v) } else { None }
+    }
+}
+
 /// One vector instruction set: the few operations a tile needs.
 trait Simd {
     type V: Copy;
@@ -52,6 +107,31 @@ trait Simd {
     /// # Safety
     /// `p..p + LANES` must be readable, and the instruction set must be available.
     unsafe fn load(p: *const f32) -> Self::V;
+    /// `LANES` bf16 values widened to f32.
+    ///
+    /// # Safety
+    /// `p..p + LANES` must be readable, and the instruction set must be available.
+    unsafe fn load_bf16(p: *const u16) -> Self::V;
+    /// `LANES` f16 values widened to f32.
+    ///
+    /// # Safety
+    /// `p..p + LANES` must be readable, and the instruction set must be available.
+    unsafe fn load_f16(p: *const u16) -> Self::V;
+    /// `LANES` weight elements widened to f32 (the match is resolved at compile time).
+    ///
+    /// # Safety
+    /// `p..p + LANES` must be readable, and the instruction set must be available.
+    #[inline(always)]
+    unsafe fn load_elem<E: Elem>(p: *const E) -> Self::V {
+        // SAFETY: forwarded from the caller; `E::KIND` names how `E` is stored.
+        unsafe {
+            match E::KIND {
+                ElemKind::F32 => Self::load(p.cast()),
+                ElemKind::Bf16 => Self::load_bf16(p.cast()),
+                ElemKind::F16 => Self::load_f16(p.cast()),
+            }
+        }
+    }
     /// # Safety
     /// The instruction set must be available.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
@@ -70,17 +150,17 @@ trait Simd {
     ///
     /// # Safety
     /// As for [`tile`].
-    unsafe fn full(x: *const f32, ldx: usize, w: *const f32, ldw: usize, k: usize, y: *mut f32, ldy: usize);
+    unsafe fn full<E: Elem>(x: *const f32, ldx: usize, w: *const E, ldw: usize, k: usize, y: *mut f32, ldy: usize);
     /// One row against `RN` rows of `w`.
     ///
     /// # Safety
     /// As for [`tile`].
-    unsafe fn row(x: *const f32, ldx: usize, w: *const f32, ldw: usize, k: usize, y: *mut f32, ldy: usize);
+    unsafe fn row<E: Elem>(x: *const f32, ldx: usize, w: *const E, ldw: usize, k: usize, y: *mut f32, ldy: usize);
     /// `RM` rows against one row of `w`.
     ///
     /// # Safety
     /// As for [`tile`].
-    unsafe fn col(x: *const f32, ldx: usize, w: *const f32, ldw: usize, k: usize, y: *mut f32, ldy: usize);
+    unsafe fn col<E: Elem>(x: *const f32, ldx: usize, w: *const E, ldw: usize, k: usize, y: *mut f32, ldy: usize);
     /// A full tile of the packed kernel ([`packed_tile`] at `PACKED_RM` rows).
     ///
     /// # Safety
@@ -103,31 +183,31 @@ macro_rules! tiles {
         #[inline(always)]
         unsafe fn packed_full(x: *const f32, ldx: usize, wp: *const f32, k: usize, y: *mut f32, ldy: usize) {
             // SAFETY: forwarded from the caller.
-            unsafe { packed_tile::<Self, $prm, false>(x, ldx, wp, 2 * Self::LANES, k, y, ldy, false) }
+            unsafe { packed_tile::<Self, f32, $prm, false>(x, ldx, wp, 2 * Self::LANES, k, y, ldy, false) }
         }
 
         #[inline(always)]
         unsafe fn packed_row(x: *const f32, ldx: usize, wp: *const f32, k: usize, y: *mut f32, ldy: usize) {
             // SAFETY: forwarded from the caller.
-            unsafe { packed_tile::<Self, 1, false>(x, ldx, wp, 2 * Self::LANES, k, y, ldy, false) }
+            unsafe { packed_tile::<Self, f32, 1, false>(x, ldx, wp, 2 * Self::LANES, k, y, ldy, false) }
         }
 
         #[inline(always)]
-        unsafe fn full(x: *const f32, ldx: usize, w: *const f32, ldw: usize, k: usize, y: *mut f32, ldy: usize) {
+        unsafe fn full<E: Elem>(x: *const f32, ldx: usize, w: *const E, ldw: usize, k: usize, y: *mut f32, ldy: usize) {
             // SAFETY: forwarded from the caller.
-            unsafe { tile::<Self, $rm, $rn>(x, ldx, w, ldw, k, y, ldy) }
+            unsafe { tile::<Self, E, $rm, $rn>(x, ldx, w, ldw, k, y, ldy) }
         }
 
         #[inline(always)]
-        unsafe fn row(x: *const f32, ldx: usize, w: *const f32, ldw: usize, k: usize, y: *mut f32, ldy: usize) {
+        unsafe fn row<E: Elem>(x: *const f32, ldx: usize, w: *const E, ldw: usize, k: usize, y: *mut f32, ldy: usize) {
             // SAFETY: forwarded from the caller.
-            unsafe { tile::<Self, 1, $rn>(x, ldx, w, ldw, k, y, ldy) }
+            unsafe { tile::<Self, E, 1, $rn>(x, ldx, w, ldw, k, y, ldy) }
         }
 
         #[inline(always)]
-        unsafe fn col(x: *const f32, ldx: usize, w: *const f32, ldw: usize, k: usize, y: *mut f32, ldy: usize) {
+        unsafe fn col<E: Elem>(x: *const f32, ldx: usize, w: *const E, ldw: usize, k: usize, y: *mut f32, ldy: usize) {
             // SAFETY: forwarded from the caller.
-            unsafe { tile::<Self, $rm, 1>(x, ldx, w, ldw, k, y, ldy) }
+            unsafe { tile::<Self, E, $rm, 1>(x, ldx, w, ldw, k, y, ldy) }
         }
     };
 }
@@ -150,6 +230,20 @@ impl Simd for Portable {
     unsafe fn load(p: *const f32) -> [f32; 8] {
         // SAFETY: the caller guarantees eight readable f32 from `p`; no alignment is assumed.
         unsafe { p.cast::<[f32; 8]>().read_unaligned() }
+    }
+
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> [f32; 8] {
+        // SAFETY: the caller guarantees eight readable u16 from `p`; no alignment is assumed.
+        let v = unsafe { p.cast::<[u16; 8]>().read_unaligned() };
+        v.map(|b| f32::from_bits((b as u32) << 16))
+    }
+
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> [f32; 8] {
+        // SAFETY: as above.
+        let v = unsafe { p.cast::<[u16; 8]>().read_unaligned() };
+        v.map(|b| f16::from_bits(b).to_f32())
     }
 
     #[inline(always)]
@@ -200,6 +294,19 @@ impl Simd for Avx2 {
     unsafe fn load(p: *const f32) -> __m256 {
         // SAFETY: the caller guarantees eight readable f32 and AVX2; `loadu` needs no alignment.
         unsafe { _mm256_loadu_ps(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m256 {
+        // SAFETY: the caller guarantees eight readable u16 and AVX2; `loadu` needs no alignment.
+        // A bf16 is the high half of its f32: zero-extend and shift.
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> __m256 {
+        // SAFETY: the caller guarantees eight readable u16 and F16C (part of this set's detection).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
 
     #[inline(always)]
@@ -265,6 +372,19 @@ impl Simd for Avx512 {
     }
 
     #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m512 {
+        // SAFETY: the caller guarantees sixteen readable u16 and AVX-512F; no alignment needed.
+        // A bf16 is the high half of its f32: zero-extend and shift.
+        unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())))) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> __m512 {
+        // SAFETY: the caller guarantees sixteen readable u16 and AVX-512F.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+
+    #[inline(always)]
     unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
         // SAFETY: the caller guarantees AVX-512F.
         unsafe { _mm512_fmadd_ps(a, b, c) }
@@ -304,10 +424,10 @@ impl Simd for Avx512 {
 /// `RM` rows of `k` f32 from `x`, `RN` rows from `w` must be readable, the `RM × RN` outputs
 /// writable and not accessed by anyone else, and `S`'s instruction set available.
 #[inline(always)]
-unsafe fn tile<S: Simd, const RM: usize, const RN: usize>(
+unsafe fn tile<S: Simd, E: Elem, const RM: usize, const RN: usize>(
     x: *const f32,
     ldx: usize,
-    w: *const f32,
+    w: *const E,
     ldw: usize,
     k: usize,
     y: *mut f32,
@@ -320,10 +440,10 @@ unsafe fn tile<S: Simd, const RM: usize, const RN: usize>(
         let mut wv = [S::zero(); RN];
         for (j, v) in wv.iter_mut().enumerate() {
             // SAFETY: `p + LANES <= k`, inside row `j < RN` of `w`.
-            *v = unsafe { S::load(w.add(j * ldw + p)) };
+            *v = unsafe { S::load_elem(w.add(j * ldw + p)) };
             // The next tile's rows of `w`: each is its own page-sized stream, which the hardware
             // prefetcher picks up too late to keep a memory-bound decode step streaming.
-            S::prefetch(w.wrapping_add((RN + j) * ldw + p));
+            S::prefetch(w.wrapping_add((RN + j) * ldw + p).cast());
         }
         for (i, row) in acc.iter_mut().enumerate() {
             // SAFETY: `p + LANES <= k`, inside row `i < RM` of `x`.
@@ -341,7 +461,7 @@ unsafe fn tile<S: Simd, const RM: usize, const RN: usize>(
             let mut s = unsafe { S::hsum(a) };
             for q in kv..k {
                 // SAFETY: `q < k`, inside rows `i` of `x` and `j` of `w`.
-                s += unsafe { *x.add(i * ldx + q) * *w.add(j * ldw + q) };
+                s += unsafe { *x.add(i * ldx + q) * (*w.add(j * ldw + q)).to_f32() };
             }
             // SAFETY: output `(i, j)` of the tile is the caller's to write.
             unsafe { *y.add(i * ldy + j) = s };
@@ -368,7 +488,7 @@ unsafe impl Sync for Out {}
 /// `x` holds `m1` rows and `w` holds `n1` rows of `k` f32; the rectangle is inside the output,
 /// nobody else touches it, and `S`'s instruction set is available.
 #[inline(always)]
-unsafe fn rect<S: Simd>(o: Operands<'_>, out: Out, r: Rect, panel: usize) {
+unsafe fn rect<S: Simd, E: Elem>(o: Operands<'_, E>, out: Out, r: Rect, panel: usize) {
     let Operands { x, ldx, w, ldw, k } = o;
     let (rm, rn) = (S::RM, S::RN);
     let panel = panel.div_ceil(rn) * rn;
@@ -387,7 +507,7 @@ unsafe fn rect<S: Simd>(o: Operands<'_>, out: Out, r: Rect, panel: usize) {
                 // output `(i.., j..)` lies in this task's rectangle.
                 unsafe {
                     let yp = out.ptr.add(i * out.ldy + j);
-                    dispatch::<S>(rows, cols, xp, ldx, wp, ldw, k, yp, out.ldy);
+                    dispatch::<S, E>(rows, cols, xp, ldx, wp, ldw, k, yp, out.ldy);
                 }
                 j += cols;
             }
@@ -403,12 +523,12 @@ unsafe fn rect<S: Simd>(o: Operands<'_>, out: Out, r: Rect, panel: usize) {
 /// As for [`tile`] with `rows × cols` outputs.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn dispatch<S: Simd>(
+unsafe fn dispatch<S: Simd, E: Elem>(
     rows: usize,
     cols: usize,
     x: *const f32,
     ldx: usize,
-    w: *const f32,
+    w: *const E,
     ldw: usize,
     k: usize,
     y: *mut f32,
@@ -431,7 +551,7 @@ unsafe fn dispatch<S: Simd>(
                 S::row(x.add(i * ldx), ldx, w, ldw, k, y.add(i * ldy), ldy);
             } else {
                 for j in 0..cols {
-                    tile::<S, 1, 1>(x.add(i * ldx), ldx, w.add(j * ldw), ldw, k, y.add(i * ldy + j), ldy);
+                    tile::<S, E, 1, 1>(x.add(i * ldx), ldx, w.add(j * ldw), ldw, k, y.add(i * ldy + j), ldy);
                 }
             }
         }
@@ -450,10 +570,10 @@ unsafe fn dispatch<S: Simd>(
 /// of `2·LANES` outputs writable and nobody else's; `S`'s instruction set available.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn packed_tile<S: Simd, const MR: usize, const PREFETCH: bool>(
+unsafe fn packed_tile<S: Simd, E: Elem, const MR: usize, const PREFETCH: bool>(
     x: *const f32,
     ldx: usize,
-    wp: *const f32,
+    wp: *const E,
     ldp: usize,
     k: usize,
     y: *mut f32,
@@ -469,12 +589,12 @@ unsafe fn packed_tile<S: Simd, const MR: usize, const PREFETCH: bool>(
     }
     for p in 0..k {
         // SAFETY: `p < k`, inside the packed panel.
-        let (w0, w1) = unsafe { (S::load(wp.add(p * ldp)), S::load(wp.add(p * ldp + S::LANES))) };
+        let (w0, w1) = unsafe { (S::load_elem(wp.add(p * ldp)), S::load_elem(wp.add(p * ldp + S::LANES))) };
         // A panel read once from memory (a decode step) streams ahead of its use; past the end
         // of the panel this asks for the next one, which is where a pre-packed weight goes on.
         if PREFETCH {
-            S::prefetch(wp.wrapping_add((p + PREFETCH_AHEAD) * ldp));
-            S::prefetch(wp.wrapping_add((p + PREFETCH_AHEAD) * ldp + S::LANES));
+            S::prefetch(wp.wrapping_add((p + PREFETCH_AHEAD) * ldp).cast());
+            S::prefetch(wp.wrapping_add((p + PREFETCH_AHEAD) * ldp + S::LANES).cast());
         }
         for (r, a) in acc.iter_mut().enumerate() {
             // SAFETY: `p < k`, inside row `r < MR` of `x`; the instruction set is the caller's.
@@ -499,12 +619,12 @@ const PREFETCH_AHEAD: usize = 32;
 
 /// Copies rows `j0..j0 + cols` of `w` (`[.., k]`) into `buf` `k`-major, `width` columns per `k`,
 /// zero past `cols`.
-fn pack(w: &[f32], ldw: usize, k: usize, j0: usize, cols: usize, width: usize, buf: &mut [f32]) {
+fn pack<E: Elem>(w: &[E], ldw: usize, k: usize, j0: usize, cols: usize, width: usize, buf: &mut [f32]) {
     for c in 0..width {
         let dst = buf[c..].iter_mut().step_by(width);
         if c < cols {
             for (d, &v) in dst.zip(&w[(j0 + c) * ldw..(j0 + c) * ldw + k]) {
-                *d = v;
+                *d = v.to_f32();
             }
         } else {
             dst.for_each(|d| *d = 0.0);
@@ -518,7 +638,7 @@ fn pack(w: &[f32], ldw: usize, k: usize, j0: usize, cols: usize, width: usize, b
 /// # Safety
 /// As for [`rect`].
 #[inline(always)]
-unsafe fn rect_packed<S: Simd>(o: Operands<'_>, out: Out, r: Rect) {
+unsafe fn rect_packed<S: Simd, E: Elem>(o: Operands<'_, E>, out: Out, r: Rect) {
     let Operands { x, ldx, w, ldw, k } = o;
     let nr = 2 * S::LANES;
     let mut buf = vec![0f32; k * nr];
@@ -558,15 +678,15 @@ unsafe fn rect_packed<S: Simd>(o: Operands<'_>, out: Out, r: Rect) {
 /// The operands of one product: `x` rows `ldx` apart and `w` rows `ldw` apart, `k` values used
 /// from each row.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Operands<'a> {
+pub(super) struct Operands<'a, E> {
     pub(super) x: &'a [f32],
     pub(super) ldx: usize,
-    pub(super) w: &'a [f32],
+    pub(super) w: &'a [E],
     pub(super) ldw: usize,
     pub(super) k: usize,
 }
 
-impl Operands<'_> {
+impl<E> Operands<'_, E> {
     /// Whether rows `..m1` of `x` and `..n1` of `w` are inside the slices.
     fn holds(&self, m1: usize, n1: usize) -> bool {
         let end = |rows: usize, ld: usize| if rows == 0 { 0 } else { (rows - 1) * ld + self.k };
@@ -584,9 +704,9 @@ impl Operands<'_> {
 /// # Panics
 /// When a rectangle reaches outside `x`, `w` or `y`, or two rectangles overlap.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn fill(
+pub(super) fn fill<E: Elem>(
     isa: Isa,
-    o: Operands<'_>,
+    o: Operands<'_, E>,
     y: &mut [f32],
     ldy: usize,
     rects: &[Rect],
@@ -607,13 +727,13 @@ pub(super) fn fill(
         // SAFETY: as above.
         Isa::Avx512 => unsafe { rect_avx512(o, out, *r, panel) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA were detected; bounds and disjointness as above.
+        // SAFETY: AVX2, FMA and F16C were detected; bounds and disjointness as above.
         Isa::Avx2 if packed => unsafe { rect_packed_avx2(o, out, *r) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { rect_avx2(o, out, *r, panel) },
         // SAFETY: no instruction set needed; bounds and disjointness as above.
-        _ => unsafe { rect::<Portable>(o, out, *r, panel) },
+        _ => unsafe { rect::<Portable, E>(o, out, *r, panel) },
     };
     run_rects(rects, parallel, run);
 }
@@ -647,34 +767,34 @@ fn run_rects(rects: &[Rect], parallel: bool, run: impl Fn(&Rect) + Sync + Send) 
 /// As for [`rect`], with AVX-512F available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn rect_avx512(o: Operands<'_>, out: Out, r: Rect, panel: usize) {
+unsafe fn rect_avx512<E: Elem>(o: Operands<'_, E>, out: Out, r: Rect, panel: usize) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { rect::<Avx512>(o, out, r, panel) }
+    unsafe { rect::<Avx512, E>(o, out, r, panel) }
 }
 
 /// # Safety
 /// As for [`rect`], with AVX-512F available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn rect_packed_avx512(o: Operands<'_>, out: Out, r: Rect) {
+unsafe fn rect_packed_avx512<E: Elem>(o: Operands<'_, E>, out: Out, r: Rect) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { rect_packed::<Avx512>(o, out, r) }
+    unsafe { rect_packed::<Avx512, E>(o, out, r) }
 }
 
 /// # Safety
-/// As for [`rect`], with AVX2 and FMA available.
+/// As for [`rect`], with AVX2, FMA and F16C available.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rect_avx2(o: Operands<'_>, out: Out, r: Rect, panel: usize) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rect_avx2<E: Elem>(o: Operands<'_, E>, out: Out, r: Rect, panel: usize) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { rect::<Avx2>(o, out, r, panel) }
+    unsafe { rect::<Avx2, E>(o, out, r, panel) }
 }
 
 /// # Safety
-/// As for [`rect`], with AVX2 and FMA available.
+/// As for [`rect`], with AVX2, FMA and F16C available.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rect_packed_avx2(o: Operands<'_>, out: Out, r: Rect) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rect_packed_avx2<E: Elem>(o: Operands<'_, E>, out: Out, r: Rect) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { rect_packed::<Avx2>(o, out, r) }
+    unsafe { rect_packed::<Avx2, E>(o, out, r) }
 }

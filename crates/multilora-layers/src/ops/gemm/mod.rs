@@ -1,5 +1,8 @@
-//! `linear`: `y = x · Wᵀ` for f32 on the CPU with the crate's own kernels, the base matmul of
-//! every [`crate::LoraLinear`] (and so of `lm_head`), and the LoRA segment products.
+//! `linear`: `y = x · Wᵀ` on the CPU with the crate's own kernels, the base matmul of every
+//! [`crate::LoraLinear`] (and so of `lm_head`), and the LoRA segment products. `x` and `y` are
+//! f32; `W` is f32, bf16 or f16, widened to f32 in registers as it is read, so a half-precision
+//! weight costs half the bytes of memory traffic and is multiplied exactly as its f32 value
+//! would be (f32 accumulation).
 //!
 //! ```text
 //! y[i, j] = Σ_k x[i, k] · W[j, k]        x: [m, k], W: [n, k] (PyTorch's [out, in]), y: [m, n]
@@ -13,8 +16,8 @@
 //! on the rayon pool ([`kernel`]). The instruction set is picked at run time: AVX-512F, else
 //! AVX2 + FMA, else a portable path the compiler vectorises (streaming only).
 //!
-//! Anything other than a 2-D f32 input and a contiguous 2-D f32 weight on the CPU goes through
-//! candle's matmul instead.
+//! Anything other than a 2-D f32 input and a contiguous 2-D f32 / bf16 / f16 weight on the CPU
+//! goes through candle's matmul instead.
 
 // The one module of the crate allowed `unsafe`: vector loads and the shared output pointer.
 #[allow(unsafe_code)]
@@ -24,9 +27,11 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+pub(crate) use kernel::Elem;
 use kernel::Rect;
 
 /// Which vector instructions the CPU linear kernel uses.
@@ -35,7 +40,7 @@ use kernel::Rect;
 pub enum Isa {
     /// Plain Rust, vectorised by the compiler for the build target.
     Portable,
-    /// x86-64 AVX2 and FMA, 8 lanes, 4 × 3 tiles.
+    /// x86-64 AVX2, FMA and F16C, 8 lanes, 4 × 3 tiles.
     Avx2,
     /// x86-64 AVX-512F, 16 lanes, 4 × 6 tiles.
     Avx512,
@@ -52,7 +57,11 @@ impl Isa {
         match self {
             Isa::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
             #[cfg(not(target_arch = "x86_64"))]
@@ -82,7 +91,7 @@ pub fn linear_with(x: &Tensor, weight: &Tensor, isa: Isa) -> Result<Tensor> {
     }
     let fast = x.device().is_cpu()
         && x.dtype() == DType::F32
-        && weight.dtype() == DType::F32
+        && matches!(weight.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && x.rank() == 2
         && weight.rank() == 2
         && weight.is_contiguous();
@@ -99,10 +108,10 @@ pub fn linear_with(x: &Tensor, weight: &Tensor, isa: Isa) -> Result<Tensor> {
 /// # Panics
 /// When a row reaches outside its slice.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_t_into(
+pub(crate) fn matmul_t_into<E: Elem>(
     x: &[f32],
     ldx: usize,
-    w: &[f32],
+    w: &[E],
     ldw: usize,
     (m, n, k): (usize, usize, usize),
     y: &mut [f32],
@@ -115,47 +124,109 @@ pub(crate) fn matmul_t_into(
 /// A weight `W: [n, k]` packed once for the CPU kernel: panels of 32 output columns, each stored
 /// `k`-major, so that every product with it, whatever the number of rows, runs as outer products
 /// (no horizontal sums, nothing packed during a step) and reads `W` as one sequential stream.
-/// Layers hold their f32 CPU weights this way instead of as a tensor: the same bytes (plus the
-/// zero padding of the last panel), not a second copy.
+/// Layers hold their CPU weights this way instead of as a tensor: the same bytes in the same
+/// dtype (f32, bf16 or f16; plus the zero padding of the last panel), not a second copy.
 ///
-/// Each output is one chain of FMAs over `k` in order, so a row's result is bit for bit the same
-/// whatever the other rows of the batch are: batch invariance holds across decode and prefill.
+/// Each output is one chain of f32 FMAs over `k` in order, so a row's result is bit for bit the
+/// same whatever the other rows of the batch are: batch invariance holds across decode and
+/// prefill, in every dtype.
 #[derive(Clone)]
 pub struct PackedWeight {
-    panels: Arc<[f32]>,
+    panels: Panels,
     n: usize,
     k: usize,
 }
 
+/// The packed values, in the weight's own dtype.
+#[derive(Clone)]
+enum Panels {
+    F32(Arc<Vec<f32>>),
+    Bf16(Arc<Vec<bf16>>),
+    F16(Arc<Vec<f16>>),
+}
+
 impl std::fmt::Debug for PackedWeight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PackedWeight[{}, {}]", self.n, self.k)
+        write!(f, "PackedWeight[{}, {}, {:?}]", self.n, self.k, self.dtype())
     }
 }
 
+/// Packs the rows of `parts` (one weight `[n, k]` cut along its rows: `[n_i, k]` each, in order)
+/// into panels of `PANEL` columns, `k`-major, zero past `n`; the parts are read in place.
+fn pack_panels<E: Elem>(parts: &[&[E]], k: usize) -> Arc<Vec<E>> {
+    let n: usize = parts.iter().map(|p| p.len() / k.max(1)).sum();
+    let row = |mut j: usize| -> &[E] {
+        for p in parts {
+            let rows = p.len() / k.max(1);
+            if j < rows {
+                return &p[j * k..][..k];
+            }
+            j -= rows;
+        }
+        &[]
+    };
+    let mut panels = vec![E::default(); n.div_ceil(kernel::PANEL) * k * kernel::PANEL];
+    panels.par_chunks_mut((k * kernel::PANEL).max(1)).enumerate().for_each(|(p, dst)| {
+        let j0 = p * kernel::PANEL;
+        for c in 0..kernel::PANEL.min(n.saturating_sub(j0)) {
+            for (d, &v) in dst[c..].iter_mut().step_by(kernel::PANEL).zip(row(j0 + c)) {
+                *d = v;
+            }
+        }
+    });
+    Arc::new(panels)
+}
+
+/// The `[n, k]` rows of panels packed by [`pack_panels`].
+fn unpack_panels<E: Elem>(panels: &[E], n: usize, k: usize) -> Vec<E> {
+    let mut w = vec![E::default(); n * k];
+    w.par_chunks_mut(k.max(1)).enumerate().for_each(|(j, row)| {
+        let panel = &panels[(j / kernel::PANEL) * k * kernel::PANEL..];
+        for (d, &v) in row.iter_mut().zip(panel[j % kernel::PANEL..].iter().step_by(kernel::PANEL)) {
+            *d = v;
+        }
+    });
+    w
+}
+
+/// The values of each contiguous CPU tensor of element `E`, in place.
+fn values<'a, E: Elem, G: std::ops::Deref<Target = Storage>>(guards: &'a [(G, &Layout)]) -> Option<Vec<&'a [E]>> {
+    guards
+        .iter()
+        .map(|(s, l)| {
+            let Storage::Cpu(cpu) = &**s else { return None };
+            E::slice(cpu)?.get(l.start_offset()..l.start_offset() + l.shape().elem_count())
+        })
+        .collect()
+}
+
 impl PackedWeight {
-    /// Packs a 2-D f32 weight on the CPU; `None` for any other dtype, rank or device (those run
-    /// through candle's matmul).
+    /// Packs a 2-D f32, bf16 or f16 weight on the CPU, keeping its dtype; `None` for any other
+    /// dtype, rank or device (those run through candle's matmul).
     pub fn pack(w: &Tensor) -> Result<Option<PackedWeight>> {
-        if !w.device().is_cpu() || w.dtype() != DType::F32 || w.rank() != 2 {
+        PackedWeight::pack_parts(std::slice::from_ref(w))
+    }
+
+    /// Packs the weight whose rows are those of `parts` in order (e.g. q, k and v of a fused
+    /// projection), read in place: no concatenated copy is made. `None` unless every part is a
+    /// 2-D CPU tensor of one dtype among f32, bf16 and f16 with the same number of columns.
+    pub fn pack_parts(parts: &[Tensor]) -> Result<Option<PackedWeight>> {
+        let Some(first) = parts.first() else { return Ok(None) };
+        let dt = first.dtype();
+        let k = if first.rank() == 2 { first.dim(1)? } else { return Ok(None) };
+        let fits = |w: &Tensor| w.device().is_cpu() && w.dtype() == dt && w.rank() == 2 && w.dim(1).ok() == Some(k);
+        if !matches!(dt, DType::F32 | DType::BF16 | DType::F16) || !parts.iter().all(fits) {
             return Ok(None);
         }
-        let (n, k) = w.dims2()?;
-        let w = w.contiguous()?;
-        let (guard, layout) = w.storage_and_layout();
-        let Storage::Cpu(CpuStorage::F32(values)) = &*guard else { return Ok(None) };
-        let Some(src) = values.get(layout.start_offset()..layout.start_offset() + n * k) else { return Ok(None) };
-        let mut panels = vec![0f32; n.div_ceil(kernel::PANEL) * k * kernel::PANEL];
-        panels.par_chunks_mut((k * kernel::PANEL).max(1)).enumerate().for_each(|(p, dst)| {
-            let j0 = p * kernel::PANEL;
-            for c in 0..kernel::PANEL.min(n.saturating_sub(j0)) {
-                let row = &src[(j0 + c) * k..][..k];
-                for (d, &v) in dst[c..].iter_mut().step_by(kernel::PANEL).zip(row) {
-                    *d = v;
-                }
-            }
-        });
-        Ok(Some(PackedWeight { panels: panels.into(), n, k }))
+        let n = parts.iter().map(|w| w.dim(0)).sum::<candle_core::Result<usize>>()?;
+        let parts = parts.iter().map(|w| w.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
+        let guards: Vec<_> = parts.iter().map(|w| w.storage_and_layout()).collect();
+        let panels = match dt {
+            DType::F32 => values::<f32, _>(&guards).map(|v| Panels::F32(pack_panels(&v, k))),
+            DType::BF16 => values::<bf16, _>(&guards).map(|v| Panels::Bf16(pack_panels(&v, k))),
+            _ => values::<f16, _>(&guards).map(|v| Panels::F16(pack_panels(&v, k))),
+        };
+        Ok(panels.map(|panels| PackedWeight { panels, n, k }))
     }
 
     /// `(n, k)`: output and input features.
@@ -163,20 +234,27 @@ impl PackedWeight {
         (self.n, self.k)
     }
 
-    /// The weight as a `[n, k]` tensor again (a copy).
-    pub fn unpack(&self) -> Result<Tensor> {
-        let (n, k) = (self.n, self.k);
-        let mut w = vec![0f32; n * k];
-        w.par_chunks_mut(k.max(1)).enumerate().for_each(|(j, row)| {
-            let panel = &self.panels[(j / kernel::PANEL) * k * kernel::PANEL..];
-            for (d, &v) in row.iter_mut().zip(panel[j % kernel::PANEL..].iter().step_by(kernel::PANEL)) {
-                *d = v;
-            }
-        });
-        Ok(Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?)
+    /// The dtype the weight is held (and read) in.
+    pub fn dtype(&self) -> DType {
+        match self.panels {
+            Panels::F32(_) => DType::F32,
+            Panels::Bf16(_) => DType::BF16,
+            Panels::F16(_) => DType::F16,
+        }
     }
 
-    /// `x: [m, k]` · `Wᵀ` → `[m, n]` with the best kernel of this CPU; `x` is made contiguous f32.
+    /// The weight as a `[n, k]` tensor of its dtype again (a copy).
+    pub fn unpack(&self) -> Result<Tensor> {
+        let (n, k, dev) = (self.n, self.k, &candle_core::Device::Cpu);
+        Ok(match &self.panels {
+            Panels::F32(p) => Tensor::from_vec(unpack_panels(p, n, k), (n, k), dev)?,
+            Panels::Bf16(p) => Tensor::from_vec(unpack_panels(p, n, k), (n, k), dev)?,
+            Panels::F16(p) => Tensor::from_vec(unpack_panels(p, n, k), (n, k), dev)?,
+        })
+    }
+
+    /// `x: [m, k]` · `Wᵀ` → `[m, n]` f32 with the best kernel of this CPU; `x` is made contiguous
+    /// f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_with(x, Isa::best())
     }
@@ -201,6 +279,15 @@ struct PackedOp<'a> {
     isa: Isa,
 }
 
+impl PackedOp<'_> {
+    fn run<E: Elem>(&self, x: &[f32], panels: &[E], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
+        let mut y = vec![0f32; m * n];
+        let plan = Plan::new(m, n, k, rayon::current_num_threads(), true, kernel::PANEL);
+        kernel::fill_prepacked(self.isa, (x, k), (panels, n, k), &mut y, n, &plan.rects, plan.parallel);
+        y
+    }
+}
+
 impl CustomOp1 for PackedOp<'_> {
     fn name(&self) -> &'static str {
         "multilora-linear-packed"
@@ -218,17 +305,12 @@ impl CustomOp1 for PackedOp<'_> {
         let Some((x0, x1)) = l.contiguous_offsets() else {
             candle_core::bail!("multilora-linear: the input must be contiguous");
         };
-        let mut y = vec![0f32; m * n];
-        let plan = Plan::new(m, n, k, rayon::current_num_threads(), true, kernel::PANEL);
-        kernel::fill_prepacked(
-            self.isa,
-            (&xs[x0..x1], k),
-            (&self.w.panels, n, k),
-            &mut y,
-            n,
-            &plan.rects,
-            plan.parallel,
-        );
+        let x = &xs[x0..x1];
+        let y = match &self.w.panels {
+            Panels::F32(p) => self.run(x, p, (m, n, k)),
+            Panels::Bf16(p) => self.run(x, p, (m, n, k)),
+            Panels::F16(p) => self.run(x, p, (m, n, k)),
+        };
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }
@@ -239,10 +321,10 @@ impl CustomOp1 for PackedOp<'_> {
 ///
 /// # Panics
 /// When a row reaches outside its slice.
-pub(crate) fn matmul_into(
+pub(crate) fn matmul_into<E: Elem>(
     x: &[f32],
     ldx: usize,
-    wt: &[f32],
+    wt: &[E],
     ldw: usize,
     mnk: (usize, usize, usize),
     y: &mut [f32],
@@ -257,6 +339,18 @@ struct LinearOp {
     isa: Isa,
 }
 
+impl LinearOp {
+    fn run<E: Elem>(&self, x: &[f32], w: &[E], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
+        let mut y = vec![0f32; m * n];
+        let threads = rayon::current_num_threads();
+        let packed = m > DECODE_ROWS && self.isa != Isa::Portable;
+        let plan = Plan::new(m, n, k, threads, packed, COL_ALIGN);
+        let o = kernel::Operands { x, ldx: k, w, ldw: k, k };
+        kernel::fill(self.isa, o, &mut y, n, &plan.rects, plan.panel, plan.parallel, packed);
+        y
+    }
+}
+
 impl CustomOp2 for LinearOp {
     fn name(&self) -> &'static str {
         "multilora-linear"
@@ -269,8 +363,8 @@ impl CustomOp2 for LinearOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(xs), CpuStorage::F32(ws)) = (s1, s2) else {
-            candle_core::bail!("multilora-linear: f32 operands only, got {:?} and {:?}", s1.dtype(), s2.dtype());
+        let CpuStorage::F32(xs) = s1 else {
+            candle_core::bail!("multilora-linear: f32 input only, got {:?}", s1.dtype());
         };
         let (m, k) = l1.shape().dims2()?;
         let (n, k2) = l2.shape().dims2()?;
@@ -280,12 +374,13 @@ impl CustomOp2 for LinearOp {
         let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
             candle_core::bail!("multilora-linear: operands must be contiguous");
         };
-        let mut y = vec![0f32; m * n];
-        let threads = rayon::current_num_threads();
-        let packed = m > DECODE_ROWS && self.isa != Isa::Portable;
-        let plan = Plan::new(m, n, k, threads, packed, COL_ALIGN);
-        let o = kernel::Operands { x: &xs[x0..x1], ldx: k, w: &ws[w0..w1], ldw: k, k };
-        kernel::fill(self.isa, o, &mut y, n, &plan.rects, plan.panel, plan.parallel, packed);
+        let x = &xs[x0..x1];
+        let y = match s2 {
+            CpuStorage::F32(w) => self.run(x, &w[w0..w1], (m, n, k)),
+            CpuStorage::BF16(w) => self.run(x, &w[w0..w1], (m, n, k)),
+            CpuStorage::F16(w) => self.run(x, &w[w0..w1], (m, n, k)),
+            other => candle_core::bail!("multilora-linear: an f32, bf16 or f16 weight only, got {:?}", other.dtype()),
+        };
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }

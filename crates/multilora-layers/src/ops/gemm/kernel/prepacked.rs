@@ -9,7 +9,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::{Avx2, Avx512};
-use super::{Isa, Out, Portable, Rect, Simd, check_rects, packed_tile, run_rects};
+use super::{Elem, Isa, Out, Portable, Rect, Simd, check_rects, packed_tile, run_rects};
 
 /// Output columns per packed panel: two AVX-512 vectors (four AVX2 or portable ones).
 pub(in crate::ops::gemm) const PANEL: usize = 32;
@@ -29,11 +29,11 @@ fn height<S: Simd>(rows: usize) -> usize {
 /// As for [`packed_tile`] with `h` rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_h<S: Simd, const PF: bool>(
+unsafe fn tile_h<S: Simd, E: Elem, const PF: bool>(
     h: usize,
     x: *const f32,
     ldx: usize,
-    wp: *const f32,
+    wp: *const E,
     ldp: usize,
     k: usize,
     y: *mut f32,
@@ -43,12 +43,12 @@ unsafe fn tile_h<S: Simd, const PF: bool>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match h {
-            12 => packed_tile::<S, 12, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            8 => packed_tile::<S, 8, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            6 => packed_tile::<S, 6, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            4 => packed_tile::<S, 4, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            2 => packed_tile::<S, 2, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            _ => packed_tile::<S, 1, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
+            12 => packed_tile::<S, E, 12, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
+            8 => packed_tile::<S, E, 8, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
+            6 => packed_tile::<S, E, 6, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
+            4 => packed_tile::<S, E, 4, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
+            2 => packed_tile::<S, E, 2, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
+            _ => packed_tile::<S, E, 1, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
         }
     }
 }
@@ -72,11 +72,11 @@ const CHUNKED_ROWS: usize = 64;
 /// rows of `PANEL` outputs at `y` (stride `ldy`) writable and nobody else's; `S`'s instruction set
 /// available.
 #[inline(always)]
-unsafe fn panel_rows<S: Simd>(
+unsafe fn panel_rows<S: Simd, E: Elem>(
     rows: usize,
     x: *const f32,
     ldx: usize,
-    wp: *const f32,
+    wp: *const E,
     k: usize,
     y: *mut f32,
     ldy: usize,
@@ -96,7 +96,7 @@ unsafe fn panel_rows<S: Simd>(
                 // all inside what the caller vouched for.
                 unsafe {
                     let (xp, wc, yp) = (x.add(i * ldx + p0), wp.add(p0 * PANEL + c), y.add(i * ldy + c));
-                    tile_h::<S, true>(h, xp, ldx, wc, PANEL, kc, yp, ldy, acc);
+                    tile_h::<S, E, true>(h, xp, ldx, wc, PANEL, kc, yp, ldy, acc);
                 }
             }
             i += h;
@@ -108,40 +108,64 @@ unsafe fn panel_rows<S: Simd>(
     }
 }
 
-/// One rectangle: for each panel it covers, every row of the rectangle. A panel cut short by the
-/// matrix edge (its padding columns are zero) is computed into a scratch block and only its real
-/// columns copied out.
+/// One rectangle: for each panel it covers, every row of the rectangle. (A half-precision panel
+/// is widened in each row tile as it is loaded: measured on AVX2, widening it once into an f32
+/// block first was slower, at 16 rows and at 1,024: the block's extra traffic costs more than
+/// the widening it saves.)
 ///
 /// # Safety
 /// As for [`fill_prepacked`]'s checks: the rectangle is inside `x`, the panels and the output,
 /// starts on a panel boundary, nobody else touches it, and `S`'s instruction set is available.
 #[inline(always)]
-unsafe fn rect<S: Simd>(x: &[f32], ldx: usize, panels: &[f32], k: usize, out: Out, r: Rect) {
-    const EDGE_ROWS: usize = 12;
-    let mut edge = [0f32; EDGE_ROWS * PANEL];
+unsafe fn rect<S: Simd, E: Elem>(x: &[f32], ldx: usize, panels: &[E], k: usize, out: Out, r: Rect) {
     let mut j = r.n0;
     while j < r.n1 {
         let cols = (r.n1 - j).min(PANEL);
-        let wp = panels[(j / PANEL) * k * PANEL..].as_ptr();
-        let xp = x[r.m0 * ldx..].as_ptr();
-        // SAFETY: rows `m0..m1` of `x`, panel `j / PANEL` and outputs `(m0..m1, j..j + cols)` were
-        // checked by `fill_prepacked`; an edge panel writes its `PANEL` columns into `edge`
-        // (`EDGE_ROWS` rows at a time), of which only `cols` are copied into the output.
-        unsafe {
-            let yp = out.ptr.add(r.m0 * out.ldy + j);
-            if cols == PANEL {
-                panel_rows::<S>(r.m1 - r.m0, xp, ldx, wp, k, yp, out.ldy);
-            } else {
-                for i in (0..r.m1 - r.m0).step_by(EDGE_ROWS) {
-                    let rows = (r.m1 - r.m0 - i).min(EDGE_ROWS);
-                    panel_rows::<S>(rows, xp.add(i * ldx), ldx, wp, k, edge.as_mut_ptr(), PANEL);
-                    for q in 0..rows {
-                        std::ptr::copy_nonoverlapping(edge.as_ptr().add(q * PANEL), yp.add((i + q) * out.ldy), cols);
-                    }
+        let panel = &panels[(j / PANEL) * k * PANEL..][..k * PANEL];
+        // SAFETY: forwarded from the caller, for the panel starting at column `j`.
+        unsafe { panel_block::<S, E>(x, ldx, panel, k, out, r, j, cols) };
+        j += cols;
+    }
+}
+
+/// Rows `m0..m1` of the rectangle against the panel at column `j` (`cols` of its `PANEL`
+/// columns real). A panel cut short by the matrix edge (its padding columns are zero) is
+/// computed into a scratch block and only its real columns copied out.
+///
+/// # Safety
+/// As for [`rect`], with `panel` the `k · PANEL` values of the panel at column `j`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_block<S: Simd, E: Elem>(
+    x: &[f32],
+    ldx: usize,
+    panel: &[E],
+    k: usize,
+    out: Out,
+    r: Rect,
+    j: usize,
+    cols: usize,
+) {
+    const EDGE_ROWS: usize = 12;
+    let mut edge = [0f32; EDGE_ROWS * PANEL];
+    let wp = panel.as_ptr();
+    let xp = x[r.m0 * ldx..].as_ptr();
+    // SAFETY: rows `m0..m1` of `x`, the panel and outputs `(m0..m1, j..j + cols)` were checked
+    // by `fill_prepacked`; an edge panel writes its `PANEL` columns into `edge` (`EDGE_ROWS`
+    // rows at a time), of which only `cols` are copied into the output.
+    unsafe {
+        let yp = out.ptr.add(r.m0 * out.ldy + j);
+        if cols == PANEL {
+            panel_rows::<S, E>(r.m1 - r.m0, xp, ldx, wp, k, yp, out.ldy);
+        } else {
+            for i in (0..r.m1 - r.m0).step_by(EDGE_ROWS) {
+                let rows = (r.m1 - r.m0 - i).min(EDGE_ROWS);
+                panel_rows::<S, E>(rows, xp.add(i * ldx), ldx, wp, k, edge.as_mut_ptr(), PANEL);
+                for q in 0..rows {
+                    std::ptr::copy_nonoverlapping(edge.as_ptr().add(q * PANEL), yp.add((i + q) * out.ldy), cols);
                 }
             }
         }
-        j += cols;
     }
 }
 
@@ -152,10 +176,10 @@ unsafe fn rect<S: Simd>(x: &[f32], ldx: usize, panels: &[f32], k: usize, out: Ou
 /// When a rectangle reaches outside `x`, the panels or `y`, does not start on a panel boundary,
 /// or overlaps another.
 #[allow(clippy::too_many_arguments)]
-pub(in crate::ops::gemm) fn fill_prepacked(
+pub(in crate::ops::gemm) fn fill_prepacked<E: Elem>(
     isa: Isa,
     (x, ldx): (&[f32], usize),
-    (panels, n, k): (&[f32], usize, usize),
+    (panels, n, k): (&[E], usize, usize),
     y: &mut [f32],
     ldy: usize,
     rects: &[Rect],
@@ -178,10 +202,10 @@ pub(in crate::ops::gemm) fn fill_prepacked(
             // operands, on panel boundaries, and to be disjoint, so each task owns its outputs.
             Isa::Avx512 => unsafe { rect_avx512(x, ldx, panels, k, out, *r) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 and FMA were detected; bounds and disjointness as above.
+            // SAFETY: AVX2, FMA and F16C were detected; bounds and disjointness as above.
             Isa::Avx2 => unsafe { rect_avx2(x, ldx, panels, k, out, *r) },
             // SAFETY: no instruction set needed; bounds and disjointness as above.
-            _ => unsafe { rect::<Portable>(x, ldx, panels, k, out, *r) },
+            _ => unsafe { rect::<Portable, E>(x, ldx, panels, k, out, *r) },
         }
     };
     run_rects(rects, parallel, run);
@@ -191,18 +215,18 @@ pub(in crate::ops::gemm) fn fill_prepacked(
 /// As for [`rect`], with AVX-512F available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn rect_avx512(x: &[f32], ldx: usize, panels: &[f32], k: usize, out: Out, r: Rect) {
+unsafe fn rect_avx512<E: Elem>(x: &[f32], ldx: usize, panels: &[E], k: usize, out: Out, r: Rect) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { rect::<Avx512>(x, ldx, panels, k, out, r) }
+    unsafe { rect::<Avx512, E>(x, ldx, panels, k, out, r) }
 }
 
 /// # Safety
-/// As for [`rect`], with AVX2 and FMA available.
+/// As for [`rect`], with AVX2, FMA and F16C available.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rect_avx2(x: &[f32], ldx: usize, panels: &[f32], k: usize, out: Out, r: Rect) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rect_avx2<E: Elem>(x: &[f32], ldx: usize, panels: &[E], k: usize, out: Out, r: Rect) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { rect::<Avx2>(x, ldx, panels, k, out, r) }
+    unsafe { rect::<Avx2, E>(x, ldx, panels, k, out, r) }
 }
 
 /// `y[i·ldy + j] = Σ_{p<k} x[i·ldx + p] · wt[p·ldw + j]` for `i < m`, `j < n`, on this thread,
@@ -212,10 +236,10 @@ unsafe fn rect_avx2(x: &[f32], ldx: usize, panels: &[f32], k: usize, out: Out, r
 ///
 /// # Panics
 /// When a row reaches outside its slice.
-pub(in crate::ops::gemm) fn outer(
+pub(in crate::ops::gemm) fn outer<E: Elem>(
     isa: Isa,
     (x, ldx): (&[f32], usize),
-    (wt, ldw): (&[f32], usize),
+    (wt, ldw): (&[E], usize),
     (m, n, k): (usize, usize, usize),
     y: &mut [f32],
     ldy: usize,
@@ -236,20 +260,20 @@ pub(in crate::ops::gemm) fn outer(
         // SAFETY: AVX-512F was detected; the operands were checked to hold every row and column.
         Isa::Avx512 => unsafe { outer_avx512(args) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA were detected; bounds as above.
+        // SAFETY: AVX2, FMA and F16C were detected; bounds as above.
         Isa::Avx2 => unsafe { outer_avx2(args) },
         // SAFETY: no instruction set needed; bounds as above.
-        _ => unsafe { outer_rows::<Portable>(args) },
+        _ => unsafe { outer_rows::<Portable, E>(args) },
     }
 }
 
 /// The operands of [`outer`] as checked pointers.
-type OuterArgs = (*const f32, usize, *const f32, usize, (usize, usize, usize), *mut f32, usize);
+type OuterArgs<E> = (*const f32, usize, *const E, usize, (usize, usize, usize), *mut f32, usize);
 
 /// # Safety
 /// As [`outer`] checks, and `S`'s instruction set available.
 #[inline(always)]
-unsafe fn outer_rows<S: Simd>((x, ldx, wt, ldw, (m, n, k), y, ldy): OuterArgs) {
+unsafe fn outer_rows<S: Simd, E: Elem>((x, ldx, wt, ldw, (m, n, k), y, ldy): OuterArgs<E>) {
     let nr = 2 * S::LANES;
     let full = n / nr * nr;
     let mut i = 0;
@@ -257,7 +281,7 @@ unsafe fn outer_rows<S: Simd>((x, ldx, wt, ldw, (m, n, k), y, ldy): OuterArgs) {
         let h = height::<S>(m - i);
         for c in (0..full).step_by(nr) {
             // SAFETY: rows `i..i + h <= m`, columns `c..c + nr <= n`, checked by `outer`.
-            unsafe { tile_h::<S, false>(h, x.add(i * ldx), ldx, wt.add(c), ldw, k, y.add(i * ldy + c), ldy, false) };
+            unsafe { tile_h::<S, E, false>(h, x.add(i * ldx), ldx, wt.add(c), ldw, k, y.add(i * ldy + c), ldy, false) };
         }
         i += h;
     }
@@ -266,7 +290,7 @@ unsafe fn outer_rows<S: Simd>((x, ldx, wt, ldw, (m, n, k), y, ldy): OuterArgs) {
             let mut acc = 0f32;
             for p in 0..k {
                 // SAFETY: `i < m`, `p < k`, `j < n`, checked by `outer`.
-                acc += unsafe { *x.add(i * ldx + p) * *wt.add(p * ldw + j) };
+                acc += unsafe { *x.add(i * ldx + p) * (*wt.add(p * ldw + j)).to_f32() };
             }
             // SAFETY: as above.
             unsafe { *y.add(i * ldy + j) = acc };
@@ -278,16 +302,16 @@ unsafe fn outer_rows<S: Simd>((x, ldx, wt, ldw, (m, n, k), y, ldy): OuterArgs) {
 /// As for [`outer_rows`], with AVX-512F available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn outer_avx512(args: OuterArgs) {
+unsafe fn outer_avx512<E: Elem>(args: OuterArgs<E>) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { outer_rows::<Avx512>(args) }
+    unsafe { outer_rows::<Avx512, E>(args) }
 }
 
 /// # Safety
-/// As for [`outer_rows`], with AVX2 and FMA available.
+/// As for [`outer_rows`], with AVX2, FMA and F16C available.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn outer_avx2(args: OuterArgs) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn outer_avx2<E: Elem>(args: OuterArgs<E>) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { outer_rows::<Avx2>(args) }
+    unsafe { outer_rows::<Avx2, E>(args) }
 }
