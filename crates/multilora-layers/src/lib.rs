@@ -57,7 +57,7 @@ pub use multilora_adapter::{
 };
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::expand::lora_expand;
-pub use ops::gemm::{Isa, PackedWeight, linear, linear_with};
+pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
 pub use slots::{LoraSlots, SlotConfig};

@@ -5,11 +5,11 @@
 //! The `heads / kv_heads` query heads that share a KV head are stacked into one matrix
 //! (`[kv_heads, group · len, d]`), so GQA needs no copy of K or V.
 
-use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
+use candle_core::{DType, Layout, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use multilora_layers::{PagedDecodeDims, paged_decode_attention};
+use multilora_layers::{Elem, PagedDecodeDims, paged_decode_attention};
 
 use crate::batch::{DecodeGroup, DecodeReads, StepPlan};
 use crate::error::Result;
@@ -155,7 +155,7 @@ fn decode_in_place(
 }
 
 /// [`decode_in_place`] over a cache of element `E`.
-fn decode_with<E: KvElem>(
+fn decode_with<E: Elem>(
     qd: &Tensor,
     cache_k: &Tensor,
     cache_v: &Tensor,
@@ -197,7 +197,7 @@ fn decode_with<E: KvElem>(
             for (&s, &r) in scores.iter().zip(rows) {
                 let p = s / sum;
                 for (a, &x) in oh.iter_mut().zip(&v[r as usize * width + col..][..hd]) {
-                    *a += p * x.f32();
+                    *a += p * x.to_f32();
                 }
             }
         }
@@ -206,58 +206,21 @@ fn decode_with<E: KvElem>(
     Ok(Some(Tensor::from_vec(out, (g.n, heads * hd), qd.device())?))
 }
 
-/// A KV cache element: f32, or bf16 / f16 widened exactly.
-trait KvElem: Copy + Send + Sync {
-    fn f32(self) -> f32;
-    fn slice(s: &CpuStorage) -> Option<&[Self]>;
-}
-
-impl KvElem for f32 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self
-    }
-    fn slice(s: &CpuStorage) -> Option<&[f32]> {
-        if let CpuStorage::F32(v) = s { Some(v) } else { None }
-    }
-}
-
-impl KvElem for bf16 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        // The high half of an f32: a shift the compiler vectorises.
-        f32::from_bits((self.to_bits() as u32) << 16)
-    }
-    fn slice(s: &CpuStorage) -> Option<&[bf16]> {
-        if let CpuStorage::BF16(v) = s { Some(v) } else { None }
-    }
-}
-
-impl KvElem for f16 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self.to_f32()
-    }
-    fn slice(s: &CpuStorage) -> Option<&[f16]> {
-        if let CpuStorage::F16(v) = s { Some(v) } else { None }
-    }
-}
-
 /// `a · b` with eight partial sums, so the compiler vectorises it.
-fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
+fn dot<E: Elem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y.f32()).sum();
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y.to_f32()).sum();
     for (x, y) in ac.zip(bc) {
         for l in 0..8 {
-            acc[l] += x[l] * y[l].f32();
+            acc[l] += x[l] * y[l].to_f32();
         }
     }
     acc.iter().sum::<f32>() + tail
 }
 
 /// The contiguous values of a CPU tensor of element `E` from its layout's start, if it is one.
-fn cpu_values<'a, E: KvElem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
+fn cpu_values<'a, E: Elem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
     match storage {
         Storage::Cpu(cpu) if layout.is_contiguous() => E::slice(cpu)?.get(layout.start_offset()..),
         _ => None,

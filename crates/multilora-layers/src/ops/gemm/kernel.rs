@@ -27,13 +27,14 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use candle_core::CpuStorage;
-use half::{bf16, f16};
+use half::f16;
 use rayon::prelude::*;
 
 use super::Isa;
 
+mod elem;
 mod prepacked;
+pub use elem::{Elem, ElemKind};
 pub(super) use prepacked::{PANEL, fill_prepacked, outer};
 
 /// A rectangle of the output: rows `m0..m1`, columns `n0..n1`.
@@ -43,56 +44,6 @@ pub(super) struct Rect {
     pub(super) m1: usize,
     pub(super) n0: usize,
     pub(super) n1: usize,
-}
-
-/// How an [`Elem`] is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ElemKind {
-    F32,
-    Bf16,
-    F16,
-}
-
-/// A weight element the kernels read (f32, bf16 or f16): widened to f32 as it is loaded.
-pub(crate) trait Elem: Copy + Default + Send + Sync + 'static {
-    const KIND: ElemKind;
-    /// The value as f32 (exact).
-    fn to_f32(self) -> f32;
-    /// The values of a CPU storage of this dtype.
-    fn slice(s: &CpuStorage) -> Option<&[Self]>;
-}
-
-impl Elem for f32 {
-    const KIND: ElemKind = ElemKind::F32;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn slice(s: &CpuStorage) -> Option<&[f32]> {
-        if let CpuStorage::F32(v) = s { Some(v) } else { None }
-    }
-}
-
-impl Elem for bf16 {
-    const KIND: ElemKind = ElemKind::Bf16;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits((self.to_bits() as u32) << 16)
-    }
-    fn slice(s: &CpuStorage) -> Option<&[bf16]> {
-        if let CpuStorage::BF16(v) = s { Some(v) } else { None }
-    }
-}
-
-impl Elem for f16 {
-    const KIND: ElemKind = ElemKind::F16;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    fn slice(s: &CpuStorage) -> Option<&[f16]> {
-        if let CpuStorage::F16(v) = s { Some(v) } else { None }
-    }
 }
 
 /// One vector instruction set: the few operations a tile needs.

@@ -31,8 +31,8 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-pub(crate) use kernel::Elem;
 use kernel::Rect;
+pub use kernel::{Elem, ElemKind};
 
 /// Which vector instructions the CPU linear kernel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
