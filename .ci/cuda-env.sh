@@ -6,7 +6,7 @@
 #
 # Every stub function returns an error code, so `Device::new_cuda(0)` fails cleanly ("no CUDA
 # device") and nothing pretends to be a GPU. Source this file: it exports CUDA_HOME, PATH,
-# CUDA_COMPUTE_CAP, CUDAFORGE_THREADS, LIBRARY_PATH and LD_LIBRARY_PATH.
+# CUDA_COMPUTE_CAP, CUDAFORGE_THREADS, LIBRARY_PATH, LD_LIBRARY_PATH and MULTILORA_CUDA_CRATES.
 #
 #   source .ci/cuda-env.sh      # installs into $MULTILORA_CUDA_PREFIX (default $HOME/.cache/multilora-cuda-13.0)
 #
@@ -73,3 +73,7 @@ export CUDAFORGE_THREADS
 export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 export LD_LIBRARY_PATH="$stubs:$cu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export MULTILORA_CUDA_STUBS="$stubs"
+# The crates whose code `--features cuda` changes (`cfg(feature = "cuda")` appears in no other):
+# CI tests them with the feature, and the device check's CI build selects the same packages, so
+# that cargo resolves the same features and reuses that build instead of making a second one.
+export MULTILORA_CUDA_CRATES="multilora-kernels multilora-layers multilora-models multilora-device-check multilora-cli"

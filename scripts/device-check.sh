@@ -37,14 +37,19 @@ build() {
     local profile="${DEVICE_CHECK_PROFILE:-release}" target="${DEVICE_CHECK_TARGET_DIR:-target-cuda}" out_dir
     out_dir="$([ "$profile" = dev ] && echo debug || echo "$profile")"
     echo "== building multilora-device-check ($profile, --features cuda, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)"
-    # The workspace's binaries with the same features as CI's CUDA test build. With the dev profile
-    # (CI) the test targets are named too: the dev-dependencies then take part in feature
-    # resolution as in `cargo test`, so every crate resolves to the build CI already made.
-    local targets=(--bins)
+    # Release: the workspace's binaries. Dev (CI): the packages and targets of CI's CUDA test build
+    # (MULTILORA_CUDA_CRATES, their test targets too, so that the dev-dependencies take part in
+    # feature resolution as in `cargo test`): every crate then resolves to the build CI already
+    # made, and only the device check's own binary is linked.
+    local selection=(--workspace --bins)
     if [ "$profile" = dev ]; then
-        targets+=(--tests)
+        selection=(--bins --tests)
+        local crate
+        for crate in $MULTILORA_CUDA_CRATES; do
+            selection+=(-p "$crate")
+        done
     fi
-    cargo build --profile "$profile" --locked --target-dir "$target" --workspace "${targets[@]}" \
+    cargo build --profile "$profile" --locked --target-dir "$target" "${selection[@]}" \
         --features multilora-cli/cuda,multilora-device-check/cuda
     rm -rf "$dir"
     mkdir -p "$dir/fixtures"
