@@ -432,28 +432,28 @@ fn a_waiting_request_keeps_its_place_when_another_adapter_needs_its_cpu_entry() 
     let first = engine.submit(GenerateRequest::new("sql", vec![1, 294, 488]).params(greedy(4)))?;
     let second = engine.submit(GenerateRequest::new("all_r16", vec![1, 294, 488]).params(greedy(4)))?;
     until(&engine, "all_r16's load waits for the one cpu entry", |m| m.adapter_loads_waiting == 1);
-    // Each stream read on its own thread, noting when each token arrives.
-    let times = |mut s: multilora::RequestStream| {
-        move || {
-            let mut at = Vec::new();
-            while let Some(ev) = s.recv_blocking() {
-                match ev {
-                    Event::Token { .. } => at.push(std::time::Instant::now()),
-                    Event::Error(e) => panic!("{e}"),
-                    _ => {}
-                }
-            }
-            at
+    drop(blocker);
+    // One request at a time (max_num_seqs 1): when all_r16's first token arrives, sql, admitted
+    // first, has generated all of its tokens. Told by the engine's own counters (answered between
+    // two steps), not by the clocks of two reader threads, which on a loaded machine may wake in
+    // either order.
+    let mut second = second;
+    loop {
+        match second.recv_blocking() {
+            Some(Event::Token { .. }) => break,
+            Some(Event::Error(e)) => panic!("{e}"),
+            None => panic!("all_r16's stream ended without a token"),
+            Some(_) => {}
         }
-    };
-    let (a, b) = std::thread::scope(|sc| {
-        let a = sc.spawn(times(first));
-        let b = sc.spawn(times(second));
-        drop(blocker);
-        (a.join().expect("sql stream"), b.join().expect("all_r16 stream"))
-    });
-    assert_eq!((a.len(), b.len()), (4, 4));
-    assert!(a[3] < b[0], "the request admitted first ran first");
+    }
+    let at_second = engine.metrics();
+    assert_eq!(
+        at_second.per_adapter.get("sql").map(|u| u.generation_tokens),
+        Some(4),
+        "the request admitted first ran first: {at_second:?}"
+    );
+    let (first, second) = (first.collect_blocking()?, second.collect_blocking()?);
+    assert_eq!((first.token_ids.len(), second.token_ids.len()), (4, 3), "all_r16's first token was read above");
     let m = wait_for(&engine, |m| m.running == 0 && m.waiting == 0);
     assert_idle(&m);
     assert_eq!(m.adapter_loads, 2, "sql at start and all_r16 once: nothing evicted and loaded again: {m:?}");
