@@ -6,7 +6,7 @@
 #
 # Every stub function returns an error code, so `Device::new_cuda(0)` fails cleanly ("no CUDA
 # device") and nothing pretends to be a GPU. Source this file: it exports CUDA_HOME, PATH,
-# CUDA_COMPUTE_CAP, CUDAFORGE_THREADS, LIBRARY_PATH, LD_LIBRARY_PATH and MULTILORA_CUDA_CRATES.
+# CUDA_COMPUTE_CAP, CUDAFORGE_THREADS, LIBRARY_PATH, LD_LIBRARY_PATH and MULTILORA_CUDA_PACKAGES.
 #
 #   source .ci/cuda-env.sh      # installs into $MULTILORA_CUDA_PREFIX (default $HOME/.cache/multilora-cuda-13.0)
 #
@@ -76,4 +76,5 @@ export MULTILORA_CUDA_STUBS="$stubs"
 # The crates whose code `--features cuda` changes (`cfg(feature = "cuda")` appears in no other):
 # CI tests them with the feature, and the device check's CI build selects the same packages, so
 # that cargo resolves the same features and reuses that build instead of making a second one.
-export MULTILORA_CUDA_CRATES="multilora-kernels multilora-layers multilora-models multilora-device-check multilora-cli"
+# Cargo's arguments, split on spaces where they are used.
+export MULTILORA_CUDA_PACKAGES="-p multilora-kernels -p multilora-layers -p multilora-models -p multilora-device-check -p multilora-cli"

@@ -38,16 +38,13 @@ build() {
     out_dir="$([ "$profile" = dev ] && echo debug || echo "$profile")"
     echo "== building multilora-device-check ($profile, --features cuda, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)"
     # Release: the workspace's binaries. Dev (CI): the packages and targets of CI's CUDA test build
-    # (MULTILORA_CUDA_CRATES, their test targets too, so that the dev-dependencies take part in
+    # (MULTILORA_CUDA_PACKAGES, their test targets too, so that the dev-dependencies take part in
     # feature resolution as in `cargo test`): every crate then resolves to the build CI already
     # made, and only the device check's own binary is linked.
     local selection=(--workspace --bins)
     if [ "$profile" = dev ]; then
-        selection=(--bins --tests)
-        local crate
-        for crate in $MULTILORA_CUDA_CRATES; do
-            selection+=(-p "$crate")
-        done
+        # shellcheck disable=SC2206 # cargo's arguments, split on spaces
+        selection=(--bins --tests $MULTILORA_CUDA_PACKAGES)
     fi
     cargo build --profile "$profile" --locked --target-dir "$target" "${selection[@]}" \
         --features multilora-cli/cuda,multilora-device-check/cuda

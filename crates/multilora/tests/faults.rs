@@ -430,14 +430,13 @@ fn a_waiting_request_keeps_its_place_when_another_adapter_needs_its_cpu_entry() 
     let blocker = engine.submit(GenerateRequest::new(BASE, vec![1, 2, 3]).params(greedy(400)))?;
     until(&engine, "the blocker runs", |m| m.running == 1);
     let first = engine.submit(GenerateRequest::new("sql", vec![1, 294, 488]).params(greedy(4)))?;
-    let second = engine.submit(GenerateRequest::new("all_r16", vec![1, 294, 488]).params(greedy(4)))?;
+    let mut second = engine.submit(GenerateRequest::new("all_r16", vec![1, 294, 488]).params(greedy(4)))?;
     until(&engine, "all_r16's load waits for the one cpu entry", |m| m.adapter_loads_waiting == 1);
     drop(blocker);
     // One request at a time (max_num_seqs 1): when all_r16's first token arrives, sql, admitted
     // first, has generated all of its tokens. Told by the engine's own counters (answered between
     // two steps), not by the clocks of two reader threads, which on a loaded machine may wake in
     // either order.
-    let mut second = second;
     loop {
         match second.recv_blocking() {
             Some(Event::Token { .. }) => break,
