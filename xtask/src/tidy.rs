@@ -20,7 +20,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("multilora-store", &["multilora-adapter"]),
     ("multilora-kernels", &[]),
     ("multilora-layers", &["multilora-adapter", "multilora-kernels"]),
-    ("multilora-models", &["multilora-layers", "multilora-kernels"]),
+    ("multilora-models", &["multilora-adapter", "multilora-layers", "multilora-kernels"]),
     (
         "multilora",
         &[

@@ -203,15 +203,26 @@ pub trait SlotSink {
 /// little-endian, row-major. The model fills [`ModelShapes::embed_digest`] with it, and the loader
 /// compares an adapter's saved `embed_tokens.base_layer.weight` through the same function.
 pub fn embedding_digest(embedding: &Tensor) -> candle_core::Result<[u8; 32]> {
-    let values = embedding.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    embedding_digest_of_rows(std::iter::once(Ok(embedding.clone())))
+}
+
+/// [`embedding_digest`] of the table whose rows are those of `blocks` in order (each a tensor of
+/// whole rows): the same digest, without the whole table in memory at once (a quantized
+/// embedding dequantized a block of rows at a time).
+pub fn embedding_digest_of_rows(
+    blocks: impl Iterator<Item = candle_core::Result<Tensor>>,
+) -> candle_core::Result<[u8; 32]> {
     let mut hasher = blake3::Hasher::new();
     // The little-endian bytes of every value in order, hashed a few thousand values at a time
     // (one `update` per value costs more than the hashing of a large embedding).
     let mut buf = Vec::with_capacity(4 * 4096);
-    for chunk in values.chunks(4096) {
-        buf.clear();
-        buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
-        hasher.update(&buf);
+    for block in blocks {
+        let values = block?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        for chunk in values.chunks(4096) {
+            buf.clear();
+            buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+            hasher.update(&buf);
+        }
     }
     Ok(*hasher.finalize().as_bytes())
 }

@@ -38,6 +38,8 @@
 mod adapter;
 mod config;
 mod error;
+pub mod gguf;
+mod gguf_lora;
 #[allow(unsafe_code)]
 mod load;
 mod model_config;
@@ -46,9 +48,13 @@ mod shapes;
 mod source;
 mod synth;
 
-pub use adapter::{Fingerprint, LoraAdapter, LoraModule, SlotId, SlotSink, embedding_digest, with_embedding_digest};
+pub use adapter::{
+    Fingerprint, LoraAdapter, LoraModule, SlotId, SlotSink, embedding_digest, embedding_digest_of_rows,
+    with_embedding_digest,
+};
 pub use config::{AdapterConfig, ModuleSelector};
 pub use error::{Error, Result};
+pub use gguf_lora::{load_gguf_lora, read_gguf_lora_config, write_gguf_lora};
 pub use load::{
     CONFIG_FILE, ConfigSummary, LoadOptions, MAX_CONFIG_FILE_BYTES, ModuleSetting, WEIGHTS_FILE, load_dir, read_config,
 };
@@ -60,8 +66,25 @@ pub use shapes::ModelShapes;
 pub use source::{AdapterSource, HubConfig};
 pub use synth::SyntheticAdapter;
 
-/// Resolves `source` (a directory, or a hub repo through the cache) and loads the adapter.
+/// Resolves `source` (a directory, a llama.cpp LoRA GGUF, or a hub repo through the cache) and
+/// loads the adapter.
 pub fn load(name: &str, source: &AdapterSource, shapes: &ModelShapes, opts: &LoadOptions) -> Result<LoraAdapter> {
-    let dir = source.resolve()?;
-    load_dir(name, &dir, shapes, opts)
+    match source {
+        AdapterSource::Gguf(path) => load_gguf_lora(name, path, shapes, opts),
+        _ => load_dir(name, &source.resolve()?, shapes, opts),
+    }
+}
+
+/// Reads and checks `source`'s config alone, no tensor (ranks, targets): PEFT's
+/// `adapter_config.json`, or a GGUF LoRA's header.
+pub fn read_source_config(
+    name: &str,
+    source: &AdapterSource,
+    shapes: &ModelShapes,
+    opts: &LoadOptions,
+) -> Result<ConfigSummary> {
+    match source {
+        AdapterSource::Gguf(path) => read_gguf_lora_config(name, path, shapes, opts),
+        _ => read_config(name, &source.resolve()?, shapes, opts),
+    }
 }

@@ -75,6 +75,9 @@ pub enum RopeScaling {
         /// `original_max_position_embeddings`.
         original_max_position_embeddings: usize,
     },
+    /// One divisor per rotary frequency (`head_dim / 2` of them): how llama.cpp's GGUF files
+    /// carry Llama 3.1's scaling, precomputed (the `rope_freqs.weight` tensor).
+    Factors(Vec<f32>),
 }
 
 /// The MLP's activation (`hidden_act`). Exhaustive: a new activation is a compile error in the
@@ -302,7 +305,12 @@ impl ModelConfig {
 
     /// Reads a parsed `config.json`; errors name the file `config.json`.
     pub fn from_json(value: &serde_json::Value) -> Result<ModelConfig, ConfigError> {
-        let path = Path::new("config.json");
+        ModelConfig::from_json_at(value, Path::new("config.json"))
+    }
+
+    /// Reads a `config.json`-shaped value that came from `path` (a GGUF file's metadata mapped
+    /// onto Hugging Face's names, say), with the same defaults and checks; errors name `path`.
+    pub fn from_json_at(value: &serde_json::Value, path: &Path) -> Result<ModelConfig, ConfigError> {
         let raw: RawConfig = serde_path_to_error::deserialize(value)
             .map_err(|source| ConfigError::Json { path: path.to_path_buf(), source })?;
         ModelConfig::from_raw(raw, path)

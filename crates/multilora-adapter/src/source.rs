@@ -14,6 +14,8 @@ use crate::load::{CONFIG_FILE, WEIGHTS_FILE};
 pub enum AdapterSource {
     /// A directory holding `adapter_config.json` and `adapter_model.safetensors`.
     Local(PathBuf),
+    /// A llama.cpp LoRA file (`convert_lora_to_gguf.py`'s output, named `*.gguf`).
+    Gguf(PathBuf),
     /// A hub repository at a revision (branch, tag or commit; `main` by default).
     Hub {
         /// `org/name`.
@@ -25,17 +27,19 @@ pub enum AdapterSource {
 
 impl AdapterSource {
     /// Reads a source string as vLLM does: a string that names an existing local path is a
-    /// directory; otherwise `org/name[@revision]` is a hub id; anything else is an error saying
-    /// which it tried.
+    /// directory (or, named `*.gguf`, a llama.cpp LoRA file); otherwise `org/name[@revision]` is
+    /// a hub id; anything else is an error saying which it tried.
     pub fn parse(s: &str) -> Result<AdapterSource> {
         let path = Path::new(s);
         if path.exists() {
             return if path.is_dir() {
                 Ok(AdapterSource::Local(path.to_path_buf()))
+            } else if crate::gguf_lora::is_gguf_path(path) {
+                Ok(AdapterSource::Gguf(path.to_path_buf()))
             } else {
                 Err(Error::Source {
                     source_str: s.into(),
-                    reason: "is a file; an adapter source is a directory or a hub id".into(),
+                    reason: "is a file; an adapter source is a directory, a .gguf LoRA file or a hub id".into(),
                 })
             };
         }
@@ -53,8 +57,8 @@ impl AdapterSource {
         }
     }
 
-    /// The local directory holding the adapter's files, fetching them into the hub cache first
-    /// for a hub source (from the cache alone when `HF_HUB_OFFLINE` is set). Reads the hub
+    /// The local directory holding the adapter's files (the file itself for a GGUF source),
+    /// fetching them into the hub cache first for a hub source (from the cache alone when `HF_HUB_OFFLINE` is set). Reads the hub
     /// settings from the environment; see [`AdapterSource::resolve_with`].
     pub fn resolve(&self) -> Result<PathBuf> {
         self.resolve_with(&HubConfig::from_env())
@@ -63,7 +67,7 @@ impl AdapterSource {
     /// [`AdapterSource::resolve`] with explicit hub settings.
     pub fn resolve_with(&self, hub: &HubConfig) -> Result<PathBuf> {
         match self {
-            AdapterSource::Local(dir) => Ok(dir.clone()),
+            AdapterSource::Local(dir) | AdapterSource::Gguf(dir) => Ok(dir.clone()),
             AdapterSource::Hub { repo, revision } => {
                 let config = hub.file(repo, revision, CONFIG_FILE)?;
                 hub.file(repo, revision, WEIGHTS_FILE)?;
@@ -80,7 +84,7 @@ impl AdapterSource {
 impl std::fmt::Display for AdapterSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            AdapterSource::Local(dir) => write!(f, "{}", dir.display()),
+            AdapterSource::Local(dir) | AdapterSource::Gguf(dir) => write!(f, "{}", dir.display()),
             AdapterSource::Hub { repo, revision } if revision == "main" => f.write_str(repo),
             AdapterSource::Hub { repo, revision } => write!(f, "{repo}@{revision}"),
         }

@@ -119,3 +119,83 @@ fn fingerprints_are_stable_and_distinct() {
     let again = load_dir("qv", &fixtures().join("adapters/qv_r8"), &shapes, &LoadOptions::default()).unwrap();
     assert_eq!(qv.fingerprint(), again.fingerprint());
 }
+
+/// A PEFT adapter written as llama.cpp's converter writes it and read back: the same modules,
+/// ranks and scales, and the same `A` and scaled `Bᵀ` (the q / k rows permuted for ggml's RoPE on
+/// the way out and put back on the way in); an rsLoRA adapter, which llama.cpp's files cannot
+/// express, is refused.
+#[test]
+fn a_gguf_lora_file_round_trips_its_peft_adapter() {
+    let shapes = base_shapes();
+    let opts = LoadOptions::default().max_lora_rank(32);
+    let dir = tempfile::tempdir().unwrap();
+    for rel in ["adapters/qv_r8", "adapters/all_r16"] {
+        let peft = load_dir("p", &fixtures().join(rel), &shapes, &opts).unwrap();
+        let path = dir.path().join("a.gguf");
+        multilora_adapter::write_gguf_lora(&peft, &shapes, &path).unwrap();
+        let gguf = multilora_adapter::load_gguf_lora("g", &path, &shapes, &opts).unwrap();
+        assert_eq!(peft.modules().keys().collect::<Vec<_>>(), gguf.modules().keys().collect::<Vec<_>>(), "{rel}");
+        for (id, p) in peft.modules() {
+            let g = &gguf.modules()[id];
+            assert_eq!((p.rank, p.alpha, p.scaling), (g.rank, g.alpha, g.scaling), "{rel} {id}");
+            for (x, y, what) in [(&p.a, &g.a, "a"), (&p.b_t, &g.b_t, "b_t")] {
+                let d = (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let scale = x.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(d <= 1e-6 * scale.max(1.0), "{rel} {id} {what}: differs by {d}");
+            }
+        }
+    }
+    let rslora = load_dir("r", &fixtures().join("adapters/rslora_r4"), &shapes, &opts).unwrap();
+    let err = multilora_adapter::write_gguf_lora(&rslora, &shapes, &dir.path().join("r.gguf")).unwrap_err();
+    assert!(err.to_string().contains("alpha / rank"), "{err}");
+}
+
+/// What a llama.cpp LoRA file must be: an adapter (a base model's GGUF is refused as such), of the
+/// served architecture, with tensors that fit the base.
+#[test]
+fn gguf_lora_files_that_do_not_fit_are_refused() {
+    use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+    let shapes = base_shapes();
+    let opts = LoadOptions::default().max_lora_rank(32);
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, meta: &[(&str, gguf_file::Value)], tensors: &[(&str, (usize, usize))]| {
+        let qs: Vec<(String, QTensor)> = tensors
+            .iter()
+            .map(|(n, s)| {
+                (
+                    n.to_string(),
+                    QTensor::quantize(
+                        &candle_core::Tensor::zeros(*s, DType::F32, &Device::Cpu).unwrap(),
+                        GgmlDType::F32,
+                    )
+                    .unwrap(),
+                )
+            })
+            .collect();
+        let refs: Vec<(&str, &QTensor)> = qs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let meta: Vec<(&str, &gguf_file::Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+        let path = dir.path().join(name);
+        gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &meta, &refs).unwrap();
+        path
+    };
+    let s = |v: &str| gguf_file::Value::String(v.into());
+    let lora = [("general.type", s("adapter")), ("adapter.type", s("lora")), ("general.architecture", s("llama"))];
+    let (hidden, q) = shapes.in_out(multilora_adapter::ModuleKind::QProj);
+    let good = [("blk.0.attn_q.weight.lora_a", (4, hidden)), ("blk.0.attn_q.weight.lora_b", (q, 4))];
+    let load = |p: &std::path::Path| multilora_adapter::load_gguf_lora("x", p, &shapes, &opts);
+    assert!(load(&write("ok.gguf", &lora, &good)).is_ok());
+    let model = write("model.gguf", &[("general.type", s("model")), ("general.architecture", s("llama"))], &good);
+    assert!(load(&model).unwrap_err().to_string().contains("not a LoRA file"));
+    let qwen = [("general.type", s("adapter")), ("adapter.type", s("lora")), ("general.architecture", s("qwen2"))];
+    assert_eq!(load(&write("qwen.gguf", &qwen, &good)).unwrap_err().kind(), "base_model_mismatch");
+    let wide = [("blk.0.attn_q.weight.lora_a", (4, hidden + 1)), ("blk.0.attn_q.weight.lora_b", (q, 4))];
+    assert_eq!(load(&write("wide.gguf", &lora, &wide)).unwrap_err().kind(), "shape_mismatch");
+    let lonely = [("blk.0.attn_q.weight.lora_a", (4, hidden))];
+    assert_eq!(load(&write("lonely.gguf", &lora, &lonely)).unwrap_err().kind(), "tensor_missing");
+    let rank = [("blk.0.attn_q.weight.lora_a", (64, hidden)), ("blk.0.attn_q.weight.lora_b", (q, 64))];
+    assert_eq!(load(&write("rank.gguf", &lora, &rank)).unwrap_err().kind(), "rank_too_large");
+    let odd = [("blk.0.attn_qkv.weight.lora_a", (4, hidden)), ("blk.0.attn_qkv.weight.lora_b", (q, 4))];
+    assert_eq!(load(&write("odd.gguf", &lora, &odd)).unwrap_err().kind(), "unsupported_module");
+    std::fs::write(dir.path().join("junk.gguf"), b"GGUF\x03\0\0\0junk").unwrap();
+    assert!(matches!(load(&dir.path().join("junk.gguf")).unwrap_err().kind(), "corrupt_header" | "truncated"));
+}

@@ -57,10 +57,11 @@ pub(crate) struct DemoArgs {
     /// Where the demo model is built (default `$XDG_CACHE_HOME/multilora/demo` or `~/.cache/multilora/demo`).
     #[arg(long)]
     pub(crate) cache_dir: Option<PathBuf>,
-    /// Run on this model (directory or hub id) instead of the built one.
+    /// Run on this model (a directory, a GGUF file or a hub id) instead of the built one; with a
+    /// chat template, every model first answers the same question.
     #[arg(long)]
     pub(crate) model: Option<String>,
-    /// Adapters for `--model`, `NAME=<DIR|HUB_ID>`; repeatable.
+    /// Adapters for `--model`, `NAME=<DIR|FILE.gguf|HUB_ID>`; repeatable.
     #[arg(long = "lora", value_parser = crate::engine_args::parse_lora)]
     pub(crate) loras: Vec<(String, String)>,
     /// Requests in the workload.
@@ -331,6 +332,45 @@ fn print_report(r: &mut RunReport, max_loras: usize) {
     println!("time to first token:       p50 {p50:.0} ms, p99 {p99:.0} ms (each request's own clock)");
 }
 
+/// The question every model answers first when the demo runs on a real model.
+const ANSWER_QUESTION: &str = "What is the capital of France? Answer in one sentence.";
+
+/// On a model with a chat template (a real model): the same question to the base and to every
+/// adapter, greedy, all in one mixed batch, and one short answer each, so the adapters' voices
+/// show side by side. A model without a template (the built one) prints nothing here.
+fn print_answers(model: &str, loras: &[(String, String)]) -> anyhow::Result<()> {
+    let mut b = Engine::builder(model.to_string()).served_model_name("base").max_loras(loras.len().max(1));
+    for (n, s) in loras {
+        b = b.lora(n, s);
+    }
+    let engine = b.build().map_err(|e| anyhow!("{e}"))?;
+    let Some(source) = engine.config().chat_template.clone() else { return Ok(()) };
+    let template = multilora_server::ChatTemplate::from_source(&source).map_err(|e| anyhow!("{e}"))?;
+    let prompt = template
+        .render(&[json!({"role": "user", "content": ANSWER_QUESTION})], true, &Default::default())
+        .map_err(|e| anyhow!("{e}"))?;
+    let ids = engine.handle().tokenize(&prompt, false).map_err(|e| anyhow!("{e}"))?;
+    let names: Vec<&str> = std::iter::once("base").chain(loras.iter().map(|(n, _)| n.as_str())).collect();
+    let streams = names
+        .iter()
+        .map(|n| {
+            engine.submit(
+                GenerateRequest::new(*n, multilora::Prompt::Tokens(ids.clone())).params(SamplingParams::greedy(40)),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow!("{e}"))?;
+    println!("{ANSWER_QUESTION}");
+    let width = names.iter().map(|n| n.len()).max().unwrap_or(4);
+    for (name, stream) in names.iter().zip(streams) {
+        let done = stream.collect_blocking().map_err(|e| anyhow!("{e}"))?;
+        println!("  {name:>width$}: {}", done.text.trim().replace('\n', " "));
+    }
+    println!();
+    engine.shutdown();
+    Ok(())
+}
+
 /// Runs the demo.
 pub(crate) fn run(a: DemoArgs) -> Result<(), Failure> {
     let (model, loras) = match &a.model {
@@ -344,6 +384,9 @@ pub(crate) fn run(a: DemoArgs) -> Result<(), Failure> {
             (dir.display().to_string(), loras)
         }
     };
+    if a.model.is_some() {
+        print_answers(&model, &loras).map_err(Failure::input)?;
+    }
     let names: Vec<String> = loras.iter().map(|(n, _)| n.clone()).collect();
     let work = workload(a.requests, "base", &names);
     let mut params = SamplingParams::default();

@@ -11,9 +11,17 @@ use crate::Failure;
 /// Flags that configure the engine.
 #[derive(Debug, Args)]
 pub(crate) struct EngineArgs {
-    /// Base model: a directory or a hub id.
+    /// Base model: a Hugging Face checkpoint directory, a GGUF file (or a directory holding one),
+    /// or a hub id.
     #[arg(long)]
     pub(crate) model: String,
+    /// The GGUF file of a hub repo to serve (a repo holds one per quantization).
+    #[arg(long)]
+    pub(crate) gguf_file: Option<String>,
+    /// A folder whose `tokenizer.json` (and chat template) to use instead of the model's own
+    /// (a GGUF model otherwise builds its tokenizer from its metadata).
+    #[arg(long)]
+    pub(crate) tokenizer: Option<std::path::PathBuf>,
     /// The base model's name in requests (default: `--model` as given).
     #[arg(long)]
     pub(crate) served_model_name: Option<String>,
@@ -55,8 +63,9 @@ pub(crate) struct EngineArgs {
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
     /// Model dtype (weights and KV cache), in vLLM's spellings: `auto` (the checkpoint's own
-    /// `torch_dtype`, f32 when it names none), `bfloat16`/`bf16`, `half`/`float16`/`f16`,
-    /// `float`/`float32`/`f32`. On the CPU the activations are f32 whatever it is.
+    /// `torch_dtype`, f32 when it names none; a GGUF file's quantized weights as they are),
+    /// `bfloat16`/`bf16`, `half`/`float16`/`f16`, `float`/`float32`/`f32` (a GGUF file's weights
+    /// dequantized to it). On the CPU the activations are f32 whatever it is.
     #[arg(long, default_value = "auto", value_parser = parse_dtype)]
     pub(crate) dtype: Dtype,
     /// vLLM's `--generation-config`: `auto` (default) reads the checkpoint's
@@ -154,6 +163,12 @@ impl EngineArgs {
             .device(parse_device(&self.device).map_err(Failure::input)?);
         if let Some(d) = self.dtype.0 {
             b = b.dtype(d);
+        }
+        if let Some(f) = &self.gguf_file {
+            b = b.gguf_file(f);
+        }
+        if let Some(dir) = &self.tokenizer {
+            b = b.tokenizer(dir);
         }
         if let Some(u) = self.gpu_memory_utilization {
             b = b.gpu_memory_utilization(u);

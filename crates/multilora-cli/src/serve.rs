@@ -39,6 +39,9 @@ pub(crate) struct ServeArgs {
     /// A Jinja chat template file, overriding the model's.
     #[arg(long)]
     pub(crate) chat_template: Option<PathBuf>,
+    /// Honour a chat request's own `chat_template` field (off: such a request is a 400).
+    #[arg(long)]
+    pub(crate) trust_request_chat_template: bool,
     /// Requests waiting beyond --max-num-seqs before new ones get 429.
     #[arg(long, default_value_t = multilora_server::DEFAULT_MAX_WAITING_REQUESTS)]
     pub(crate) max_waiting_requests: usize,
@@ -119,12 +122,13 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         .max_choices_per_request(a.max_choices_per_request)
         .max_concurrent_requests(a.max_concurrent_requests)
         .health_stall_timeout(stall)
-        .metrics_need_key(a.metrics_need_api_key);
+        .metrics_need_key(a.metrics_need_api_key)
+        .trust_request_chat_template(a.trust_request_chat_template);
     if let Some(key) = &a.api_key {
         config = config.api_key(key.clone());
     }
     if let Some(path) = &a.chat_template {
-        let t = ChatTemplate::from_file(path, &engine.config().model_dir)
+        let t = ChatTemplate::from_file(path, engine.config().chat_template.as_ref())
             .map_err(|e| Failure::input(anyhow!("--chat-template {}: {e}", path.display())))?;
         config = config.chat_template(t);
     }

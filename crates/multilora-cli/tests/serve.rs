@@ -1,10 +1,14 @@
 //! `multilora serve` as a process: the official `openai` Python client against it (with a chat
-//! template given by `--chat-template`, and without one), a graceful exit 0 on SIGTERM, and a
-//! bf16 checkpoint served in its own dtype within its own bytes.
+//! template given by `--chat-template`, and without one), a graceful exit 0 on SIGTERM, a bf16
+//! checkpoint served in its own dtype within its own bytes, and a GGUF file served quantized
+//! within its own bytes with no other flag.
 //!
 //! The Python part needs `python3` with the `openai` package. `.ci/run` installs it and sets
 //! `MULTILORA_REQUIRE_OPENAI=1`, so in CI its absence fails the test; elsewhere the Python part
 //! is skipped with a message saying how to run it, and the shutdown checks still run.
+
+#[path = "../../../tests/support/smollm2.rs"]
+mod smollm2;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -266,6 +270,47 @@ fn post(url: &str, path: &str, body: &str) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+/// The field `name=VALUE` of a log line, as a number.
+fn log_field(line: &str, name: &str) -> Option<f64> {
+    line.split_whitespace().find_map(|w| w.strip_prefix(&format!("{name}=")))?.trim_matches('"').parse().ok()
+}
+
+/// The GGUF file users hold, given as the model and nothing else an engine takes: it starts (the
+/// KV budget grows to one full-length sequence), answers a chat request with the model's own
+/// template, and holds at most 1.2 times the file's bytes plus the KV cache and the slots.
+#[test]
+fn a_gguf_file_with_no_other_flag_serves_chat_within_its_bytes() {
+    let Some(gguf) = smollm2::gguf("a_gguf_file_with_no_other_flag_serves_chat_within_its_bytes") else { return };
+    let file_bytes = std::fs::metadata(&gguf).unwrap().len();
+    let server = serve_model(&gguf, &[], &[("RUST_LOG", "info")]);
+    let body = serde_json::json!({"model": gguf.to_str().unwrap(), "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of Spain?"}]});
+    let resp = post(&server.url, "/v1/chat/completions", &body.to_string());
+    // The model's own answer (transformers' too, `expected/transformers.json`).
+    assert!(resp.starts_with("HTTP/1.1 200") && resp.contains("El Salvador"), "{resp}");
+    let ready = server.lines.lock().unwrap().iter().find(|l| l.contains("multilora engine ready")).cloned();
+    let ready = ready.expect("the start-up log line");
+    assert!(ready.contains("Q4_1") && ready.contains("kept quantized"), "{ready}");
+    let kv = log_field(&ready, "kv_bytes").expect("kv_bytes in the log");
+    let slots = log_field(&ready, "lora_slot_bytes").expect("lora_slot_bytes in the log");
+    if let Some((rss, hwm)) = resident(server.child.id()) {
+        let bound = file_bytes as f64 * 1.2 + kv + slots;
+        eprintln!(
+            "gguf file {:.1} MB, KV {:.1} MB, slots {:.1} MB: resident {:.1} MB (bound {:.1} MB), peak {:.1} MB",
+            file_bytes as f64 / 1e6,
+            kv / 1e6,
+            slots / 1e6,
+            rss as f64 / 1e6,
+            bound / 1e6,
+            hwm as f64 / 1e6
+        );
+        assert!((rss as f64) <= bound, "resident {rss} bytes > {bound}");
+    } else {
+        eprintln!("SKIPPED the resident-memory check: no /proc/<pid>/status on this system");
+    }
+    assert_eq!(server.terminate().code(), Some(0));
 }
 
 #[test]

@@ -8,12 +8,15 @@
 //! - `golden`: the PEFT fixtures through the engine on CUDA, f32 and bf16;
 //! - `bandwidth`: the LoRA kernels in a decode step against a device-to-device copy;
 //! - `decode`: a Llama-3-8B-shaped bf16 decode step, LoRA / base at batch 1, 16, 64;
-//! - `engine`: end-to-end tokens/s, base and 8-adapter mixed, against PEFT on the same GPU.
+//! - `engine`: end-to-end tokens/s, base and 8-adapter mixed, against PEFT on the same GPU;
+//! - `gguf`: a random GGUF model with every served quantized type on CUDA (candle's quantized
+//!   matmul, this project's LoRA kernels) against its f32 dequantization, and its decode step.
 //!
 //! Exit status: 0 when every check passed, 1 when one failed, 2 when there is no GPU (or the
 //! binary was built without CUDA).
 
 mod engine;
+mod gguf;
 mod golden;
 mod kernels;
 mod report;
@@ -41,7 +44,7 @@ struct Args {
     /// `bench_peft_cuda.py`'s JSON report.
     #[arg(long)]
     peft_json: Option<PathBuf>,
-    /// Sections to run, comma-separated (default all): kernels, golden, bandwidth, decode, engine.
+    /// Sections to run, comma-separated (default all): kernels, golden, bandwidth, decode, engine, gguf.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Smaller grids and a 4-layer decode model (a smoke test).
@@ -115,6 +118,11 @@ fn main() -> ExitCode {
             }
             _ => report.skipped("engine", "no --peft-workdir / --peft-json (bench_peft_cuda.py did not run)"),
         }
+    }
+    if wants("gguf")
+        && let Err(e) = gguf::check(&mut report, &dev)
+    {
+        report.error("gguf", &e);
     }
     println!("\n== summary\n{}", report.table());
     let failed = report.failures();

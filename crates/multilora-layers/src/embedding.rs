@@ -1,4 +1,5 @@
-//! `LoraEmbedding`: the input embedding plus PEFT's embedding LoRA (`lora_embedding_A: [r, vocab]`,
+//! `LoraEmbedding`: the input embedding (a tensor, or GGUF blocks dequantized row by row as tokens
+//! look them up) plus PEFT's embedding LoRA (`lora_embedding_A: [r, vocab]`,
 //! `lora_embedding_B: [hidden, r]`).
 //!
 //! For a token `t` of a row with slot `k`: `y = E[t, :] + B_k · A_k[:, t]`. The "shrink" of an
@@ -10,6 +11,7 @@ use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
 use multilora_types::SlotId;
 
 use crate::error::{Error, Result};
+use crate::linear::LinearWeight;
 use crate::mapping::LoraMapping;
 use crate::ops::expand::lora_expand;
 use crate::slots::{LoraSlots, SlotConfig};
@@ -17,7 +19,7 @@ use crate::slots::{LoraSlots, SlotConfig};
 /// An embedding table with per-slot LoRA deltas.
 #[derive(Clone, Debug)]
 pub struct LoraEmbedding {
-    weight: Tensor,
+    weight: LinearWeight,
     lora: Option<LoraSlots>,
     /// The dtype rows come out in (the table's own unless set).
     out_dtype: DType,
@@ -27,12 +29,23 @@ impl LoraEmbedding {
     /// An embedding over `weight: [vocab, hidden]`; `lora: None` means no slot buffers.
     pub fn new(weight: Tensor, lora: Option<&SlotConfig>) -> Result<LoraEmbedding> {
         let id = ModuleId::embed_tokens();
-        let (vocab, hidden) = weight.dims2().map_err(|_| Error::shape(id, "weight", weight.dims(), &[0, 0]))?;
+        weight.dims2().map_err(|_| Error::shape(id, "weight", weight.dims(), &[0, 0]))?;
+        LoraEmbedding::from_weight(LinearWeight::Dense(weight), lora)
+    }
+
+    /// An embedding over a table as the model read it: a tensor, or GGUF blocks whose rows are
+    /// dequantized as tokens look them up (rows come out in f32 unless set otherwise).
+    pub fn from_weight(weight: LinearWeight, lora: Option<&SlotConfig>) -> Result<LoraEmbedding> {
+        let (vocab, hidden) = weight.dims()?;
+        let id = ModuleId::embed_tokens();
         let lora = match lora {
             Some(cfg) if cfg.max_loras > 0 => Some(LoraSlots::zeros_embedding(id, vocab, hidden, cfg)?),
             _ => None,
         };
-        let out_dtype = weight.dtype();
+        let out_dtype = match &weight {
+            LinearWeight::Dense(t) => t.dtype(),
+            _ => DType::F32,
+        };
         Ok(LoraEmbedding { weight, lora, out_dtype })
     }
 
@@ -46,7 +59,11 @@ impl LoraEmbedding {
     /// `ids: [rows]` (u32, or `[..]` flattened) → `[rows, hidden]`.
     pub fn forward(&self, ids: &Tensor, mapping: &LoraMapping) -> Result<Tensor> {
         let ids = ids.flatten_all()?;
-        let y = self.weight.index_select(&ids, 0)?;
+        let y = match &self.weight {
+            LinearWeight::Dense(t) => t.index_select(&ids, 0)?,
+            LinearWeight::Quant(q) => q.dequantize_rows(&ids.to_dtype(DType::U32)?.to_vec1::<u32>()?)?,
+            LinearWeight::Device(q) => q.embedding(&ids)?,
+        };
         let y = if y.dtype() == self.out_dtype { y } else { y.to_dtype(self.out_dtype)? };
         let Some(slots) = &self.lora else { return Ok(y) };
         if mapping.no_lora() {
@@ -80,8 +97,8 @@ impl LoraEmbedding {
         Ok(s)
     }
 
-    /// The base table `[vocab, hidden]`.
-    pub fn embeddings(&self) -> &Tensor {
+    /// The base table `[vocab, hidden]` as it was given (a tensor, or quantized blocks).
+    pub fn table(&self) -> &LinearWeight {
         &self.weight
     }
 

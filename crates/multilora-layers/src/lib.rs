@@ -11,6 +11,8 @@
 //!   one module and the real rank of each slot; [`SlotConfig`] says how many, how big, where;
 //! - [`PackedWeight`]: an f32 base weight packed once for the CPU kernel, which every layer's
 //!   base product runs on, whatever the batch size;
+//! - [`QuantWeight`]: a GGUF (GGML block-quantized) base weight kept quantized, multiplied by
+//!   integer dot products against 8-bit activations, whatever the batch size;
 //! - [`LoraLinear`]: a plain or fused (qkv, gate_up) linear with one set of slots per module, and
 //!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
 //!   driven by a mapping over logit rows;
@@ -33,8 +35,8 @@
 //! assert_eq!(layer.forward(&x, &mapping)?.dims(), &[6, 64]);
 //! # Ok(()) }
 //! ```
-// Denied everywhere but the CPU linear kernel (`ops::gemm::kernel`), which allows it for its
-// vector loads; every block there carries a `// SAFETY:` comment.
+// Denied everywhere but the CPU kernels (`ops::gemm::kernel`, `ops::quant::kernel`), which allow
+// it for their vector loads; every block there carries a `// SAFETY:` comment.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -48,7 +50,7 @@ mod staging;
 
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
-pub use linear::{LoraLinear, lora_apply};
+pub use linear::{LinearWeight, LoraLinear, lora_apply};
 pub use mapping::{LoraMapping, Segment};
 pub use multilora_adapter::{
     Architecture, ConfigError, Error as AdapterError, Fingerprint, HiddenAct, HubConfig, LoraAdapter, LoraModule,
@@ -58,6 +60,7 @@ pub use multilora_adapter::{
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::expand::lora_expand;
 pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
+pub use ops::quant::{QuantIsa, QuantType, QuantWeight};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
 pub use slots::{LoraSlots, SlotConfig};

@@ -8,7 +8,10 @@
 //! bit. `merge(slot)` folds one adapter into the weight for deployments where one tenant carries
 //! nearly all the traffic.
 
-use candle_core::{DType, Tensor};
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Module, Tensor};
 use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
 use multilora_types::SlotId;
 
@@ -17,6 +20,7 @@ use crate::mapping::LoraMapping;
 use crate::ops::expand::cpu::{shrink_expand_fused, shrink_expand_in_place};
 use crate::ops::expand::lora_expand;
 use crate::ops::gemm::PackedWeight;
+use crate::ops::quant::QuantWeight;
 use crate::ops::shrink::lora_shrink;
 use crate::slots::{LoraSlots, SlotConfig};
 
@@ -31,11 +35,49 @@ pub struct LoraLinear {
     merged: Option<Merged>,
 }
 
-/// The base weight: packed for the CPU kernel (f32, bf16 or f16 on the CPU), or the tensor as given.
+/// A projection's base weight as a layer is built from it: a tensor, or GGUF blocks kept
+/// quantized.
+#[derive(Clone, Debug)]
+pub enum LinearWeight {
+    /// A tensor `[out, in]`: packed for the CPU kernel when it can be (f32, bf16, f16), else
+    /// multiplied by candle's matmul.
+    Dense(Tensor),
+    /// GGUF blocks for the crate's quantized CPU kernels ([`QuantWeight`]).
+    Quant(QuantWeight),
+    /// GGUF blocks on a device (CUDA), multiplied by candle's quantized matmul.
+    Device(Arc<QTensor>),
+}
+
+impl LinearWeight {
+    /// `(out, in)`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            LinearWeight::Dense(t) => Ok(t.dims2()?),
+            LinearWeight::Quant(q) => Ok(q.dims()),
+            LinearWeight::Device(q) => Ok(q.shape().dims2()?),
+        }
+    }
+
+    /// The weight as a tensor of its values (dequantized as ggml does, in f32, when quantized),
+    /// on the device it lives on.
+    pub fn dense(&self) -> Result<Tensor> {
+        match self {
+            LinearWeight::Dense(t) => Ok(t.clone()),
+            LinearWeight::Quant(q) => q.dequantize(),
+            LinearWeight::Device(q) => Ok(q.dequantize(&q.device())?),
+        }
+    }
+}
+
+/// The base weight: packed for the CPU kernel (f32, bf16 or f16 on the CPU), quantized blocks
+/// (the crate's CPU kernels, or candle's quantized matmul on a device, one per stacked part), or
+/// the tensor as given.
 #[derive(Clone, Debug)]
 enum Base {
     Dense(Tensor),
     Packed(PackedWeight),
+    Quant(QuantWeight),
+    Device(Vec<Arc<QTensor>>),
 }
 
 impl Base {
@@ -52,12 +94,23 @@ impl Base {
         })
     }
 
-    /// `x · Wᵀ` in `x`'s dtype (a packed weight computes in f32, whatever its own dtype).
+    /// `x · Wᵀ` in `x`'s dtype (a packed or quantized weight computes in f32, whatever its own
+    /// dtype).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let back =
+            |y: Tensor| -> Result<Tensor> { Ok(if y.dtype() == x.dtype() { y } else { y.to_dtype(x.dtype())? }) };
         match self {
             Base::Dense(w) => crate::ops::gemm::linear(x, w),
-            Base::Packed(p) if x.dtype() == DType::F32 => p.forward(x),
-            Base::Packed(p) => Ok(p.forward(x)?.to_dtype(x.dtype())?),
+            Base::Packed(p) => back(p.forward(x)?),
+            Base::Quant(q) => back(q.forward(x)?),
+            Base::Device(parts) => {
+                let xf = x.to_dtype(DType::F32)?;
+                let ys = parts
+                    .iter()
+                    .map(|q| Ok(QMatMul::from_arc(q.clone())?.forward(&xf)?))
+                    .collect::<Result<Vec<_>>>()?;
+                back(if ys.len() == 1 { ys.into_iter().next().unwrap_or(xf) } else { Tensor::cat(&ys, 1)? })
+            }
         }
     }
 
@@ -66,6 +119,11 @@ impl Base {
         match self {
             Base::Dense(w) => Ok(w.dims2()?),
             Base::Packed(p) => Ok(p.dims()),
+            Base::Quant(q) => Ok(q.dims()),
+            Base::Device(parts) => {
+                let dims = parts.iter().map(|q| q.shape().dims2()).collect::<candle_core::Result<Vec<_>>>()?;
+                Ok((dims.iter().map(|d| d.0).sum(), dims.first().map_or(0, |d| d.1)))
+            }
         }
     }
 
@@ -73,6 +131,11 @@ impl Base {
         match self {
             Base::Dense(w) => Ok(w.clone()),
             Base::Packed(p) => p.unpack(),
+            Base::Quant(q) => q.dequantize(),
+            Base::Device(parts) => {
+                let ts = parts.iter().map(|q| Ok(q.dequantize(&q.device())?)).collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&ts, 0)?)
+            }
         }
     }
 }
@@ -126,6 +189,73 @@ impl LoraLinear {
         match PackedWeight::pack_parts(&parts)? {
             Some(p) => Self::with_base(Base::Packed(p), bias, slices, lora),
             None => Self::new(Tensor::cat(&parts, 0)?, bias, slices, lora),
+        }
+    }
+
+    /// A layer over `weight` as the model read it: a tensor (as [`LoraLinear::new`]), or
+    /// quantized blocks multiplied without being dequantized.
+    pub fn from_weight(
+        weight: LinearWeight,
+        bias: Option<Tensor>,
+        slices: Vec<(ModuleId, usize)>,
+        lora: Option<&SlotConfig>,
+    ) -> Result<LoraLinear> {
+        match weight {
+            LinearWeight::Dense(t) => Self::new(t, bias, slices, lora),
+            LinearWeight::Quant(q) => Self::with_base(Base::Quant(q), bias, slices, lora),
+            LinearWeight::Device(q) => Self::with_base(Base::Device(vec![q]), bias, slices, lora),
+        }
+    }
+
+    /// [`LoraLinear::new_fused`] over parts as the model read them: quantized parts stay
+    /// quantized and are stacked without a copy (their types may differ); a mix of quantized and
+    /// dense parts is dequantized to the dense parts' dtype.
+    pub fn from_parts(
+        parts: Vec<LinearWeight>,
+        bias: Option<Tensor>,
+        slices: Vec<(ModuleId, usize)>,
+        lora: Option<&SlotConfig>,
+    ) -> Result<LoraLinear> {
+        if parts.iter().all(|p| matches!(p, LinearWeight::Quant(_))) {
+            let qs = parts.into_iter().filter_map(|p| if let LinearWeight::Quant(q) = p { Some(q) } else { None });
+            return Self::with_base(Base::Quant(QuantWeight::stack(qs.collect())?), bias, slices, lora);
+        }
+        if parts.iter().all(|p| matches!(p, LinearWeight::Device(_))) {
+            let qs = parts.into_iter().filter_map(|p| if let LinearWeight::Device(q) = p { Some(q) } else { None });
+            return Self::with_base(Base::Device(qs.collect()), bias, slices, lora);
+        }
+        let dtype = parts
+            .iter()
+            .find_map(|p| if let LinearWeight::Dense(t) = p { Some(t.dtype()) } else { None })
+            .unwrap_or(DType::F32);
+        let dense = parts.iter().map(|p| Ok(p.dense()?.to_dtype(dtype)?)).collect::<Result<Vec<_>>>()?;
+        Self::new_fused(dense, bias, slices, lora)
+    }
+
+    /// Which kernel the base product runs on, in words (for the start-up log): the quantized
+    /// types and instruction set, or the dense dtype.
+    pub fn base_kernel(&self) -> String {
+        match &self.base {
+            Base::Dense(w) => format!("{:?} weights, read in place", w.dtype()),
+            Base::Packed(p) => format!("{:?} weights", p.dtype()),
+            Base::Quant(q) => q.describe(),
+            Base::Device(parts) => {
+                let types: Vec<String> = parts.iter().map(|q| format!("{:?}", q.dtype())).collect();
+                format!("{} (candle quantized matmul)", types.join("+"))
+            }
+        }
+    }
+
+    /// Bytes the base weight holds (quantized blocks, or the tensor's elements).
+    pub fn base_bytes(&self) -> usize {
+        match &self.base {
+            Base::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
+            Base::Packed(p) => {
+                let (n, k) = p.dims();
+                n * k * p.dtype().size_in_bytes()
+            }
+            Base::Quant(q) => q.storage_bytes(),
+            Base::Device(parts) => parts.iter().map(|q| q.storage_size_in_bytes()).sum(),
         }
     }
 
@@ -387,6 +517,7 @@ impl LoraLinear {
             });
         }
         let delta = (Tensor::cat(&parts, 0)? * sign)?;
+        // A quantized weight is merged into its f32 values (the blocks cannot hold the sum).
         let w = (weight.to_dtype(DType::F32)? + delta)?.to_dtype(weight.dtype())?;
         Base::new(w, matches!(self.base, Base::Dense(_)))
     }

@@ -43,6 +43,25 @@ pub enum Error {
         /// The shape the config implies.
         expected: Vec<usize>,
     },
+    /// A GGUF file was refused: not a model, truncated, an architecture or a setting this engine
+    /// does not serve.
+    #[error("{}: {reason}", path.display())]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A GGUF tensor is of a type this engine cannot read (IQ*, TQ*, MXFP4, …).
+    #[error("{}: tensor {tensor} is of type {ty}, which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K are)", path.display())]
+    GgufTensorType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's GGUF name.
+        tensor: String,
+        /// Its type.
+        ty: String,
+    },
     /// A hub repository could not be resolved.
     #[error("hub repo {repo}@{revision}: {reason}")]
     Hub {
@@ -92,6 +111,8 @@ impl Error {
             Error::Config { .. } => "config",
             Error::TensorMissing { .. } => "tensor_missing",
             Error::ShapeMismatch { .. } => "shape_mismatch",
+            Error::Gguf { .. } => "gguf",
+            Error::GgufTensorType { .. } => "gguf_tensor_type",
             Error::Hub { .. } => "hub",
             Error::InvalidBatch { .. } => "invalid_batch",
             Error::KvCache { .. } => "kv_cache",

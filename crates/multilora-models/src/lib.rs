@@ -35,6 +35,7 @@
 mod attention;
 mod batch;
 mod error;
+mod gguf;
 mod kv_cache;
 mod llama;
 mod reader;
@@ -43,6 +44,7 @@ mod weights;
 
 pub use batch::{Batch, SeqInput};
 pub use error::{Error, Result};
+pub use gguf::{GgufFile, write_gguf_as_checkpoint};
 pub use kv_cache::{
     DeviceMemory, KvCache, KvCacheConfig, device_memory, kv_bytes_per_token, num_blocks_for_budget,
     step_activation_bytes,
@@ -51,4 +53,4 @@ pub use llama::{Model, ModelOptions};
 pub use multilora_layers::HubConfig;
 pub use multilora_layers::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
 pub use multilora_types::{LogitsWanted, LoraLimits, SlotId};
-pub use weights::{CheckpointFiles, ModelSource, write_checkpoint_copy};
+pub use weights::{Checkpoint, CheckpointFiles, ModelSource, write_checkpoint_copy};

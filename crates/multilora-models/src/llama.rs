@@ -8,8 +8,9 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
+use multilora_adapter::{embedding_digest_of_rows, with_embedding_digest};
 use multilora_layers::{
-    LoraAdapter, LoraEmbedding, LoraLinear, ModelShapes, ModuleId, ModuleKind, SlotConfig, with_embedding_digest,
+    LinearWeight, LoraAdapter, LoraEmbedding, LoraLinear, ModelShapes, ModuleId, ModuleKind, SlotConfig,
 };
 use multilora_types::{LoraLimits, SlotId};
 
@@ -18,7 +19,7 @@ use crate::batch::{Batch, Limits, StepPlan};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
-use crate::weights::{CheckpointFiles, ModelSource, Weights};
+use crate::weights::{Checkpoint, CheckpointFiles, ModelSource, Weights};
 use multilora_layers::HubConfig;
 use multilora_layers::{HiddenAct, ModelConfig};
 
@@ -40,6 +41,10 @@ pub struct ModelOptions {
     pub lora_dtype: Option<DType>,
     /// The hub cache used for repo ids.
     pub hub: HubConfig,
+    /// GGUF weights stored quantized stay quantized (the default: resident ≈ the file, products
+    /// on the quantized kernels); `false` dequantizes them to `dtype` when loading (the
+    /// reference path). Checkpoints of other formats are unaffected.
+    pub quantized: bool,
 }
 
 impl Default for ModelOptions {
@@ -50,6 +55,7 @@ impl Default for ModelOptions {
             lora: LoraLimits::default(),
             lora_dtype: None,
             hub: HubConfig::from_env(),
+            quantized: true,
         }
     }
 }
@@ -84,6 +90,12 @@ impl ModelOptions {
         self.hub = hub;
         self
     }
+
+    /// Keeps GGUF weights quantized (`true`, the default) or dequantizes them to `dtype`.
+    pub fn quantized(mut self, quantized: bool) -> ModelOptions {
+        self.quantized = quantized;
+        self
+    }
 }
 
 #[derive(Debug)]
@@ -115,10 +127,21 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads from a directory or a hub id (`org/name[@rev]`).
+    /// Loads from a directory, a GGUF file or a hub id (`org/name[@rev]`).
     pub fn load(source: &ModelSource, opts: &ModelOptions) -> Result<Model> {
-        let files = source.resolve(&opts.hub)?;
-        Model::load_files(&files, opts)
+        Model::load_checkpoint(&source.open(&opts.hub)?, opts)
+    }
+
+    /// Loads an opened checkpoint (see [`ModelSource::open`]).
+    pub fn load_checkpoint(checkpoint: &Checkpoint, opts: &ModelOptions) -> Result<Model> {
+        match checkpoint {
+            Checkpoint::Safetensors(files) => Model::load_files(files, opts),
+            Checkpoint::Gguf(g) => {
+                let cfg = g.config()?;
+                let w = Weights::gguf(g.clone(), &cfg, activation_dtype(opts), &opts.device);
+                Model::build(cfg, &w, opts)
+            }
+        }
     }
 
     /// Loads from a local directory holding `config.json` and safetensors.
@@ -143,8 +166,9 @@ impl Model {
     fn build(cfg: ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<Model> {
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (wdt, act) = (opts.dtype, activation_dtype(opts));
-        // The projections' weights in the served dtype (norms and biases in the activations').
-        let mat = |name: &str, shape: &[usize]| w.get_in(name, shape, wdt);
+        // The projections' weights in the served dtype, or quantized blocks (norms and biases in
+        // the activations' dtype).
+        let mat = |name: &str, shape: &[usize]| w.linear(name, shape, wdt, opts.quantized);
         let (qs, kvs) = (cfg.q_size(), cfg.kv_size());
         let lora = &opts.lora;
         let slot_cfg = SlotConfig::new(
@@ -154,13 +178,9 @@ impl Model {
             &opts.device,
         );
         let lora_for = |kinds: &[ModuleKind]| kinds.iter().any(|&k| lora.targets(k)).then_some(&slot_cfg);
-        // The digest is taken over the checkpoint's values, not the converted ones: adapters carry
-        // the embedding as saved, and must match it whatever dtype the model runs in.
-        let embed_stored = w.get_as_stored("model.embed_tokens.weight", &[v, h])?;
-        let shapes = model_shapes(&cfg, &embed_stored)?;
-        let embed_w = embed_stored.to_dtype(wdt)?.to_device(&opts.device)?;
-        drop(embed_stored);
-        let embed = LoraEmbedding::new(embed_w.clone(), lora_for(&[ModuleKind::EmbedTokens]))?.output_dtype(act);
+        let (embed_w, shapes) = embedding(&cfg, w, opts)?;
+        let embed =
+            LoraEmbedding::from_weight(embed_w.clone(), lora_for(&[ModuleKind::EmbedTokens]))?.output_dtype(act);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
@@ -183,7 +203,7 @@ impl Model {
                 None
             };
             let qkv_kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
-            let qkv = LoraLinear::new_fused(
+            let qkv = LoraLinear::from_parts(
                 qkv_w,
                 qkv_b,
                 vec![(id(ModuleKind::QProj), qs), (id(ModuleKind::KProj), kvs), (id(ModuleKind::VProj), kvs)],
@@ -194,7 +214,7 @@ impl Model {
             } else {
                 None
             };
-            let o = LoraLinear::new(
+            let o = LoraLinear::from_weight(
                 mat(&format!("{p}.self_attn.o_proj.weight"), &[h, qs])?,
                 o_b,
                 vec![(id(ModuleKind::OProj), h)],
@@ -204,13 +224,13 @@ impl Model {
                 mat(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
                 mat(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
             ];
-            let gate_up = LoraLinear::new_fused(
+            let gate_up = LoraLinear::from_parts(
                 gate_up_w,
                 None,
                 vec![(id(ModuleKind::GateProj), i), (id(ModuleKind::UpProj), i)],
                 lora_for(&[ModuleKind::GateProj, ModuleKind::UpProj]),
             )?;
-            let down = LoraLinear::new(
+            let down = LoraLinear::from_weight(
                 mat(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
                 None,
                 vec![(id(ModuleKind::DownProj), h)],
@@ -228,13 +248,14 @@ impl Model {
         let norm = w.get("model.norm.weight", &[h])?;
         // A tied head shares the embedding's storage; a checkpoint that also stores `lm_head`
         // for a tied model is read from the embedding all the same, as transformers does.
-        let head_w = if cfg.tie_word_embeddings { embed_w.clone() } else { mat("lm_head.weight", &[v, h])? };
         let head_slices = vec![(ModuleId::lm_head(), v)];
         let head_lora = lora_for(&[ModuleKind::LmHead]);
-        let lm_head = if cfg.tie_word_embeddings {
-            LoraLinear::new_shared(head_w, None, head_slices, head_lora)?
-        } else {
-            LoraLinear::new(head_w, None, head_slices, head_lora)?
+        let lm_head = match (cfg.tie_word_embeddings, embed_w) {
+            // A dense tied head reads the embedding's tensor in place; quantized blocks are
+            // shared by reference either way.
+            (true, LinearWeight::Dense(t)) => LoraLinear::new_shared(t, None, head_slices, head_lora)?,
+            (true, shared) => LoraLinear::from_weight(shared, None, head_slices, head_lora)?,
+            (false, _) => LoraLinear::from_weight(mat("lm_head.weight", &[v, h])?, None, head_slices, head_lora)?,
         };
         let rope = Rope::new(&cfg, act, &opts.device)?;
         Ok(Model {
@@ -335,11 +356,39 @@ impl Model {
             return format!("{:?} weights, {:?} slots on {:?}", self.dtype, self.lora_dtype, self.device.location());
         }
         let isa = multilora_layers::Isa::best();
+        let mut bases: Vec<String> = Vec::new();
+        for lin in self.layers.iter().flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]).chain([&self.lm_head]) {
+            let k = lin.base_kernel();
+            if !bases.contains(&k) {
+                bases.push(k);
+            }
+        }
         format!(
-            "base products {isa:?} over {:?} weights, LoRA products {isa:?} over {:?} slots, \
+            "base products {isa:?} over {}, LoRA products {isa:?} over {:?} slots, \
              f32 activations and accumulation, decode attention in place over a {:?} KV cache",
-            self.dtype, self.lora_dtype, self.dtype
+            bases.join("; "),
+            self.lora_dtype,
+            self.dtype
         )
+    }
+
+    /// Bytes the weights hold in memory (quantized blocks as they are, tensors at their dtype;
+    /// a tied `lm_head` counted once).
+    pub fn weight_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        let mut total = match self.embed.table() {
+            LinearWeight::Dense(t) => bytes(t),
+            LinearWeight::Quant(q) => q.storage_bytes() as u64,
+            LinearWeight::Device(q) => q.storage_size_in_bytes() as u64,
+        };
+        for l in &self.layers {
+            total += [&l.qkv, &l.o, &l.gate_up, &l.down].iter().map(|lin| lin.base_bytes() as u64).sum::<u64>();
+            total += bytes(&l.input_norm) + bytes(&l.post_norm);
+        }
+        if !self.cfg.tie_word_embeddings {
+            total += self.lm_head.base_bytes() as u64;
+        }
+        total + bytes(&self.norm)
     }
 
     /// A zeroed KV cache for this model.
@@ -499,6 +548,38 @@ fn activation_dtype(opts: &ModelOptions) -> DType {
     if opts.device.is_cpu() { DType::F32 } else { opts.dtype }
 }
 
-fn model_shapes(cfg: &ModelConfig, embed: &Tensor) -> Result<ModelShapes> {
-    Ok(with_embedding_digest(cfg.shapes(), embed)?)
+/// The input embedding in the served form (a tensor in the model dtype on the device, or
+/// quantized blocks), and the shapes adapters are checked against, with the digest of the
+/// embedding's values as stored: adapters carry the embedding as saved, and must match it
+/// whatever dtype the model runs in (a quantized table's values are ggml's dequantized ones,
+/// what a model converted from the file holds).
+fn embedding(cfg: &ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<(LinearWeight, ModelShapes)> {
+    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+    let name = "model.embed_tokens.weight";
+    match w.linear(name, &[v, h], opts.dtype, opts.quantized)? {
+        LinearWeight::Dense(_) => {
+            let stored = w.get_as_stored(name, &[v, h])?;
+            let shapes = with_embedding_digest(cfg.shapes(), &stored)?;
+            Ok((LinearWeight::Dense(stored.to_dtype(opts.dtype)?.to_device(&opts.device)?), shapes))
+        }
+        quantized => {
+            const ROWS: usize = 1024;
+            let blocks = (0..v).step_by(ROWS).map(|r0| {
+                let ids: Vec<u32> = (r0..(r0 + ROWS).min(v)).map(|r| r as u32).collect();
+                match &quantized {
+                    LinearWeight::Quant(q) => {
+                        q.dequantize_rows(&ids).map_err(|e| candle_core::Error::Msg(e.to_string()))
+                    }
+                    other => other
+                        .dense()
+                        .and_then(|t| Ok(t.narrow(0, r0, ids.len())?.to_device(&Device::Cpu)?))
+                        .map_err(|e| candle_core::Error::Msg(e.to_string())),
+                }
+            });
+            let mut shapes = cfg.shapes();
+            shapes.embed_digest = Some(embedding_digest_of_rows(blocks)?);
+            shapes.embed_dtype = Some(DType::F32);
+            Ok((quantized, shapes))
+        }
+    }
 }

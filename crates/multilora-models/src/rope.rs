@@ -22,9 +22,11 @@ pub(crate) fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
     let d = cfg.head_dim;
     let base = cfg.rope_theta as f32;
     let plain: Vec<f32> = (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32)).collect();
-    match cfg.rope_scaling {
+    match &cfg.rope_scaling {
         RopeScaling::Default => plain,
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+        // llama.cpp divides each frequency's angle by its factor.
+        RopeScaling::Factors(factors) => plain.iter().zip(factors).map(|(&f, &d)| f / d).collect(),
+        &RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
             let old = original_max_position_embeddings as f64;
             let low_wavelen = old / low_freq_factor;
             let high_wavelen = old / high_freq_factor;

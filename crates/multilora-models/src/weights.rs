@@ -1,11 +1,17 @@
-//! Where a checkpoint comes from (a directory, or a hub repo through the `hf-hub` cache) and how
-//! its tensors are read (memory-mapped safetensors, one file or a sharded index).
+//! Where a checkpoint comes from (a directory, a GGUF file, or a hub repo through the `hf-hub`
+//! cache) and how its tensors are read (safetensors, one file or a sharded index, with
+//! positioned reads; or a GGUF file's tensors, kept quantized or dequantized).
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
-use multilora_layers::{AdapterError, HubConfig};
+use multilora_adapter::ModelConfig;
+use multilora_layers::{AdapterError, HubConfig, LinearWeight};
+
+use crate::gguf::GgufFile;
 
 use crate::error::{Error, Result};
 use crate::reader::SafetensorsFiles;
@@ -25,21 +31,57 @@ fn hub_file(hub: &HubConfig, repo: &str, revision: &str, file: &str) -> std::res
 pub enum ModelSource {
     /// A local directory with `config.json` and safetensors.
     Local(PathBuf),
+    /// A local GGUF file (llama.cpp's format).
+    Gguf(PathBuf),
     /// A hub repository `org/name` at a revision (branch, tag or commit).
     Hub {
         /// `org/name`.
         repo: String,
         /// Revision, `main` unless `@rev` was given.
         revision: String,
+        /// The GGUF file of the repo to serve (`--gguf-file`), instead of its safetensors.
+        gguf_file: Option<String>,
     },
 }
 
 impl ModelSource {
-    /// An existing directory is local; otherwise `org/name[@rev]` is a hub id.
+    /// A `.gguf` file is a GGUF model; a directory holding `config.json` is a Hugging Face
+    /// checkpoint, and one without it that holds exactly one `.gguf` file is that file; otherwise
+    /// `org/name[@rev]` is a hub id.
     pub fn parse(s: &str) -> Result<ModelSource> {
         let path = Path::new(s);
+        if path.is_file() && is_gguf(path) {
+            return Ok(ModelSource::Gguf(path.to_path_buf()));
+        }
         if path.is_dir() {
-            return Ok(ModelSource::Local(path.to_path_buf()));
+            if path.join("config.json").exists() {
+                return Ok(ModelSource::Local(path.to_path_buf()));
+            }
+            let io = |source| Error::Io { path: path.to_path_buf(), source };
+            let mut ggufs = Vec::new();
+            for entry in std::fs::read_dir(path).map_err(io)? {
+                let p = entry.map_err(io)?.path();
+                if p.is_file() && is_gguf(&p) {
+                    ggufs.push(p);
+                }
+            }
+            ggufs.sort();
+            return match ggufs.len() {
+                0 => Ok(ModelSource::Local(path.to_path_buf())),
+                1 => Ok(ModelSource::Gguf(ggufs.remove(0))),
+                n => Err(Error::Config {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "holds {n} .gguf files and no config.json; name the file to serve: {}",
+                        ggufs
+                            .iter()
+                            .filter_map(|p| p.file_name())
+                            .map(|f| f.to_string_lossy())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                }),
+            };
         }
         let (repo, revision) = s.split_once('@').unwrap_or((s, "main"));
         let ok = |p: &str| {
@@ -50,20 +92,60 @@ impl ModelSource {
         };
         match repo.split_once('/') {
             Some((org, name)) if ok(org) && ok(name) && !revision.is_empty() && !revision.contains("..") => {
-                Ok(ModelSource::Hub { repo: repo.to_string(), revision: revision.to_string() })
+                Ok(ModelSource::Hub { repo: repo.to_string(), revision: revision.to_string(), gguf_file: None })
             }
             _ => Err(Error::Config {
                 path: path.to_path_buf(),
-                reason: "neither an existing directory nor a hub id org/name[@revision]".into(),
+                reason: "neither an existing directory or .gguf file nor a hub id org/name[@revision]".into(),
             }),
         }
     }
 
-    /// The files of the checkpoint on disk: `config.json` and the safetensors files.
+    /// Serves the GGUF file `name` of a hub repo (vLLM's and llama.cpp's way of picking one
+    /// quantization of several); an error for a source that is not a hub repo.
+    pub fn with_gguf_file(self, name: &str) -> Result<ModelSource> {
+        let plain = !name.is_empty() && !name.contains("..") && !name.starts_with('/') && is_gguf(Path::new(name));
+        match self {
+            ModelSource::Hub { repo, revision, .. } if plain => {
+                Ok(ModelSource::Hub { repo, revision, gguf_file: Some(name.to_string()) })
+            }
+            ModelSource::Hub { .. } => Err(Error::Config {
+                path: name.into(),
+                reason: "a gguf file name is a relative path ending in .gguf".into(),
+            }),
+            other => Err(Error::Config {
+                path: PathBuf::from(other.to_string()),
+                reason: "--gguf-file picks a file of a hub repo; give a local file as the model itself".into(),
+            }),
+        }
+    }
+
+    /// The checkpoint on disk, opened: a GGUF file's header read, or a Hugging Face checkpoint's
+    /// `config.json` and safetensors files found (fetched into the hub cache for a hub repo).
+    pub fn open(&self, hub: &HubConfig) -> Result<Checkpoint> {
+        match self {
+            ModelSource::Gguf(path) => Ok(Checkpoint::Gguf(std::sync::Arc::new(GgufFile::open(path)?))),
+            ModelSource::Hub { repo, revision, gguf_file: Some(file) } => {
+                let path = hub_file(hub, repo, revision, file).map_err(|reason| Error::Hub {
+                    repo: repo.clone(),
+                    revision: revision.clone(),
+                    reason,
+                })?;
+                Ok(Checkpoint::Gguf(std::sync::Arc::new(GgufFile::open(&path)?)))
+            }
+            _ => Ok(Checkpoint::Safetensors(self.resolve(hub)?)),
+        }
+    }
+
+    /// The files of a Hugging Face checkpoint on disk: `config.json` and the safetensors files.
     pub fn resolve(&self, hub: &HubConfig) -> Result<CheckpointFiles> {
         match self {
             ModelSource::Local(dir) => CheckpointFiles::from_dir(dir),
-            ModelSource::Hub { repo, revision } => {
+            ModelSource::Gguf(_) | ModelSource::Hub { gguf_file: Some(_), .. } => Err(Error::Config {
+                path: PathBuf::from(self.to_string()),
+                reason: "a gguf model has no config.json; open it with ModelSource::open".into(),
+            }),
+            ModelSource::Hub { repo, revision, .. } => {
                 let err = |reason: String| Error::Hub { repo: repo.clone(), revision: revision.clone(), reason };
                 let get = |f: &str| hub_file(hub, repo, revision, f).map_err(err);
                 let config = get("config.json")?;
@@ -83,6 +165,64 @@ impl ModelSource {
 }
 
 const INDEX_FILE: &str = "model.safetensors.index.json";
+
+impl std::fmt::Display for ModelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelSource::Local(p) | ModelSource::Gguf(p) => write!(f, "{}", p.display()),
+            ModelSource::Hub { repo, revision, gguf_file } => {
+                write!(f, "{repo}@{revision}")?;
+                match gguf_file {
+                    Some(file) => write!(f, " ({file})"),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// Whether `path` names a `.gguf` file.
+fn is_gguf(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// An opened checkpoint: the files of a Hugging Face checkpoint, or a GGUF file with its header
+/// read.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Checkpoint {
+    /// `config.json` and safetensors.
+    Safetensors(CheckpointFiles),
+    /// One GGUF file (metadata, tokenizer and tensors in it).
+    Gguf(std::sync::Arc<GgufFile>),
+}
+
+impl Checkpoint {
+    /// The model's hyper-parameters: `config.json`, or the GGUF metadata.
+    pub fn config(&self) -> Result<ModelConfig> {
+        match self {
+            Checkpoint::Safetensors(files) => Ok(ModelConfig::from_file(&files.config)?),
+            Checkpoint::Gguf(g) => g.config(),
+        }
+    }
+
+    /// The folder the checkpoint lies in (where a Hugging Face checkpoint keeps its tokenizer and
+    /// generation defaults).
+    pub fn dir(&self) -> PathBuf {
+        match self {
+            Checkpoint::Safetensors(files) => files.dir.clone(),
+            Checkpoint::Gguf(g) => g.path().parent().map(Path::to_path_buf).unwrap_or_default(),
+        }
+    }
+
+    /// The GGUF file, for a GGUF checkpoint.
+    pub fn gguf(&self) -> Option<&GgufFile> {
+        match self {
+            Checkpoint::Gguf(g) => Some(g),
+            Checkpoint::Safetensors(_) => None,
+        }
+    }
+}
 
 /// Writes a copy of the checkpoint in `src` to `dst` with every floating-point tensor in `dtype`
 /// (one `model.safetensors`) and `config.json` naming it (`torch_dtype` and `dtype`), the other
@@ -191,6 +331,8 @@ pub(crate) struct Weights {
 enum Source {
     Files(SafetensorsFiles),
     Memory(HashMap<String, Tensor>),
+    /// A GGUF file, and the config its q / k rows are un-permuted by.
+    Gguf(Arc<GgufFile>, Box<ModelConfig>),
 }
 
 impl std::fmt::Debug for Weights {
@@ -214,11 +356,44 @@ impl Weights {
         Weights { source: Source::Memory(tensors), dir: PathBuf::from("<memory>"), dtype, device: device.clone() }
     }
 
+    /// The tensors of an open GGUF file; `cfg` is the file's own config (its heads un-permute the
+    /// q / k rows of a llama-layout file).
+    pub(crate) fn gguf(file: Arc<GgufFile>, cfg: &ModelConfig, dtype: DType, device: &Device) -> Weights {
+        let dir = file.path().to_path_buf();
+        Weights { source: Source::Gguf(file, Box::new(cfg.clone())), dir, dtype, device: device.clone() }
+    }
+
     pub(crate) fn contains(&self, name: &str) -> bool {
         match &self.source {
             Source::Files(st) => st.shape(name).is_some(),
             Source::Memory(m) => m.contains_key(name),
+            Source::Gguf(g, _) => g.contains(name),
         }
+    }
+
+    /// A projection's weight `name`, checked against `shape`: kept quantized when the file
+    /// stores it quantized and `quantized` is asked (for the CPU kernels, or as a `QTensor` on a
+    /// device), otherwise a tensor in `dtype` (dequantized as ggml does, if need be).
+    pub(crate) fn linear(&self, name: &str, shape: &[usize], dtype: DType, quantized: bool) -> Result<LinearWeight> {
+        let Source::Gguf(g, cfg) = &self.source else {
+            return Ok(LinearWeight::Dense(self.get_in(name, shape, dtype)?));
+        };
+        let raw = g.read_raw(name, shape, cfg)?;
+        if !quantized || raw.quant_type().is_none() {
+            let t = raw.dense()?;
+            return Ok(LinearWeight::Dense(if self.device.is_cpu() {
+                t.to_dtype(dtype)?
+            } else {
+                t.to_device(&self.device)?.to_dtype(dtype)?
+            }));
+        }
+        if self.device.is_cpu() {
+            return Ok(LinearWeight::Quant(raw.quant()?.ok_or_else(|| Error::Gguf {
+                path: self.dir.clone(),
+                reason: format!("tensor {name} is not quantized"),
+            })?));
+        }
+        Ok(LinearWeight::Device(Arc::new(raw.qtensor(&self.device)?)))
     }
 
     /// The tensor `name`, checked against `shape`, in the model dtype on the model device: a
@@ -248,6 +423,7 @@ impl Weights {
         let got = match &self.source {
             Source::Files(st) => st.shape(name).ok_or_else(missing)?.to_vec(),
             Source::Memory(m) => m.get(name).ok_or_else(missing)?.dims().to_vec(),
+            Source::Gguf(g, _) => g.shape(name).ok_or_else(missing)?,
         };
         if got != shape {
             return Err(Error::ShapeMismatch { tensor: name.to_string(), got, expected: shape.to_vec() });
@@ -255,6 +431,7 @@ impl Weights {
         let t = match &self.source {
             Source::Files(st) => st.load(name)?.ok_or_else(missing)?,
             Source::Memory(m) => m.get(name).ok_or_else(missing)?.to_device(&Device::Cpu)?,
+            Source::Gguf(g, cfg) => g.read_raw(name, shape, cfg)?.dense()?,
         };
         Ok(t)
     }

@@ -106,7 +106,10 @@ fn loads_by_hub_id_offline_from_the_cache() -> Result<()> {
     }
     let opts = ModelOptions::default().hub(HubConfig::new(&hub, true));
     let source = ModelSource::parse("tiny-org/peft-tiny-base")?;
-    assert_eq!(source, ModelSource::Hub { repo: "tiny-org/peft-tiny-base".into(), revision: "main".into() });
+    assert_eq!(
+        source,
+        ModelSource::Hub { repo: "tiny-org/peft-tiny-base".into(), revision: "main".into(), gguf_file: None }
+    );
     let model = Model::load(&source, &opts)?;
     let local = Model::load(&ModelSource::parse(fixture().join("base").to_str().unwrap_or_default())?, &opts)?;
     let ids = vec![1u32, 294, 488, 497, 479];

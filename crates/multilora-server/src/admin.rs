@@ -1,5 +1,7 @@
 //! The model list, vLLM's runtime adapter endpoints, and `/health`. Loading reads and validates
-//! files, so it runs on a blocking thread and answers once the adapter is ready to serve.
+//! files, so it runs on a blocking thread and answers once the adapter is registered: in host
+//! memory, or, with every entry pinned by requests, queued for the first that frees (the reply
+//! says which).
 
 use axum::Json;
 use axum::body::Bytes;
@@ -89,7 +91,10 @@ pub(crate) async fn models(State(state): State<AppState>) -> Result<Json<Value>>
     Ok(Json(json!({"object": "list", "data": data})))
 }
 
-/// `POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}`.
+/// `POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}`. A load or reload that
+/// finds every host-memory entry pinned by requests is not refused: the adapter is validated and
+/// registered, and the reply says that it goes into host memory once an entry frees (its
+/// requests wait until then), as vLLM lets its CPU cache run over rather than fail a load.
 pub(crate) async fn load_lora(State(state): State<AppState>, body: Bytes) -> Result<Response> {
     let req: LoadLoraRequest = parse_body(&body)?;
     if req.lora_name.is_empty() || req.lora_path.is_empty() {
@@ -97,7 +102,7 @@ pub(crate) async fn load_lora(State(state): State<AppState>, body: Bytes) -> Res
     }
     let engine = state.engine.clone();
     let name = req.lora_name.clone();
-    blocking(move || {
+    let cached = blocking(move || {
         if !req.load_inplace && engine.models().iter().any(|m| m.parent.is_some() && m.id == req.lora_name) {
             return Err(EngineError::InvalidRequest {
                 reason: format!(
@@ -109,12 +114,21 @@ pub(crate) async fn load_lora(State(state): State<AppState>, body: Bytes) -> Res
         load(&engine, &req)
     })
     .await?;
-    tracing::info!(adapter = %name, "lora adapter loaded");
-    Ok((StatusCode::OK, format!("Success: LoRA adapter '{name}' added successfully.")).into_response())
+    tracing::info!(adapter = %name, cached, "lora adapter loaded");
+    let text = if cached {
+        format!("Success: LoRA adapter '{name}' added successfully.")
+    } else {
+        format!(
+            "Success: LoRA adapter '{name}' added successfully; every host-memory entry is in use by \
+             running requests, so it is cached once one frees, and its requests wait until then."
+        )
+    };
+    Ok((StatusCode::OK, text).into_response())
 }
 
-/// `load_inplace` replaces a served adapter's weights, or loads it if it is new (vLLM's meaning).
-fn load(engine: &EngineHandle, req: &LoadLoraRequest) -> std::result::Result<(), EngineError> {
+/// `load_inplace` replaces a served adapter's weights, or loads it if it is new (vLLM's
+/// meaning). Whether the adapter is in host memory now.
+fn load(engine: &EngineHandle, req: &LoadLoraRequest) -> std::result::Result<bool, EngineError> {
     if req.load_inplace {
         match engine.reload_adapter(&req.lora_name, &req.lora_path) {
             Err(EngineError::ModelNotFound { .. }) => {}

@@ -1,5 +1,6 @@
-//! `POST /v1/chat/completions`: messages rendered through the chat template (the server's
-//! `--chat-template`, else the model's; a clear 400 when there is none), tokenized without adding
+//! `POST /v1/chat/completions`: messages rendered through the chat template (the request's own
+//! when the server trusts request templates, else the server's `--chat-template`, else the
+//! model's; a clear 400 when there is none), tokenized without adding
 //! special tokens (the template writes them, as in vLLM), then generated like a completion.
 
 use axum::body::Bytes;
@@ -13,13 +14,23 @@ use crate::error::{Error, Result};
 use crate::generation::{self, Meta, Output, Render, TokenOut};
 use crate::protocol::{ChatRequest, fan_out};
 use crate::state::{AppState, unix_now};
+use crate::template::ChatTemplate;
 
 pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Result<Response> {
     let req = ChatRequest::parse(&body)?;
-    let template = state
-        .config
-        .chat_template
+    let own = match &req.chat_template {
+        Some(_) if !state.config.trust_request_chat_template => {
+            return Err(Error::bad(
+                "chat_template",
+                "this server does not run a request's own chat template (start it with --trust-request-chat-template)",
+            ));
+        }
+        Some(source) => Some(ChatTemplate::from_request(source, state.engine.config().chat_template.as_ref())?),
+        None => None,
+    };
+    let template = own
         .as_ref()
+        .or(state.config.chat_template.as_ref())
         .or(state.chat_template.as_ref())
         .ok_or_else(|| Error::NoChatTemplate { model: state.engine.config().served_model_name.clone() })?;
     if req.messages.is_empty() {

@@ -39,6 +39,9 @@ pub struct ServerConfig {
     pub max_waiting_requests: usize,
     /// `owned_by` of `/v1/models` entries.
     pub owned_by: String,
+    /// Honour a chat request's own `chat_template` (vLLM's `--trust-request-chat-template`; off
+    /// by default: a template is code the server runs). Off, such a request is a 400.
+    pub trust_request_chat_template: bool,
 }
 
 impl Default for ServerConfig {
@@ -52,6 +55,7 @@ impl Default for ServerConfig {
             chat_template: None,
             max_waiting_requests: DEFAULT_MAX_WAITING_REQUESTS,
             owned_by: "multilora".to_string(),
+            trust_request_chat_template: false,
         }
     }
 }
@@ -66,6 +70,12 @@ impl ServerConfig {
     /// Overrides the model's chat template.
     pub fn chat_template(mut self, template: ChatTemplate) -> ServerConfig {
         self.chat_template = Some(template);
+        self
+    }
+
+    /// Honours a chat request's own `chat_template` (bounded in size and in the work it may do).
+    pub fn trust_request_chat_template(mut self, on: bool) -> ServerConfig {
+        self.trust_request_chat_template = on;
         self
     }
 

@@ -49,8 +49,9 @@ pub enum Error {
     },
     /// The model has no chat template and none was given with `--chat-template`.
     #[error(
-        "model {model:?} has no chat template (tokenizer_config.json has no chat_template); \
-         start the server with --chat-template FILE, or use /v1/completions"
+        "model {model:?} has no chat template (no chat_template.jinja, no chat_template in \
+         tokenizer_config.json or in the GGUF metadata); start the server with --chat-template FILE, \
+         or use /v1/completions"
     )]
     NoChatTemplate {
         /// The served model.
@@ -75,10 +76,10 @@ pub enum Error {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The model's own chat template does not compile.
-    #[error("{} chat_template: {source}", model_dir.display())]
+    #[error("the chat template of {origin}: {source}")]
     ModelTemplate {
-        /// The model directory whose `tokenizer_config.json` holds it.
-        model_dir: PathBuf,
+        /// Where the template came from (a file, or a GGUF file's metadata).
+        origin: String,
         /// Why.
         #[source]
         source: Box<Error>,

@@ -1,5 +1,7 @@
-//! Running one HTTP request's engine requests (one per prompt and choice): admission, submission
-//! (where the engine refuses an unknown model or a bad prompt at once), then either collecting
+//! Running one HTTP request's engine requests (one per prompt and choice): admission, one
+//! validation of the parameters before any choice is built, submission (where the engine
+//! refuses an unknown model or a bad prompt at once, and resolves the model once: a choice keeps
+//! the adapter generation it was accepted with to its end), then either collecting
 //! every choice or streaming them merged as server-sent events ending in `[DONE]`. A stream's
 //! headers go out at once, except while its adapter is still loading: then its first event is
 //! awaited, so that a failed load is a 400, not a broken stream (vLLM loads a resolved adapter
@@ -14,10 +16,11 @@ use axum::Json;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
-use multilora::{EngineError, Event, FinishReason, GenerateRequest, RequestStream, Usage};
+use multilora::{EngineError, Event, FinishReason, Prompt, RequestStream, Usage};
 use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
+use crate::protocol::FanOut;
 use crate::state::{Admission, AppState};
 
 /// A generated token with what `logprobs` asked for.
@@ -54,19 +57,23 @@ pub(crate) struct Started {
     n: usize,
 }
 
-/// Submits `requests`, admitted (counted) before they were built: a request the engine refuses
-/// (unknown model, prompt too long, bad parameters) fails the whole HTTP request, and the others
-/// are cancelled by being dropped. For a request whose adapter was still loading, its first
-/// event is awaited, so that a failed load fails the HTTP request the same way.
-pub(crate) async fn start(
-    state: &AppState,
-    admission: Admission,
-    requests: Vec<GenerateRequest>,
-    n: usize,
-) -> Result<Started> {
+/// Submits `requests`, admitted (counted) before they were built: their parameters are
+/// validated once, before any of the prompts × `n` copies is made, and a text prompt is
+/// tokenized once for its `n` choices; a request the engine refuses (unknown model, prompt too
+/// long, bad parameters) fails the whole HTTP request, and the others are cancelled by being
+/// dropped. For a request whose adapter was still loading, its first event is awaited, so that a
+/// failed load fails the HTTP request the same way.
+pub(crate) async fn start(state: &AppState, admission: Admission, requests: FanOut<'_>, n: usize) -> Result<Started> {
+    requests.params.validate(state.engine.config().vocab_size)?;
     let mut streams = Vec::with_capacity(requests.len());
-    for r in requests {
-        streams.push(state.engine.submit(r)?);
+    for prompt in &requests.prompts {
+        let prompt = match prompt {
+            Prompt::Text(text) => Prompt::Tokens(state.engine.tokenize(text, true)?),
+            other => other.clone(),
+        };
+        for i in 0..requests.n {
+            streams.push(state.engine.submit(requests.request(prompt.clone(), i))?);
+        }
     }
     let mut choices = Vec::with_capacity(streams.len());
     for mut stream in streams {

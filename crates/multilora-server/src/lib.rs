@@ -72,7 +72,7 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use serve::{DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ServeOptions, serve, serve_with};
-pub use template::ChatTemplate;
+pub use template::{ChatTemplate, MAX_REQUEST_TEMPLATE_BYTES};
 
 use crate::state::AppState;
 
@@ -81,7 +81,7 @@ use crate::state::AppState;
 pub fn router(engine: EngineHandle, config: ServerConfig) -> Result<Router> {
     let model_template = match config.chat_template {
         Some(_) => None,
-        None => ChatTemplate::from_model_dir(&engine.config().model_dir)?,
+        None => engine.config().chat_template.as_ref().map(ChatTemplate::from_source).transpose()?,
     };
     let runtime_updates = engine.config().allow_runtime_lora_updating;
     let state = AppState::new(engine, config, model_template);

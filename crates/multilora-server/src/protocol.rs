@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use multilora::{GenerateRequest, MAX_LOGPROBS, Prompt, SamplingParams};
+use multilora::{GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Prompt, SamplingParams};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -148,6 +148,25 @@ impl Sampling {
         max_tokens: Option<usize>,
         logprobs: Option<usize>,
     ) -> Result<SamplingParams> {
+        // The lists a body can make long are bounded before they are copied into the engine's
+        // parameters (which the engine validates in full before the fan-out copies them).
+        let stops = match &self.stop {
+            Some(OneOrMany::Many(v)) => v.len(),
+            Some(OneOrMany::One(_)) => 1,
+            None => 0,
+        };
+        if stops > MAX_STOP_STRINGS {
+            return Err(Error::bad("stop", format!("stop: at most {MAX_STOP_STRINGS} stop strings, got {stops}")));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(Error::bad(
+                "stop_token_ids",
+                format!(
+                    "stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}",
+                    self.stop_token_ids.len()
+                ),
+            ));
+        }
         let mut p = base;
         p.max_tokens = max_tokens.or(self.max_tokens).or(p.max_tokens);
         if let Some(t) = self.temperature {
@@ -315,6 +334,8 @@ pub(crate) struct ChatRequest {
     pub(crate) add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub(crate) chat_template_kwargs: serde_json::Map<String, Value>,
+    /// vLLM's per-request template, honoured when the server trusts request templates.
+    pub(crate) chat_template: Option<String>,
 }
 
 impl ChatRequest {
@@ -349,18 +370,35 @@ pub(crate) struct UnloadLoraRequest {
     pub(crate) lora_name: String,
 }
 
-/// `n` engine requests per prompt; choice `i` of a seeded request gets seed + i, so the choices
-/// differ and the whole response is reproducible.
-pub(crate) fn fan_out(model: &str, prompts: Vec<Prompt>, params: &SamplingParams, n: usize) -> Vec<GenerateRequest> {
-    let mut out = Vec::with_capacity(prompts.len() * n);
-    for prompt in prompts {
-        for i in 0..n {
-            let mut p = params.clone();
-            p.seed = params.seed.map(|s| s.wrapping_add(i as u64));
-            out.push(GenerateRequest::new(model, prompt.clone()).params(p));
-        }
+/// The engine requests of one HTTP request, `n` per prompt, built only as they are submitted
+/// (`generation::start`), after the parameters were validated once: a request refused for its
+/// parameters costs no copy of them, and each copy made is of checked, bounded parameters.
+#[derive(Debug)]
+pub(crate) struct FanOut<'a> {
+    pub(crate) model: &'a str,
+    pub(crate) prompts: Vec<Prompt>,
+    pub(crate) params: &'a SamplingParams,
+    pub(crate) n: usize,
+}
+
+/// `n` engine requests per prompt of `model`, with `params`; nothing is copied yet.
+pub(crate) fn fan_out<'a>(model: &'a str, prompts: Vec<Prompt>, params: &'a SamplingParams, n: usize) -> FanOut<'a> {
+    FanOut { model, prompts, params, n }
+}
+
+impl FanOut<'_> {
+    /// Engine requests in all (prompts × `n`).
+    pub(crate) fn len(&self) -> usize {
+        self.prompts.len().saturating_mul(self.n)
     }
-    out
+
+    /// Choice `i` of `prompt`: choice `i` of a seeded request gets seed + i, so the choices
+    /// differ and the whole response is reproducible.
+    pub(crate) fn request(&self, prompt: Prompt, i: usize) -> GenerateRequest {
+        let mut p = self.params.clone();
+        p.seed = self.params.seed.map(|s| s.wrapping_add(i as u64));
+        GenerateRequest::new(self.model, prompt).params(p)
+    }
 }
 
 #[cfg(test)]
@@ -399,8 +437,9 @@ mod tests {
         let p = req.sampling.params(SamplingParams::default(), None, Some(2)).unwrap();
         assert_eq!((p.max_tokens, p.temperature, p.stop.clone()), (Some(5), 0.0, vec!["x".to_string()]));
         assert_eq!(p.logit_bias.get(&7), Some(&3.5));
-        let reqs = fan_out("m", req.prompts().unwrap(), &p, req.sampling.n().unwrap());
-        let seeds: Vec<_> = reqs.iter().map(|r| r.params.seed).collect();
+        let fan = fan_out("m", req.prompts().unwrap(), &p, req.sampling.n().unwrap());
+        assert_eq!(fan.len(), 2);
+        let seeds: Vec<_> = (0..fan.n).map(|i| fan.request(fan.prompts[0].clone(), i).params.seed).collect();
         assert_eq!(seeds, vec![Some(9), Some(10)]);
         let bad = CompletionRequest::parse(br#"{"model": "m", "prompt": "a", "logit_bias": {"x": 1}}"#).unwrap();
         assert!(bad.sampling.params(SamplingParams::default(), None, None).is_err());

@@ -1,11 +1,13 @@
-//! Chat templates: the Jinja template of `tokenizer_config.json` (or a file given with
-//! `--chat-template`) rendered with `minijinja` the way transformers renders it (`trim_blocks`,
+//! Chat templates: the model's (as the engine found it: `chat_template.jinja`,
+//! `tokenizer_config.json` or a GGUF file's metadata), a file given with `--chat-template`, or a
+//! request's own (when trusted), rendered with `minijinja` the way transformers renders it (`trim_blocks`,
 //! `lstrip_blocks`, Python string methods, `raise_exception`, `bos_token` / `eos_token`).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use minijinja::{Environment, ErrorKind, context};
+use multilora::ChatTemplateSource;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -34,35 +36,39 @@ impl ChatTemplate {
         Ok(ChatTemplate { env: Arc::new(env), bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 
-    /// A template file (`--chat-template`), with the special tokens of the model in `model_dir`.
-    pub fn from_file(path: &Path, model_dir: &Path) -> Result<ChatTemplate> {
-        let source = std::fs::read_to_string(path).map_err(|e| Error::File {
-            what: "reading chat template",
-            path: path.to_path_buf(),
-            source: Box::new(e),
-        })?;
-        let cfg = read_tokenizer_config(model_dir)?;
-        ChatTemplate::new(&source, &special(&cfg, "bos_token"), &special(&cfg, "eos_token"))
+    /// A template file (`--chat-template`), with the model's special tokens (those of the
+    /// engine's own template source, if it has one).
+    pub fn from_file(path: &Path, model: Option<&ChatTemplateSource>) -> Result<ChatTemplate> {
+        let source = read_capped(path)?;
+        let (bos, eos) = model.map_or(("", ""), |m| (m.bos_token.as_str(), m.eos_token.as_str()));
+        ChatTemplate::new(&source, bos, eos)
     }
 
-    /// The template of `model_dir/tokenizer_config.json`; `None` when it has none.
-    pub fn from_model_dir(model_dir: &Path) -> Result<Option<ChatTemplate>> {
-        let cfg = read_tokenizer_config(model_dir)?;
-        let source = match cfg.get("chat_template") {
-            Some(Value::String(s)) => s.clone(),
-            // A list of named templates: use the one named "default".
-            Some(Value::Array(list)) => {
-                let default = list.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default"));
-                match default.and_then(|t| t.get("template")).and_then(Value::as_str) {
-                    Some(s) => s.to_string(),
-                    None => return Ok(None),
-                }
-            }
-            _ => return Ok(None),
-        };
-        ChatTemplate::new(&source, &special(&cfg, "bos_token"), &special(&cfg, "eos_token"))
-            .map(Some)
-            .map_err(|e| Error::ModelTemplate { model_dir: model_dir.to_path_buf(), source: Box::new(e) })
+    /// The engine's template (see [`multilora::EngineConfig::chat_template`]).
+    pub fn from_source(model: &ChatTemplateSource) -> Result<ChatTemplate> {
+        ChatTemplate::new(&model.source, &model.bos_token, &model.eos_token)
+            .map_err(|e| Error::ModelTemplate { origin: model.origin.clone(), source: Box::new(e) })
+    }
+
+    /// A template a request brought (vLLM's `chat_template` field, honoured only when the server
+    /// trusts request templates), with the model's special tokens; it renders under a bound on
+    /// the work it may do, so a template cannot loop a handler forever.
+    pub fn from_request(source: &str, model: Option<&ChatTemplateSource>) -> Result<ChatTemplate> {
+        if source.len() > MAX_REQUEST_TEMPLATE_BYTES {
+            return Err(Error::bad(
+                "chat_template",
+                format!(
+                    "{} bytes, more than the {MAX_REQUEST_TEMPLATE_BYTES} a request's template may have",
+                    source.len()
+                ),
+            ));
+        }
+        let (bos, eos) = model.map_or(("", ""), |m| (m.bos_token.as_str(), m.eos_token.as_str()));
+        let mut t = ChatTemplate::new(source, bos, eos)?;
+        if let Some(env) = Arc::get_mut(&mut t.env) {
+            env.set_fuel(Some(REQUEST_TEMPLATE_FUEL));
+        }
+        Ok(t)
     }
 
     /// Renders `messages` (`{"role", "content"}` objects); `extra` is `chat_template_kwargs`.
@@ -85,24 +91,31 @@ impl ChatTemplate {
     }
 }
 
-fn read_tokenizer_config(model_dir: &Path) -> Result<Value> {
-    let path = model_dir.join("tokenizer_config.json");
-    if !path.is_file() {
-        return Ok(Value::Null);
-    }
-    let file =
-        |what, source: Box<dyn std::error::Error + Send + Sync>| Error::File { what, path: path.clone(), source };
-    let text = std::fs::read_to_string(&path).map_err(|e| file("reading", Box::new(e)))?;
-    serde_json::from_str(&text).map_err(|e| file("parsing", Box::new(e)))
-}
+/// The largest chat template a request may bring.
+pub const MAX_REQUEST_TEMPLATE_BYTES: usize = 64 << 10;
 
-/// A special token of `tokenizer_config.json`: a string or `{"content": ...}`.
-fn special(cfg: &Value, key: &str) -> String {
-    match cfg.get(key) {
-        Some(Value::String(s)) => s.clone(),
-        Some(v) => v.get("content").and_then(Value::as_str).unwrap_or_default().to_string(),
-        None => String::new(),
+/// The work (minijinja's fuel: roughly one unit per instruction) a request's template may do.
+const REQUEST_TEMPLATE_FUEL: u64 = 1_000_000;
+
+/// The largest `--chat-template` file read.
+const MAX_TEMPLATE_FILE_BYTES: u64 = 16 << 20;
+
+fn read_capped(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let file = |source: Box<dyn std::error::Error + Send + Sync>| Error::File {
+        what: "reading chat template",
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| file(Box::new(e)))?;
+    if !meta.is_file() || meta.len() > MAX_TEMPLATE_FILE_BYTES {
+        return Err(file(format!("not a regular file of at most {MAX_TEMPLATE_FILE_BYTES} bytes").into()));
     }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_TEMPLATE_FILE_BYTES).read_to_string(&mut text))
+        .map_err(|e| file(Box::new(e)))?;
+    Ok(text)
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! Every error status the server answers (404 model_not_found, 400 with the field named, 400
 //! prompt too long, 401, 429, the adapter endpoints' 404 when updating is off), runtime adapter
-//! load / reload / unload while other streams run, a client disconnect that frees its request,
-//! `/health` (503) and requests (503 `shutdown`) once the engine has stopped, and refusals that
-//! come before any stream byte while a valid stream's headers go out at once.
+//! load / reload / unload while other streams run (an accepted stream finishes on the adapter it
+//! was accepted with; a load into a pinned CPU tier succeeds and serves once room frees), a
+//! client disconnect that frees its request, `/health` (503) and requests (503 `shutdown`) once
+//! the engine has stopped, and refusals that come before any stream byte while a valid stream's
+//! headers go out at once.
 
 mod common;
 
@@ -303,5 +305,122 @@ async fn completions_default_to_sixteen_tokens() -> Result<()> {
         assert_eq!(v["usage"]["completion_tokens"], want, "{body}: {v}");
     }
     server.wait_idle().await?;
+    server.stop().await
+}
+
+/// The text of an SSE stream of one choice, checked to have ended well: every event parsed, no
+/// error event, finished for its length, `[DONE]` last.
+async fn stream_text(resp: reqwest::Response) -> Result<String> {
+    let events = sse_events(resp).await?;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    let mut text = String::new();
+    let mut finish = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e)?;
+        assert!(v.get("error").is_none(), "an accepted stream failed: {v}");
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+        finish = finish.or(v["choices"][0]["finish_reason"].as_str().map(String::from));
+    }
+    assert_eq!(finish.as_deref(), Some("length"), "{events:?}");
+    Ok(text)
+}
+
+/// Streams accepted (headers sent) for two runtime adapters, one then unloaded and one reloaded
+/// with other weights before their first token: both finish, with the text of the weights they
+/// were accepted with, as vLLM's in-flight requests keep the adapter they were accepted with.
+/// (Before, a stream accepted just before an unload failed mid-stream with `model_not_found`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_stream_finishes_on_its_generation_after_an_unload_or_a_reload() -> Result<()> {
+    let roots = tempfile::tempdir()?;
+    let root = roots.path();
+    copy_dir(&path("adapters/qv_r8"), &root.join("v1"))?;
+    copy_dir(&path("adapters/all_r16"), &root.join("v2"))?;
+    let engine = builder().max_num_seqs(1).allow_runtime_lora_updating(true).allowed_lora_root(root);
+    let server = Server::start(engine, ServerConfig::default()).await?;
+    let v1 = root.join("v1").display().to_string();
+    for name in ["x", "y"] {
+        let (status, body) = server.post("/v1/load_lora_adapter", &json!({"lora_name": name, "lora_path": v1})).await?;
+        assert_eq!(status, 200, "{body}");
+    }
+    let want = greedy(&server, "qv_r8").await?.1["choices"][0]["text"].as_str().unwrap_or_default().to_string();
+    // One sequence at a time, and the engine busy: both streams are accepted and wait.
+    let mut p = multilora::SamplingParams::greedy(400);
+    p.ignore_eos = true;
+    let blocker = server.engine().submit(multilora::GenerateRequest::new(BASE, vec![1, 2, 3]).params(p))?;
+    let url = format!("{}/v1/completions", server.url);
+    let mut streams = Vec::new();
+    for name in ["x", "y"] {
+        let body = json!({"model": name, "prompt": "The capital of France", "max_tokens": 8, "temperature": 0,
+                          "ignore_eos": true, "stream": true});
+        let resp = server.client.post(&url).json(&body).send().await?;
+        assert_eq!(resp.status(), 200);
+        streams.push(resp);
+    }
+    let s = server.scrape_until(|s| value(s, "vllm:num_requests_waiting", &[]) == 2.0).await?;
+    assert_eq!(value(&s, "vllm:num_requests_waiting", &[]), 2.0, "both wait behind the blocker");
+    let (status, body) = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "x"})).await?;
+    assert_eq!(status, 200, "{body}");
+    let reload = json!({"lora_name": "y", "lora_path": root.join("v2").display().to_string(), "load_inplace": true});
+    let (status, body) = server.post("/v1/load_lora_adapter", &reload).await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(greedy(&server, "x").await?.0, 404, "new requests see the unload");
+    drop(blocker);
+    for resp in streams {
+        assert_eq!(stream_text(resp).await?, want, "finished on the weights it was accepted with");
+    }
+    let (_, now) = greedy(&server, "y").await?;
+    assert_eq!(now["choices"][0]["text"], greedy(&server, "all_r16").await?.1["choices"][0]["text"]);
+    let s = server.wait_idle().await?;
+    assert_eq!(value(&s, "multilora_request_errors", &[]), 0.0, "no request failed in the engine");
+    server.stop().await
+}
+
+/// With every host-memory entry pinned by running requests (`--max-loras 2 --max-cpu-loras 2`),
+/// `/v1/load_lora_adapter` and an in-place reload answer 200, saying the adapter is cached once
+/// an entry frees; a request for it waits, and is served on the reloaded weights once room
+/// frees. (Before, both answered 400 "all 2 entries of the cpu tier are pinned".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loads_into_a_pinned_cpu_tier_succeed_and_serve_once_room_frees() -> Result<()> {
+    let roots = tempfile::tempdir()?;
+    let root = roots.path();
+    copy_dir(&path("adapters/rslora_r4"), &root.join("v1"))?;
+    copy_dir(&path("adapters/all_r16"), &root.join("v2"))?;
+    let engine = builder().max_loras(2).max_cpu_loras(2).allow_runtime_lora_updating(true).allowed_lora_root(root);
+    let server = Server::start(engine, ServerConfig::default()).await?;
+    let url = format!("{}/v1/completions", server.url);
+    let mut running = Vec::new();
+    for model in ["qv_r8", "pattern_r8"] {
+        let body = json!({"model": model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true,
+                          "stream": true});
+        let mut resp = server.client.post(&url).json(&body).send().await?;
+        assert_eq!(resp.status(), 200);
+        assert!(resp.chunk().await?.is_some(), "{model} runs");
+        running.push(resp);
+    }
+    let pinned = |s: &common::Scrape| value(s, "multilora_pinned_slots", &[]) == 2.0;
+    assert!(pinned(&server.scrape_until(pinned).await?), "both entries pinned by running requests");
+    let load = |inplace: bool, dir: &str| json!({"lora_name": "fresh", "lora_path": root.join(dir).display().to_string(), "load_inplace": inplace});
+    for body in [load(false, "v1"), load(true, "v2")] {
+        let (status, reply) = server.post("/v1/load_lora_adapter", &body).await?;
+        assert_eq!(status, 200, "{body}: {reply}");
+        assert!(reply.as_str().is_some_and(|r| r.contains("cached once one frees")), "{reply}");
+    }
+    let listed = server.get("/v1/models").await?.1;
+    assert!(listed.contains("\"fresh\""), "{listed}");
+    let waiting = tokio::spawn({
+        let (client, url) = (server.client.clone(), url.clone());
+        let body = json!({"model": "fresh", "prompt": "The capital of France", "max_tokens": 8, "temperature": 0,
+                          "ignore_eos": true});
+        async move { client.post(url).json(&body).send().await?.json::<Value>().await }
+    });
+    let s = server.scrape_until(|s| value(s, "vllm:num_requests_waiting", &[]) == 1.0).await?;
+    assert_eq!(value(&s, "multilora_adapter_loads_waiting", &[]), 1.0, "the reloaded version waits for room");
+    drop(running);
+    let answer = waiting.await??;
+    let want = greedy(&server, "all_r16").await?.1["choices"][0]["text"].clone();
+    assert_eq!(answer["choices"][0]["text"], want, "served on the reloaded weights: {answer}");
+    let s = server.wait_idle().await?;
+    assert_eq!(value(&s, "multilora_adapter_loads_waiting", &[]), 0.0);
+    assert_eq!(value(&s, "multilora_request_errors", &[]), 0.0, "no request failed in the engine");
     server.stop().await
 }

@@ -1,8 +1,9 @@
 //! The server's bounds, each hit on purpose: prompts × `n` beyond the per-request cap (400) or
 //! the in-flight budget (429), counted before any request is built; stop lists beyond their
-//! count and length (400 naming the limit) and at the limit (served); fields that would change
-//! the output refused by name; a client that sends its headers too slowly dropped; `/metrics`
-//! behind the API key when asked.
+//! count and length (400 naming the limit) and at the limit (served), refused before the `n`
+//! choices are built; fields that would change the output refused by name; a runtime adapter
+//! path outside the allowed roots answered alike whatever is there; a client that sends its
+//! headers too slowly dropped; `/metrics` behind the API key when asked.
 
 mod common;
 
@@ -85,6 +86,56 @@ async fn stop_lists_are_bounded_and_served_at_the_limit() -> Result<()> {
         assert_eq!(c["choices"][0]["finish_reason"], "stop");
     }
     server.wait_idle().await?;
+    server.stop().await
+}
+
+/// 80,000 stop strings (or 200,000 stop token ids) with `n` 128: refused by name before the
+/// list is copied into the engine's parameters, let alone into 128 choices (the refusal names the
+/// field, which only the check ahead of the fan-out does); a parameter only the engine checks is
+/// refused once, before the fan-out, too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_are_refused_before_the_fan_out() -> Result<()> {
+    let server = Server::start(builder(), ServerConfig::default()).await?;
+    let stops: Vec<String> = (0..80_000).map(|i| format!("{i}")).collect();
+    let body = json!({"model": BASE, "prompt": "hi", "max_tokens": 2, "n": 128, "stop": stops});
+    let (status, err) = server.post("/v1/completions", &body).await?;
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("stop")), "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("got 80000"), "{err}");
+    let ids: Vec<u32> = (0..200_000).map(|i| i % 100).collect();
+    let body = json!({"model": BASE, "prompt": "hi", "max_tokens": 2, "n": 128, "stop_token_ids": ids});
+    let (status, err) = server.post("/v1/completions", &body).await?;
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("stop_token_ids")), "{err}");
+    let body = json!({"model": BASE, "prompt": "hi", "max_tokens": 2, "n": 128, "top_p": 0});
+    let (status, err) = server.post("/v1/completions", &body).await?;
+    assert_eq!((status, code(&err)), (400, "invalid_request"), "{err}");
+    let s = server.scrape().await?;
+    assert_eq!(common::value(&s, "vllm:prompt_tokens", &[]), 0.0, "no choice reached the engine");
+    server.stop().await
+}
+
+/// A runtime adapter path outside the allowed roots gets one answer whether it is a missing
+/// directory, an existing directory or an existing file, and the answer does not list the
+/// roots: nothing about the file system outside them can be learnt from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_outside_the_roots_gets_one_answer() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let root = tmp.path().join("loras");
+    std::fs::create_dir_all(&root)?;
+    std::fs::create_dir_all(tmp.path().join("dir"))?;
+    std::fs::write(tmp.path().join("file"), "x")?;
+    let engine = builder().allow_runtime_lora_updating(true).allowed_lora_root(&root);
+    let server = Server::start(engine, ServerConfig::default()).await?;
+    let mut answers = Vec::new();
+    for path in [tmp.path().join("missing"), tmp.path().join("dir"), tmp.path().join("file")] {
+        let path = path.display().to_string();
+        let (status, err) = server.post("/v1/load_lora_adapter", &json!({"lora_name": "x", "lora_path": path})).await?;
+        let message = err["error"]["message"].as_str().unwrap_or_default().replace(&path, "P");
+        answers.push((status, code(&err).to_string(), message));
+    }
+    assert_eq!(answers[0].0, 400, "{answers:?}");
+    assert!(answers.iter().all(|a| a == &answers[0]), "one answer: {answers:?}");
+    assert!(answers[0].2.contains("outside the allowed roots"), "{answers:?}");
+    assert!(!answers[0].2.contains(&root.display().to_string()), "the roots are not listed: {answers:?}");
     server.stop().await
 }
 

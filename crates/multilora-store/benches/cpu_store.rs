@@ -1,5 +1,5 @@
-//! The store's bookkeeping per engine step: request 8 adapters, pin them, activate them against a
-//! `SlotSink` that only counts, release them. 10,000 registered adapters (registration reads no
+//! The store's bookkeeping per engine step: resolve 8 adapters, admit and pin them, activate them
+//! against a `SlotSink` that only counts, release them. 10,000 registered adapters (registration reads no
 //! file), 64 loaded in the CPU tier, 8 slots.
 //!
 //! `resident`: the same 8 adapters every step (slot hits). `rotating`: each step takes the next 8
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use multilora_adapter::{LoraAdapter, ModelShapes, ModuleKind, SlotSink, SyntheticAdapter};
-use multilora_store::{AdapterGen, AdapterStatus, LoadEvent, SlotId, Store, StoreConfig};
+use multilora_store::{LoadEvent, Resolution, SlotId, Store, StoreConfig};
 use multilora_types::LoraLimits;
 
 const REGISTERED: usize = 10_000;
@@ -49,7 +49,10 @@ fn setup() -> anyhow::Result<(tempfile::TempDir, Store, Vec<String>)> {
     for (i, name) in names.iter().enumerate() {
         store.register(name, multilora_adapter::AdapterSource::Local(dirs[i % dirs.len()].clone()))?;
     }
-    store.prefetch(&names[..CACHED]);
+    // Resolving a name starts its load; the loads finish (and are cached) without their tickets.
+    for name in &names[..CACHED] {
+        drop(store.resolve(name)?);
+    }
     let mut ready = 0;
     while ready < CACHED {
         for event in store.wait_completed(Duration::from_secs(30)) {
@@ -65,15 +68,16 @@ fn setup() -> anyhow::Result<(tempfile::TempDir, Store, Vec<String>)> {
 }
 
 fn step(store: &Store, names: &[String], sink: &mut CountingSink) {
-    let mut gens = [None::<AdapterGen>; SLOTS];
-    for (g, name) in gens.iter_mut().zip(names) {
-        if let Ok(AdapterStatus::Ready(generation)) = store.request(name) {
-            *g = Some(generation);
+    let mut held = Vec::with_capacity(SLOTS);
+    for name in names {
+        if let Ok(Resolution::Ready(adapter)) = store.resolve(name) {
+            held.push(adapter);
         }
     }
-    let leases: Vec<_> = gens.iter().flatten().filter_map(|g| store.lease(*g).ok()).collect();
-    for g in gens.iter().flatten() {
-        black_box(store.activate(*g, sink).ok());
+    // Admitted (host pin), then running (slot pin), as the engine takes a request through.
+    let leases: Vec<_> = held.iter().map(|adapter| store.admit(adapter).run()).collect();
+    for adapter in &held {
+        black_box(store.activate(adapter.generation(), sink).ok());
     }
     drop(leases);
 }

@@ -1,6 +1,6 @@
-//! Failed loads remembered with a back-off: within it, `request` answers with the same error and
+//! Failed loads remembered with a back-off: within it, `resolve` answers with the same error and
 //! starts nothing (a flood of requests for a broken adapter does not hammer the disk or the hub);
-//! after it, `request` starts a fresh load. The back-off doubles per consecutive failure of the
+//! after it, `resolve` starts a fresh load. The back-off doubles per consecutive failure of the
 //! same adapter, from `StoreConfig::load_retry_backoff` up to [`MAX_LOAD_RETRY_BACKOFF`].
 
 use std::sync::Arc;
@@ -22,7 +22,7 @@ pub(crate) fn backoff(base: Duration, consecutive: u32) -> Duration {
 #[derive(Clone, Debug)]
 pub(crate) struct Failure {
     pub(crate) error: Arc<Error>,
-    /// When a `request` may start the next load.
+    /// When a `resolve` may start the next load.
     pub(crate) retry_at: Instant,
     /// Failures in a row of this adapter (or unknown name), this one included.
     pub(crate) consecutive: u32,

@@ -34,7 +34,7 @@ pub struct StoreConfig {
     pub allow_hub_at_runtime: bool,
     /// Loader threads (at least 1).
     pub loader_threads: usize,
-    /// How long `request` answers a failed load with its error before loading again; doubled per
+    /// How long `resolve` answers a failed load with its error before loading again; doubled per
     /// consecutive failure of the same adapter, up to 60 s, and reset by a success.
     pub load_retry_backoff: Duration,
 }

@@ -1,6 +1,7 @@
 //! The CPU tier: an LRU of loaded, validated adapters keyed by generation, capacity
-//! `max_cpu_loras`, plus the retired generations that leases (of running or preempted requests)
-//! still hold. A plain data structure: no locks, no I/O.
+//! `max_cpu_loras`, plus the generations held outside the capacity for the requests that lease
+//! them (retired ones, and ones admitted while every entry was pinned). A plain data structure:
+//! no locks, no I/O.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,8 +15,10 @@ use multilora_types::AdapterGen;
 ///
 /// `live` holds current generations and never exceeds `capacity`. A generation superseded by an
 /// in-place reload, or unloaded, while leases (slot or host) hold it moves to `retired`, outside
-/// the capacity, until its last pin is released: the one documented way the tier holds more than
-/// `max_cpu_loras` entries, which [`CpuTier::retired_len`] shows.
+/// the capacity, until its last pin is released; so does a generation a request brings back from
+/// the weights it holds ([`crate::Store::admit`]) when it is superseded or every live entry is
+/// pinned. That is the one documented way the tier holds more than `max_cpu_loras` entries, which
+/// [`CpuTier::retired_len`] shows; each such entry is pinned by a request and leaves with it.
 #[derive(Debug)]
 pub(crate) struct CpuTier {
     capacity: usize,
@@ -112,6 +115,22 @@ impl CpuTier {
             }
             None => false,
         }
+    }
+
+    /// Holds `generation` outside the capacity (a request's, brought back while it could not be
+    /// live), with the retired ones.
+    pub(crate) fn hold_outside(&mut self, generation: AdapterGen, adapter: Arc<LoraAdapter>) {
+        self.retired_bytes += adapter.nbytes();
+        if let Some(old) = self.retired.insert(generation, adapter) {
+            self.retired_bytes -= old.nbytes();
+        }
+    }
+
+    /// Takes `generation` out of the entries held outside the capacity, if it is one.
+    pub(crate) fn take_outside(&mut self, generation: &AdapterGen) -> Option<Arc<LoraAdapter>> {
+        let a = self.retired.remove(generation)?;
+        self.retired_bytes -= a.nbytes();
+        Some(a)
     }
 
     /// Drops a generation, live or retired.

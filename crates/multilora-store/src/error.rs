@@ -44,15 +44,15 @@ pub enum Error {
         /// The adapter.
         name: String,
     },
-    /// A runtime source directory lies outside every allowed root (after resolving `..` and links).
-    #[error("adapter {name:?}: source {} is outside the allowed roots {roots:?}", path.display())]
+    /// A runtime source lies outside every allowed root (after resolving `..` and links). One
+    /// message for every such path, whether it exists or not and whatever it is, and the roots
+    /// are not named: the answer tells a client nothing about the file system outside them.
+    #[error("adapter {name:?}: source {} is outside the allowed roots", path.display())]
     PathOutsideRoots {
         /// The adapter.
         name: String,
-        /// The path as resolved (canonical).
+        /// The path as the caller gave it.
         path: PathBuf,
-        /// The configured roots.
-        roots: Vec<PathBuf>,
     },
     /// A hub source at run time while hub loading at run time is off.
     #[error("adapter {name:?}: hub source {repo:?} refused: loading from the hub at run time is disabled")]
@@ -71,8 +71,8 @@ pub enum Error {
         /// The number of slots.
         max_loras: usize,
     },
-    /// Every entry of the CPU tier is pinned, so a new adapter has no room: what a runtime `load`
-    /// or `reload_in_place` answers (having changed nothing). A background load waits instead.
+    /// Every entry of the CPU tier is pinned, so a start-up adapter has no room (having changed
+    /// nothing). Loads at run time, background or the operator's, wait for room instead.
     #[error("cannot cache adapter {name:?}: all {max_cpu_loras} entries of the cpu tier are pinned")]
     CpuTierFull {
         /// The adapter that wanted room.

@@ -1,14 +1,17 @@
-//! `HostLease`: a preempted request's hold on its adapter generation, weaker than a
+//! `HostLease`: a waiting or preempted request's hold on its adapter generation, weaker than a
 //! [`crate::SlotLease`]. While any host lease on a generation lives, its CPU entry is never
 //! evicted, and a reload or unload retires the generation instead of dropping it, so the request
-//! can resume on the weights it started with; its device slot is not pinned, so waiting requests
-//! never hold slots that running ones need (`activate` writes the slot again from the CPU entry
-//! on resume). The counts live with the slot pins (`slots.rs`); releasing the last pin of either
-//! kind is handled alike (`lease.rs`). A host lease is returned by being dropped.
+//! runs (or resumes) on the weights it was accepted with; its device slot is not pinned, so
+//! waiting requests never hold slots that running ones need (`activate` writes the slot again
+//! from the CPU entry when it runs). The counts live with the slot pins (`slots.rs`); releasing
+//! the last pin of either kind is handled alike (`lease.rs`). A host lease becomes a slot lease
+//! when its request runs ([`HostLease::run`]) and back when it is preempted, in one step each
+//! so that the generation is never unheld; it is returned by being dropped.
 
 use std::sync::Arc;
 
 use crate::error::Result;
+use crate::lease::SlotLease;
 use crate::slots::PinKind;
 use crate::store::Shared;
 use multilora_types::AdapterGen;
@@ -27,9 +30,22 @@ impl HostLease {
         Ok(HostLease { shared: Arc::clone(shared), generation })
     }
 
+    /// The lease of a host pin on `generation` just added under the store's lock.
+    pub(crate) fn pinned(shared: &Arc<Shared>, generation: AdapterGen) -> HostLease {
+        HostLease { shared: Arc::clone(shared), generation }
+    }
+
     /// The generation this lease holds.
     pub fn generation(&self) -> AdapterGen {
         self.generation
+    }
+
+    /// The request starts running: a [`SlotLease`] on the same generation, taken before this
+    /// host lease is returned, so the generation is never unheld (and cannot fail: this lease
+    /// keeps it in host memory).
+    pub fn run(self) -> SlotLease {
+        self.shared.state.lock().slots.pin(self.generation, PinKind::Slot);
+        SlotLease::pinned(&self.shared, self.generation)
     }
 }
 

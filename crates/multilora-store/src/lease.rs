@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::host_lease::HostLease;
 use crate::slots::PinKind;
 use crate::status::LoadEvent;
 use crate::store::{Inner, Shared};
@@ -27,9 +28,21 @@ impl SlotLease {
         Ok(SlotLease { shared: Arc::clone(shared), generation })
     }
 
+    /// The lease of a slot pin on `generation` just added under the store's lock.
+    pub(crate) fn pinned(shared: &Arc<Shared>, generation: AdapterGen) -> SlotLease {
+        SlotLease { shared: Arc::clone(shared), generation }
+    }
+
     /// The generation this lease pins.
     pub fn generation(&self) -> AdapterGen {
         self.generation
+    }
+
+    /// The request is preempted: a [`HostLease`] on the same generation, taken before this
+    /// lease's slot pin is returned, so the generation is never unheld.
+    pub fn preempt(self) -> HostLease {
+        self.shared.state.lock().slots.pin(self.generation, PinKind::Host);
+        HostLease::pinned(&self.shared, self.generation)
     }
 }
 
@@ -58,8 +71,9 @@ impl Inner {
     }
 
     /// Drops a pin of `kind` on `generation`. When it was the last pin of either kind: a
-    /// generation that is no longer current leaves both tiers, and the waiting loads are retried
-    /// (their events returned, for the caller to publish once it lets go of the lock).
+    /// generation that is no longer current leaves both tiers, a current one held outside the
+    /// capacity moves into a free live entry or leaves the CPU tier, and the waiting loads are
+    /// retried (their events returned, for the caller to publish once it lets go of the lock).
     pub(crate) fn drop_pin(&mut self, generation: AdapterGen, kind: PinKind) -> Vec<LoadEvent> {
         if self.slots.release(&generation, kind) != Some(0) || self.slots.leased(&generation) {
             return Vec::new();
@@ -67,8 +81,22 @@ impl Inner {
         if self.registry.current(generation.id) != Some(generation) {
             self.cpu.remove(&generation);
             self.slots.remove(&generation);
+            // The last pin is gone: a load waiting for room may go in.
+            return self.admit_waiting();
         }
-        // The last pin is gone: a load waiting for room may go in.
-        self.admit_waiting()
+        // A current generation held outside the capacity (admitted while every entry was
+        // pinned) takes a live entry only if one is free once the loads that waited for room
+        // went in; otherwise it leaves the CPU tier like an evicted entry.
+        let outside = self.cpu.take_outside(&generation);
+        let events = self.admit_waiting();
+        if let Some(adapter) = outside {
+            let slots = &self.slots;
+            if self.cpu.live_len() < self.cpu.capacity() {
+                let _ = self.cpu.insert(generation, adapter, |g| slots.keeps_cpu(g));
+            } else {
+                self.counters.cpu_evictions += 1;
+            }
+        }
+        events
     }
 }

@@ -19,7 +19,7 @@ pub struct TierMetrics {
     pub capacity: usize,
     /// Bytes held: CPU `Σ nbytes`; device `Σ` each resident adapter's modules at `max_lora_rank`.
     pub bytes: u64,
-    /// Lookups that found the adapter (CPU: `request`; device: `activate` of a resident generation).
+    /// Lookups that found the adapter (CPU: `resolve`; device: `activate` of a resident generation).
     pub hits: u64,
     /// Lookups that did not (CPU: a load was started; device: a slot was written).
     pub misses: u64,
@@ -50,6 +50,9 @@ pub struct StoreMetrics {
     /// Finished loads waiting for a CPU entry to unpin (every entry was pinned); their adapters
     /// report `Loading` and become ready when an entry unpins.
     pub waiting_for_capacity: usize,
+    /// Loads running, waiting for room, or ended and still held by a request's
+    /// [`crate::LoadTicket`]: their records, which go with the last ticket (0 once idle).
+    pub pending_loads: usize,
     /// Loads that had to wait for a CPU entry to unpin, since start.
     pub capacity_waits: u64,
     /// Load events published and not yet taken by [`crate::Store::poll_completed`] or

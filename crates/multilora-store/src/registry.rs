@@ -82,8 +82,7 @@ impl Registry {
     /// Checks `name` and records it with `source`; reads no file.
     pub(crate) fn register(&mut self, name: &str, source: AdapterSource) -> Result<AdapterId> {
         self.check_new(name)?;
-        let id = AdapterId(self.next_id);
-        self.next_id += 1;
+        let id = self.fresh_id();
         let info = AdapterInfo {
             id,
             name: name.to_string(),
@@ -96,6 +95,14 @@ impl Registry {
         self.by_name.insert(name.to_string(), id);
         self.entries.insert(id, Entry { info, state: LoadState::Idle, failures: 0 });
         Ok(id)
+    }
+
+    /// An id no adapter is registered under: for a resolved load whose name a runtime `load`
+    /// took meanwhile, which serves only the requests accepted while it ran.
+    pub(crate) fn fresh_id(&mut self) -> AdapterId {
+        let id = AdapterId(self.next_id);
+        self.next_id += 1;
+        id
     }
 
     /// Whether `name` could be registered now: valid and not taken.

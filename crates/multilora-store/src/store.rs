@@ -1,6 +1,6 @@
-//! `Store`: the registry and the two tiers behind one lock, the loader pool, and the per-step
-//! calls the engine makes (request, pin, host-pin, activate, release). Lifecycle calls are in
-//! `lifecycle.rs`.
+//! `Store`: the registry and the two tiers behind one lock, the loader pool, and the calls the
+//! engine makes (resolve a name once per request, admit, pin, host-pin, activate; pins are
+//! released by dropping them). Lifecycle calls are in `lifecycle.rs`.
 
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroUsize;
@@ -15,7 +15,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::backoff::Failure;
 use crate::config::StoreConfig;
-use crate::cpu_tier::CpuTier;
+use crate::cpu_tier::{CpuTier, TierFull};
 use crate::error::{Error, Result};
 use crate::host_lease::HostLease;
 use crate::lease::SlotLease;
@@ -23,8 +23,9 @@ use crate::loader::{AdapterLoader, FsLoader, LoaderPool};
 use crate::metrics::{Counters, StoreMetrics, TierMetrics};
 use crate::registry::{AdapterInfo, LoadState, Registry, validate_name};
 use crate::resolver::Resolver;
-use crate::slots::{AllPinned, Placement, SlotTable};
-use crate::status::{AdapterStatus, LoadEvent};
+use crate::slots::{AllPinned, PinKind, Placement, SlotTable};
+use crate::status::{LoadEvent, Resolution};
+use crate::ticket::{AdapterRef, LoadTicket, Pending};
 use crate::waiting::Waiting;
 use multilora_types::{AdapterGen, AdapterId};
 
@@ -35,7 +36,7 @@ const RESOLVE_FAILURES_KEPT: usize = 1024;
 
 /// The tiered adapter store. `Send + Sync`: the engine loop, HTTP handlers and the loader threads
 /// share it. Every call takes one short lock; none holds it during file I/O, so a load never
-/// blocks `activate`, `request` or `lease` of other adapters.
+/// blocks `activate`, `resolve` or `lease` of other adapters.
 pub struct Store {
     pub(crate) shared: Arc<Shared>,
     pool: LoaderPool,
@@ -63,8 +64,10 @@ pub(crate) struct Inner {
     /// Unknown names being resolved, with their job's ticket.
     pub(crate) resolving: HashMap<String, u64>,
     pub(crate) resolve_failures: LruCache<String, Failure>,
-    /// Finished background loads waiting for a CPU entry to unpin, oldest first.
+    /// Finished loads waiting for a CPU entry to unpin, oldest first.
     pub(crate) waiting: VecDeque<Waiting>,
+    /// Each load's record for the tickets that hold it, by ticket number.
+    pub(crate) pending: HashMap<u64, Pending>,
     pub(crate) events: Vec<LoadEvent>,
     pub(crate) next_ticket: u64,
     pub(crate) loading: usize,
@@ -148,6 +151,7 @@ impl StoreBuilder {
             resolving: HashMap::new(),
             resolve_failures: LruCache::new(NonZeroUsize::new(RESOLVE_FAILURES_KEPT).unwrap_or(NonZeroUsize::MIN)),
             waiting: VecDeque::new(),
+            pending: HashMap::new(),
             events: Vec::new(),
             next_ticket: 0,
             loading: 0,
@@ -209,94 +213,118 @@ impl Store {
         self.shared.state.lock().registry.register(name, source)
     }
 
-    /// Where `name` stands, returning at once: `Ready` (in the CPU tier), `Loading` (a load is
-    /// queued, running, or waiting for a CPU entry to unpin; one per adapter however many ask),
-    /// or `Failed` (the last load failed, within its back-off; after it, this call loads again
-    /// and answers `Loading`). An unknown name is asked of the resolvers when runtime updates are
-    /// on, and is otherwise [`Error::UnknownAdapter`].
-    pub fn request(&self, name: &str) -> Result<AdapterStatus> {
-        self.request_inner(name, Count { hit: true, miss: true })
-    }
-
-    /// Like [`Store::request`] (it starts the load the same way), for a caller that checks a name
-    /// before the request is queued, where `request` is asked again: a load it starts counts as
-    /// the miss, a ready adapter is not counted as a hit (the later `request` counts that).
-    pub fn lookup(&self, name: &str) -> Result<AdapterStatus> {
-        self.request_inner(name, Count { hit: false, miss: true })
-    }
-
-    /// Starts loading the adapters of waiting requests, in order, so they are in the CPU tier by
-    /// their turn. Errors are left for `request` to report.
-    pub fn prefetch<I, S>(&self, names: I)
-    where
-        I: IntoIterator<Item = S>,
-        S: AsRef<str>,
-    {
-        for name in names {
-            let _ = self.request_inner(name.as_ref(), Count { hit: false, miss: false });
-        }
-    }
-
-    fn request_inner(&self, name: &str, count: Count) -> Result<AdapterStatus> {
-        let job = {
+    /// The one place a name is resolved: what a request for `name` holds from the moment it is
+    /// accepted, returning at once. [`Resolution::Ready`] when the current generation is in host
+    /// memory (a CPU hit), [`Resolution::Loading`] when a load of it is queued, running, or waiting
+    /// for a CPU entry to unpin (one per adapter however many ask; this call starts it when there
+    /// is none, a CPU miss), or [`Resolution::Failed`] within the back-off of its last failed
+    /// load (after it, this call loads again). A name with a load pending (a reload waiting for
+    /// room included) resolves to that load. An unknown name is asked of the resolvers when
+    /// runtime updates are on, and is otherwise [`Error::UnknownAdapter`].
+    pub fn resolve(&self, name: &str) -> Result<Resolution> {
+        let (job, ticket) = {
             let mut guard = self.shared.state.lock();
             let inner = &mut *guard;
             match inner.registry.id(name) {
                 Some(id) => {
-                    if let Some(generation) = inner.registry.current(id)
-                        && inner.cpu.get(&generation).is_some()
-                    {
-                        inner.counters.cpu_hits += u64::from(count.hit);
-                        return Ok(AdapterStatus::Ready(generation));
+                    let Some(entry) = inner.registry.get(id) else {
+                        return Err(Error::UnknownAdapter { name: name.to_string() });
+                    };
+                    // A pending load first: a reload waiting for room is what new requests get,
+                    // even while the generation it replaces is still held in host memory.
+                    if let LoadState::Loading(t) = entry.state {
+                        return Ok(Resolution::Loading(LoadTicket::hold(&self.shared, inner, t, name)));
                     }
-                    let ticket = inner.next_ticket;
+                    if let Some(generation) = inner.registry.current(id)
+                        && let Some(adapter) = inner.cpu.get(&generation)
+                    {
+                        inner.counters.cpu_hits += 1;
+                        return Ok(Resolution::Ready(AdapterRef::new(generation, adapter)));
+                    }
+                    if let Some(entry) = inner.registry.get(id)
+                        && let LoadState::Failed(f) = &entry.state
+                        && f.backing_off(Instant::now())
+                    {
+                        return Ok(Resolution::Failed(Arc::clone(&f.error)));
+                    }
+                    // Not in host memory, or its last load failed and the back-off is over: load.
+                    let ticket = inner.start_job();
                     let Some(entry) = inner.registry.get_mut(id) else {
                         return Err(Error::UnknownAdapter { name: name.to_string() });
                     };
-                    match &entry.state {
-                        LoadState::Failed(f) if f.backing_off(Instant::now()) => {
-                            return Ok(AdapterStatus::Failed(Arc::clone(&f.error)));
-                        }
-                        LoadState::Loading(_) => return Ok(AdapterStatus::Loading),
-                        // The back-off is over: load again.
-                        LoadState::Failed(_) | LoadState::Idle => {}
-                    }
                     entry.state = LoadState::Loading(ticket);
                     let source = entry.info.source.clone();
-                    inner.start_job(count.miss);
-                    Job { name: name.to_string(), ticket, kind: JobKind::Registered { id, source } }
+                    let held = LoadTicket::hold(&self.shared, inner, ticket, name);
+                    (Job { name: name.to_string(), ticket, kind: JobKind::Registered { id, source } }, held)
                 }
                 None => {
                     validate_name(name, &self.shared.config.base_model_name)?;
                     if !self.shared.config.allow_runtime_updates || self.shared.resolvers.is_empty() {
                         return Err(Error::UnknownAdapter { name: name.to_string() });
                     }
-                    if inner.resolving.contains_key(name) {
-                        return Ok(AdapterStatus::Loading);
+                    if let Some(&t) = inner.resolving.get(name) {
+                        return Ok(Resolution::Loading(LoadTicket::hold(&self.shared, inner, t, name)));
                     }
                     // A failure is kept after its back-off, while the name is asked again, so
                     // that the next failure's back-off doubles.
                     if let Some(f) = inner.resolve_failures.get(name)
                         && f.backing_off(Instant::now())
                     {
-                        return Ok(AdapterStatus::Failed(Arc::clone(&f.error)));
+                        return Ok(Resolution::Failed(Arc::clone(&f.error)));
                     }
-                    let ticket = inner.next_ticket;
+                    let ticket = inner.start_job();
                     inner.resolving.insert(name.to_string(), ticket);
-                    inner.start_job(count.miss);
-                    Job { name: name.to_string(), ticket, kind: JobKind::Resolve }
+                    let held = LoadTicket::hold(&self.shared, inner, ticket, name);
+                    (Job { name: name.to_string(), ticket, kind: JobKind::Resolve }, held)
                 }
             }
         };
         let shared = Arc::clone(&self.shared);
         if self.pool.submit(Box::new(move || shared.run(job))) {
-            Ok(AdapterStatus::Loading)
-        } else {
-            Err(Error::Shutdown { name: name.to_string() })
+            return Ok(Resolution::Loading(ticket));
         }
+        // The pool is shutting down: the job never runs, so it is ended here.
+        let error = Error::Shutdown { name: name.to_string() };
+        let mut inner = self.shared.state.lock();
+        inner.abandon_job(name, ticket.number(), Arc::new(Error::Shutdown { name: name.to_string() }));
+        drop(inner);
+        Err(error)
     }
 
-    /// Forgets a failure of `name` before its back-off ends, so that the next `request` loads
+    /// A request's admission: a host pin ([`HostLease`]) on the generation it holds, put back in
+    /// the CPU tier from the weights `adapter` keeps if it left (an eviction, or an unload or
+    /// reload that dropped it) — no file is read. A current generation goes in as any load does
+    /// (evicting the least recently used unpinned entry when the tier is full); a superseded one,
+    /// or a current one while every entry is pinned, is held outside the capacity like a retired
+    /// generation, until its last pin is dropped.
+    pub fn admit(&self, adapter: &AdapterRef) -> HostLease {
+        let generation = adapter.generation();
+        let mut guard = self.shared.state.lock();
+        let inner = &mut *guard;
+        if !inner.cpu.contains(&generation) {
+            let weights = Arc::clone(adapter.adapter());
+            let current = inner.registry.current(generation.id) == Some(generation);
+            let slots = &inner.slots;
+            let outside = if current && inner.cpu.has_room(&generation, None, |g| slots.keeps_cpu(g)) {
+                match inner.cpu.insert(generation, Arc::clone(&weights), |g| slots.keeps_cpu(g)) {
+                    Ok(evicted) => {
+                        inner.counters.cpu_evictions += u64::from(evicted.is_some());
+                        false
+                    }
+                    Err(TierFull) => true,
+                }
+            } else {
+                true
+            };
+            if outside {
+                inner.cpu.hold_outside(generation, weights);
+            }
+        }
+        inner.slots.pin(generation, PinKind::Host);
+        HostLease::pinned(&self.shared, generation)
+    }
+
+    /// Forgets a failure of `name` before its back-off ends, so that the next `resolve` loads
     /// it again at once.
     pub fn retry(&self, name: &str) {
         let mut inner = self.shared.state.lock();
@@ -481,6 +509,7 @@ impl Store {
             host_pinned: inner.slots.host_pinned(),
             loading: inner.loading,
             waiting_for_capacity: inner.waiting.len(),
+            pending_loads: inner.pending_loads(),
             capacity_waits: c.capacity_waits,
             events_pending: inner.events.len(),
             loads: c.loads,
@@ -500,18 +529,36 @@ impl Store {
     }
 }
 
-/// Which of the CPU tier's hit and miss counters a lookup adds to.
-#[derive(Clone, Copy, Debug)]
-struct Count {
-    hit: bool,
-    miss: bool,
-}
-
 impl Inner {
-    fn start_job(&mut self, count_miss: bool) {
-        self.next_ticket += 1;
+    /// A new load on a loader thread: its ticket, its pending record, one CPU miss.
+    fn start_job(&mut self) -> u64 {
+        let ticket = self.new_ticket();
         self.loading += 1;
-        self.counters.cpu_misses += u64::from(count_miss);
+        self.counters.cpu_misses += 1;
+        ticket
+    }
+
+    /// A fresh ticket number with its pending record open.
+    pub(crate) fn new_ticket(&mut self) -> u64 {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.open_ticket(ticket);
+        ticket
+    }
+
+    /// A job that will never run (the pool is shutting down): its load ends with `error`.
+    fn abandon_job(&mut self, name: &str, ticket: u64, error: Arc<Error>) {
+        self.loading -= 1;
+        if self.resolving.get(name) == Some(&ticket) {
+            self.resolving.remove(name);
+        }
+        if let Some(id) = self.registry.id(name)
+            && let Some(entry) = self.registry.get_mut(id)
+            && matches!(entry.state, LoadState::Loading(t) if t == ticket)
+        {
+            entry.state = LoadState::Idle;
+        }
+        self.settle(ticket, Err(error));
     }
 
     /// A name for messages about `id`, which may have been unloaded.

@@ -10,17 +10,19 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{CountingLoader, CountingSink, next_event, synthetic, tiny_shapes, wait_for, wait_ready, with_events};
+use common::{
+    CountingLoader, CountingSink, cached, next_event, synthetic, tiny_shapes, wait_for, wait_ready, with_events,
+};
 use multilora_adapter::{AdapterSource, ModuleKind, SyntheticAdapter};
-use multilora_store::{AdapterGen, AdapterStatus, DirectoryResolver, Error, LoadEvent, Store, StoreConfig};
+use multilora_store::{AdapterGen, DirectoryResolver, Error, LoadEvent, Resolution, Store, StoreConfig};
 use multilora_types::LoraLimits;
 
 /// Long enough that no test outlives it: within it, a failure is answered from memory.
 const FOREVER: Duration = Duration::from_secs(3600);
 
 fn ready(store: &Store, name: &str) -> AdapterGen {
-    match store.request(name).unwrap() {
-        AdapterStatus::Ready(generation) => generation,
+    match store.resolve(name).unwrap() {
+        Resolution::Ready(adapter) => adapter.generation(),
         other => panic!("{name} is not ready: {other:?}"),
     }
 }
@@ -60,7 +62,7 @@ fn a_failed_reload_keeps_the_old_generation_serving() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let store = Store::builder(qv_config(tmp.path(), 2)).build()?;
     let qv = [ModuleKind::QProj, ModuleKind::VProj];
-    let old = store.load("a", synth(tmp.path(), "a-v1", 4, &qv, 1))?;
+    let old = cached(store.load("a", synth(tmp.path(), "a-v1", 4, &qv, 1))?);
     let weights = store.adapter(old).unwrap();
     let lease = store.lease(old)?;
     let mut sink = CountingSink::default();
@@ -93,7 +95,7 @@ fn a_failed_reload_keeps_the_old_generation_serving() -> anyhow::Result<()> {
     assert!(store.adapter(old).is_some());
     assert_eq!(store.metrics().failures.get("not_a_target"), Some(&2));
     // A good new version still swaps in.
-    assert_ne!(store.reload_in_place("a", synth(tmp.path(), "a-v2", 4, &qv, 5))?, old);
+    assert_ne!(cached(store.reload_in_place("a", synth(tmp.path(), "a-v2", 4, &qv, 5))?), old);
     Ok(())
 }
 
@@ -113,12 +115,12 @@ fn an_adapter_without_slot_buffers_is_refused_before_it_is_registered() -> anyho
     assert!(store.info("x").is_none());
     // A registered adapter's background load fails with it.
     store.register("lazy", synth(root, "lazy", 4, &qk, 3))?;
-    assert!(matches!(store.request("lazy")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("lazy")?, Resolution::Loading(_)));
     let LoadEvent::Failed { error, .. } = wait_for(&store, "lazy") else { panic!("lazy loaded") };
     assert_eq!(error.kind(), "not_a_target");
-    assert!(matches!(store.request("lazy")?, AdapterStatus::Failed(_)));
+    assert!(matches!(store.resolve("lazy")?, Resolution::Failed(_)));
     // A resolver's answer is refused too, and the name stays unregistered.
-    assert!(matches!(store.request("found")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("found")?, Resolution::Loading(_)));
     let LoadEvent::Failed { error, .. } = wait_for(&store, "found") else { panic!("found loaded") };
     assert_eq!(error.kind(), "not_a_target");
     assert!(store.info("found").is_none());
@@ -126,7 +128,7 @@ fn an_adapter_without_slot_buffers_is_refused_before_it_is_registered() -> anyho
     assert_eq!((m.registered, m.cpu.entries, m.loads), (1, 0, 0));
     assert_eq!(m.failures.get("not_a_target"), Some(&3));
     // An adapter on the slotted modules only is served.
-    store.load("ok", synth(root, "ok", 4, &[ModuleKind::VProj], 4))?;
+    cached(store.load("ok", synth(root, "ok", 4, &[ModuleKind::VProj], 4))?);
 
     // A start-up adapter is refused alike, naming itself.
     let err = Store::builder(qv_config(root, 2)).startup("s", synth(root, "s", 4, &qk, 5)).build().unwrap_err();
@@ -153,10 +155,10 @@ fn a_load_waits_for_a_pinned_cpu_tier_instead_of_failing() -> anyhow::Result<()>
     // Both entries pinned by running requests: "c" loads, then waits for room, still loading.
     let lease_a = store.lease(a)?;
     let lease_b = store.lease(b)?;
-    assert!(matches!(store.request("c")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("c")?, Resolution::Loading(_)));
     until_waiting(&store, 1);
     for _ in 0..10 {
-        assert!(matches!(store.request("c")?, AdapterStatus::Loading));
+        assert!(matches!(store.resolve("c")?, Resolution::Loading(_)));
     }
     assert!(events.try_recv().is_err(), "no event while it waits");
     // The last lease on "a" is dropped: "c" takes its entry, and its Ready event is sent.
@@ -169,7 +171,7 @@ fn a_load_waits_for_a_pinned_cpu_tier_instead_of_failing() -> anyhow::Result<()>
 
     // Pinned full again: "d" waits, and unloading a pinned adapter makes room (it is retired).
     let lease_c = store.lease(c)?;
-    assert!(matches!(store.request("d")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("d")?, Resolution::Loading(_)));
     until_waiting(&store, 1);
     assert!(store.unload("b")?.draining);
     let LoadEvent::Ready { name, generation: d } = next_event(&events) else { panic!("d failed") };
@@ -178,9 +180,9 @@ fn a_load_waits_for_a_pinned_cpu_tier_instead_of_failing() -> anyhow::Result<()>
 
     // An unknown name that a resolver maps waits the same way, registered and loading.
     let lease_d = store.lease(d)?;
-    assert!(matches!(store.request("found")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("found")?, Resolution::Loading(_)));
     until_waiting(&store, 1);
-    assert!(matches!(store.request("found")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("found")?, Resolution::Loading(_)));
     drop(lease_d);
     let LoadEvent::Ready { name, generation: found } = next_event(&events) else { panic!("found failed") };
     assert_eq!((name.as_str(), ready(&store, "found")), ("found", found));
@@ -188,7 +190,7 @@ fn a_load_waits_for_a_pinned_cpu_tier_instead_of_failing() -> anyhow::Result<()>
     // A waiting load whose adapter is unloaded meanwhile is dropped, not admitted later.
     store.register("e", synthetic(root, "e", 5))?;
     let lease_found = store.lease(found)?;
-    assert!(matches!(store.request("e")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("e")?, Resolution::Loading(_)));
     until_waiting(&store, 1);
     store.unload("e")?;
     assert_eq!(store.metrics().waiting_for_capacity, 0);
@@ -210,18 +212,18 @@ fn a_failed_load_is_answered_from_memory_within_its_backoff() -> anyhow::Result<
     let config = StoreConfig::new("base", tiny_shapes()).load_retry_backoff(FOREVER);
     let store = Store::builder(config).loader(loader.clone()).build()?;
     store.register("bad", AdapterSource::Local(tmp.path().join("missing")))?;
-    store.request("bad")?;
+    store.resolve("bad")?;
     let LoadEvent::Failed { error, .. } = wait_for(&store, "bad") else { panic!("bad loaded") };
     for _ in 0..100 {
-        match store.request("bad")? {
-            AdapterStatus::Failed(e) => assert!(Arc::ptr_eq(&e, &error)),
+        match store.resolve("bad")? {
+            Resolution::Failed(e) => assert!(Arc::ptr_eq(&e, &error)),
             other => panic!("{other:?}"),
         }
     }
     assert_eq!(loader.calls("bad"), 1);
     // An explicit retry skips the back-off.
     store.retry("bad");
-    assert!(matches!(store.request("bad")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("bad")?, Resolution::Loading(_)));
     assert!(matches!(wait_for(&store, "bad"), LoadEvent::Failed { .. }));
     assert_eq!(loader.calls("bad"), 2);
     Ok(())
@@ -236,7 +238,7 @@ fn a_failed_load_is_retried_after_its_backoff() -> anyhow::Result<()> {
     let store = Store::builder(config).loader(loader.clone()).build()?;
     store.register("late", AdapterSource::Local(tmp.path().join("late")))?;
     for attempt in 1..=3 {
-        assert!(matches!(store.request("late")?, AdapterStatus::Loading), "attempt {attempt}");
+        assert!(matches!(store.resolve("late")?, Resolution::Loading(_)), "attempt {attempt}");
         assert!(matches!(wait_for(&store, "late"), LoadEvent::Failed { .. }));
         assert_eq!(loader.calls("late"), attempt);
         // Longer than the back-off after this many failures in a row (2, 4, 8 ms).
@@ -244,7 +246,7 @@ fn a_failed_load_is_retried_after_its_backoff() -> anyhow::Result<()> {
     }
     // The files arrive; after the back-off the next request loads them.
     synthetic(tmp.path(), "late", 1);
-    assert!(matches!(store.request("late")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("late")?, Resolution::Loading(_)));
     let generation = wait_ready(&store, "late");
     assert_eq!(ready(&store, "late"), generation);
     assert_eq!(loader.calls("late"), 4);
@@ -259,24 +261,24 @@ fn an_unknown_name_is_resolved_again_after_its_backoff() -> anyhow::Result<()> {
     let base = Duration::from_millis(2);
     let config = qv_config(&root, 2).load_retry_backoff(base);
     let store = Store::builder(config).resolver(DirectoryResolver::new(&root)).build()?;
-    assert!(matches!(store.request("soon")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("soon")?, Resolution::Loading(_)));
     let LoadEvent::Failed { error, .. } = wait_for(&store, "soon") else { panic!("soon resolved") };
     assert_eq!(error.kind(), "unknown_adapter");
     std::thread::sleep(base * 4);
     synthetic(&root, "soon", 1);
-    assert!(matches!(store.request("soon")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("soon")?, Resolution::Loading(_)));
     let generation = wait_ready(&store, "soon");
     assert_eq!(ready(&store, "soon"), generation);
 
     // Within the back-off the failure is answered from memory, and the resolvers are not asked.
     let config = qv_config(&root, 2).load_retry_backoff(FOREVER);
     let store = Store::builder(config).resolver(DirectoryResolver::new(&root)).build()?;
-    store.request("never")?;
+    store.resolve("never")?;
     let LoadEvent::Failed { error, .. } = wait_for(&store, "never") else { panic!("never resolved") };
     synthetic(&root, "never", 2);
     for _ in 0..10 {
-        match store.request("never")? {
-            AdapterStatus::Failed(e) => assert!(Arc::ptr_eq(&e, &error)),
+        match store.resolve("never")? {
+            Resolution::Failed(e) => assert!(Arc::ptr_eq(&e, &error)),
             other => panic!("{other:?}"),
         }
     }
@@ -290,15 +292,15 @@ fn a_leased_generation_outlives_reloads_and_tier_pressure() -> anyhow::Result<()
     let root = tmp.path();
     let store = Store::builder(qv_config(root, 2)).build()?;
     let v1 = synthetic(root, "a-v1", 1);
-    let old = store.load("a", v1.clone())?;
+    let old = cached(store.load("a", v1.clone())?);
     let weights = store.adapter(old).unwrap();
     // A request runs on the old generation, not yet in a slot.
     let lease = store.lease(old)?;
-    let new = store.reload_in_place("a", synthetic(root, "a-v2", 2))?;
+    let new = cached(store.reload_in_place("a", synthetic(root, "a-v2", 2))?);
     assert_ne!(new, old);
     // Pressure on the CPU tier: two more adapters through capacity 2 evict the unpinned ones.
-    store.load("b", synthetic(root, "b", 3))?;
-    store.load("c", synthetic(root, "c", 4))?;
+    cached(store.load("b", synthetic(root, "b", 3))?);
+    cached(store.load("c", synthetic(root, "c", 4))?);
     assert!(store.adapter(new).is_none(), "the unpinned new generation was evicted");
     assert!(Arc::ptr_eq(&store.adapter(old).unwrap(), &weights));
     // The request still gets its own weights into a slot.
@@ -312,11 +314,11 @@ fn a_leased_generation_outlives_reloads_and_tier_pressure() -> anyhow::Result<()
 
     // Reloaded back to the content a running request still holds: that generation is current
     // again, counted once as live, and stays when the request ends.
-    let old = store.reload_in_place("a", v1.clone())?;
+    let old = cached(store.reload_in_place("a", v1.clone())?);
     let lease = store.lease(old)?;
-    let newer = store.reload_in_place("a", synthetic(root, "a-v3", 5))?;
+    let newer = cached(store.reload_in_place("a", synthetic(root, "a-v3", 5))?);
     assert_eq!(store.metrics().cpu_retired, 1);
-    assert_eq!(store.reload_in_place("a", v1)?, old);
+    assert_eq!(cached(store.reload_in_place("a", v1)?), old);
     assert_ne!(newer, old);
     let m = store.metrics();
     assert_eq!((m.cpu_retired, m.cpu.entries), (0, 2));

@@ -6,18 +6,16 @@ mod common;
 use std::sync::{Arc, Barrier, mpsc};
 use std::time::Duration;
 
-use common::wait_ready;
 use common::{BlockingLoader, CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_for};
+use common::{cached, wait_ready};
 use multilora_adapter::AdapterSource;
-use multilora_store::{
-    AdapterGen, AdapterStatus, DirectoryResolver, HubResolver, LoadEvent, SlotId, Store, StoreConfig,
-};
+use multilora_store::{AdapterGen, DirectoryResolver, HubResolver, LoadEvent, Resolution, SlotId, Store, StoreConfig};
 use multilora_types::LoraLimits;
 use parking_lot::Mutex;
 
 fn ready(store: &Store, name: &str) -> AdapterGen {
-    match store.request(name).unwrap() {
-        AdapterStatus::Ready(generation) => generation,
+    match store.resolve(name).unwrap() {
+        Resolution::Ready(adapter) => adapter.generation(),
         other => panic!("{name} is not ready: {other:?}"),
     }
 }
@@ -38,7 +36,7 @@ fn loading_never_blocks_stepping() -> anyhow::Result<()> {
     store.register("slow", synthetic(tmp.path(), "slow", 99))?;
     let gens: Vec<AdapterGen> = others.iter().map(|n| ready(&store, n)).collect();
 
-    assert!(matches!(store.request("slow")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("slow")?, Resolution::Loading(_)));
     // The loader thread is now inside the load of "slow" and stays there until released.
     started_rx.recv()?;
     let mut sink = CountingSink::default();
@@ -47,17 +45,14 @@ fn loading_never_blocks_stepping() -> anyhow::Result<()> {
         let running = [gens[step % 4], gens[(step + 1) % 4]];
         let mut leases = Vec::new();
         for g in running {
-            assert!(matches!(
-                store.request(others[gens.iter().position(|x| *x == g).unwrap()])?,
-                AdapterStatus::Ready(_)
-            ));
+            assert!(matches!(store.resolve(others[gens.iter().position(|x| *x == g).unwrap()])?, Resolution::Ready(_)));
             leases.push(store.lease(g)?);
         }
         for g in running {
             store.activate(g, &mut sink)?;
         }
         drop(leases);
-        assert!(matches!(store.request("slow")?, AdapterStatus::Loading));
+        assert!(matches!(store.resolve("slow")?, Resolution::Loading(_)));
         assert!(store.poll_completed().is_empty());
     }
     assert_eq!(store.metrics().loading, 1);
@@ -81,13 +76,13 @@ fn concurrent_requests_load_once() -> anyhow::Result<()> {
             let (store, barrier) = (Arc::clone(&store), Arc::clone(&barrier));
             std::thread::spawn(move || {
                 barrier.wait();
-                store.request("a").unwrap()
+                store.resolve("a").unwrap()
             })
         })
         .collect();
     for t in threads {
         let status = t.join().unwrap();
-        assert!(matches!(status, AdapterStatus::Loading | AdapterStatus::Ready(_)), "{status:?}");
+        assert!(matches!(status, Resolution::Loading(_) | Resolution::Ready(_)), "{status:?}");
     }
     let generation = wait_ready(&store, "a");
     assert_eq!(ready(&store, "a"), generation);
@@ -107,18 +102,18 @@ fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> 
     let store = Store::builder(config).loader(loader.clone()).startup("good", fixture("adapters/qv_r8")).build()?;
     store.register("bad", fixture("invalid_adapters/shape_mismatch"))?;
     // Three requests wait on "bad" before its load finishes (or find it failed already).
-    let first: Vec<AdapterStatus> = (0..3).map(|_| store.request("bad").unwrap()).collect();
+    let first: Vec<Resolution> = (0..3).map(|_| store.resolve("bad").unwrap()).collect();
     let event = wait_for(&store, "bad");
     let LoadEvent::Failed { error, .. } = event else { panic!("{event:?}") };
     assert_eq!(error.kind(), "shape_mismatch");
     assert!(error.to_string().contains("\"bad\""), "{error}");
     for status in first {
-        assert!(matches!(status, AdapterStatus::Loading | AdapterStatus::Failed(_)));
+        assert!(matches!(status, Resolution::Loading(_) | Resolution::Failed(_)));
     }
     // Every later waiter within the back-off sees the same error, without another load.
     for _ in 0..3 {
-        match store.request("bad")? {
-            AdapterStatus::Failed(e) => assert!(Arc::ptr_eq(&e, &error)),
+        match store.resolve("bad")? {
+            Resolution::Failed(e) => assert!(Arc::ptr_eq(&e, &error)),
             other => panic!("{other:?}"),
         }
     }
@@ -130,7 +125,7 @@ fn a_failure_reaches_every_waiter_and_others_are_served() -> anyhow::Result<()> 
     drop(lease);
     // An explicit retry loads again.
     store.retry("bad");
-    assert!(matches!(store.request("bad")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("bad")?, Resolution::Loading(_)));
     assert!(matches!(wait_for(&store, "bad"), LoadEvent::Failed { .. }));
     assert_eq!(loader.calls("bad"), 2);
     assert_eq!(store.metrics().failures.get("shape_mismatch"), Some(&2));
@@ -150,14 +145,14 @@ fn runtime_store(root: &std::path::Path, max_cpu_loras: usize) -> anyhow::Result
 fn reload_in_place_keeps_running_requests_on_their_weights() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let store = runtime_store(tmp.path(), 2)?;
-    let old = store.load("a", synthetic(tmp.path(), "a-v1", 1))?;
-    let other = store.load("b", synthetic(tmp.path(), "b", 2))?;
+    let old = cached(store.load("a", synthetic(tmp.path(), "a-v1", 1))?);
+    let other = cached(store.load("b", synthetic(tmp.path(), "b", 2))?);
     let mut sink = CountingSink::default();
     let old_lease = store.lease(old)?;
     let old_slot = store.activate(old, &mut sink)?;
     let old_weights = store.adapter(old).unwrap();
 
-    let new = store.reload_in_place("a", synthetic(tmp.path(), "a-v2", 3))?;
+    let new = cached(store.reload_in_place("a", synthetic(tmp.path(), "a-v2", 3))?);
     assert_eq!(new.id, old.id);
     assert_ne!(new.fingerprint, old.fingerprint);
     // New requests get the new generation; the running one keeps its weights and its slot.
@@ -188,7 +183,7 @@ fn reload_in_place_keeps_running_requests_on_their_weights() -> anyhow::Result<(
 fn unload_lets_running_requests_finish() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let store = runtime_store(tmp.path(), 2)?;
-    let a = store.load("a", synthetic(tmp.path(), "a", 1))?;
+    let a = cached(store.load("a", synthetic(tmp.path(), "a", 1))?);
     let mut sink = CountingSink::default();
     let lease = store.lease(a)?;
     let slot = store.activate(a, &mut sink)?;
@@ -197,7 +192,7 @@ fn unload_lets_running_requests_finish() -> anyhow::Result<()> {
     let unloaded = store.unload("a")?;
     assert_eq!((unloaded.generation, unloaded.draining), (Some(a), true));
     // New and waiting requests get model_not_found; the running one keeps weights and slot.
-    assert_eq!(store.request("a").unwrap_err().kind(), "unknown_adapter");
+    assert_eq!(store.resolve("a").unwrap_err().kind(), "unknown_adapter");
     assert!(Arc::ptr_eq(&store.adapter(a).unwrap(), &weights));
     assert_eq!(store.activate(a, &mut sink)?, slot);
     assert_eq!(store.metrics().cpu_retired, 1);
@@ -206,7 +201,7 @@ fn unload_lets_running_requests_finish() -> anyhow::Result<()> {
     assert_eq!(store.slot_of(a), None);
     assert_eq!(store.metrics().cpu.entries, 0);
     // Without running requests it leaves at once, and the name can be loaded again.
-    let b = store.load("b", synthetic(tmp.path(), "b", 2))?;
+    let b = cached(store.load("b", synthetic(tmp.path(), "b", 2))?);
     assert!(!store.unload("b")?.draining);
     assert!(store.adapter(b).is_none());
     assert_eq!(store.unload("b").unwrap_err().kind(), "unknown_adapter");
@@ -225,7 +220,7 @@ fn runtime_updates_are_off_unless_enabled() -> anyhow::Result<()> {
     assert_eq!(store.reload_in_place("s", source).unwrap_err().kind(), "runtime_updates_disabled");
     assert_eq!(store.unload("s").unwrap_err().kind(), "runtime_updates_disabled");
     // Resolvers are not asked either: an unknown name is model_not_found.
-    assert_eq!(store.request("a").unwrap_err().kind(), "unknown_adapter");
+    assert_eq!(store.resolve("a").unwrap_err().kind(), "unknown_adapter");
     assert_eq!(store.metrics().failures.get("runtime_updates_disabled"), Some(&3));
     Ok(())
 }
@@ -252,7 +247,7 @@ fn runtime_sources_are_confined() -> anyhow::Result<()> {
     for (name, kind) in [("base", "invalid_name"), ("a/b", "invalid_name"), ("", "invalid_name")] {
         assert_eq!(store.load(name, synthetic(&root, "ok", 1)).unwrap_err().kind(), kind, "{name:?}");
     }
-    let inside = store.load("ok", synthetic(&root, "ok", 1))?;
+    let inside = cached(store.load("ok", synthetic(&root, "ok", 1))?);
     assert_eq!(store.load("ok", synthetic(&root, "ok", 1)).unwrap_err().kind(), "already_registered");
     assert_eq!(ready(&store, "ok"), inside);
     assert_eq!(store.metrics().registered, 1);
@@ -270,30 +265,35 @@ fn resolvers_provide_unknown_names_in_order() -> anyhow::Result<()> {
         .allow_runtime_updates(true)
         .allowed_root(&root)
         .load_retry_backoff(Duration::from_secs(3600));
-    let loader = CountingLoader::default();
+    // The load of "found" is held until the test releases it, so both requests find it running.
+    let (started_tx, started) = mpsc::sync_channel(1);
+    let (release, release_rx) = mpsc::channel();
+    let loader = BlockingLoader { blocked: "found".into(), started: started_tx, release: Mutex::new(release_rx) };
     let store = Store::builder(config)
-        .loader(loader.clone())
+        .loader(loader)
         .resolver(DirectoryResolver::new(&root))
         .resolver(HubResolver::new("acme"))
         .build()?;
-    assert!(matches!(store.request("found")?, AdapterStatus::Loading));
-    assert!(matches!(store.request("found")?, AdapterStatus::Loading));
+    assert!(matches!(store.resolve("found")?, Resolution::Loading(_)));
+    started.recv()?;
+    assert!(matches!(store.resolve("found")?, Resolution::Loading(_)));
+    release.send(())?;
     let generation = wait_ready(&store, "found");
     assert_eq!(ready(&store, "found"), generation);
-    assert_eq!(loader.calls("found"), 1);
+    assert!(started.try_recv().is_err(), "loaded once");
     let info = store.info("found").unwrap();
     assert_eq!(info.source, AdapterSource::Local(root.join("found").canonicalize()?));
 
     // Not in the directory: the hub resolver maps it, and the hub is off at run time.
-    store.request("elsewhere")?;
+    store.resolve("elsewhere")?;
     let LoadEvent::Failed { error, .. } = wait_for(&store, "elsewhere") else { panic!() };
     assert_eq!(error.kind(), "hub_disabled");
-    assert!(matches!(store.request("elsewhere")?, AdapterStatus::Failed(_)));
+    assert!(matches!(store.resolve("elsewhere")?, Resolution::Failed(_)));
     // No resolver maps it at all.
-    store.request("no such adapter")?;
+    store.resolve("no such adapter")?;
     let LoadEvent::Failed { error, .. } = wait_for(&store, "no such adapter") else { panic!() };
     assert_eq!(error.kind(), "unknown_adapter");
-    assert_eq!(store.request("../escape").unwrap_err().kind(), "invalid_name");
+    assert_eq!(store.resolve("../escape").unwrap_err().kind(), "invalid_name");
     assert_eq!(store.metrics().registered, 1);
     Ok(())
 }

@@ -7,13 +7,13 @@ use std::sync::OnceLock;
 
 use common::{CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_ready};
 use multilora_adapter::AdapterSource;
-use multilora_store::{AdapterGen, AdapterStatus, SlotId, Store, StoreConfig};
+use multilora_store::{AdapterGen, Resolution, SlotId, Store, StoreConfig};
 use multilora_types::LoraLimits;
 use proptest::prelude::*;
 
 fn ready(store: &Store, name: &str) -> AdapterGen {
-    match store.request(name).unwrap() {
-        AdapterStatus::Ready(generation) => generation,
+    match store.resolve(name).unwrap() {
+        Resolution::Ready(adapter) => adapter.generation(),
         other => panic!("{name} is not ready: {other:?}"),
     }
 }
@@ -66,21 +66,21 @@ fn cpu_tier_is_lru_and_never_exceeds_its_capacity() -> anyhow::Result<()> {
     }
     let mut gens = std::collections::HashMap::new();
     for name in ["a", "b", "c"] {
-        assert!(matches!(store.request(name)?, AdapterStatus::Loading));
+        assert!(matches!(store.resolve(name)?, Resolution::Loading(_)));
         gens.insert(name, wait_ready(&store, name));
         assert!(store.metrics().cpu.entries <= 3);
     }
     assert_eq!(store.cpu_lru_order(), [gens["a"], gens["b"], gens["c"]]);
     // A hit on "a" makes "b" the least recently used: loading "d" evicts "b".
     ready(&store, "a");
-    store.request("d")?;
+    store.resolve("d")?;
     gens.insert("d", wait_ready(&store, "d"));
     assert_eq!(store.cpu_lru_order(), [gens["c"], gens["a"], gens["d"]]);
     assert!(store.adapter(gens["b"]).is_none());
     let m = store.metrics();
     assert_eq!((m.cpu.entries, m.cpu.capacity, m.cpu.evictions, m.cpu.misses), (3, 3, 1, 4));
     // "b" loads again on request, and its content, hence its generation, is the same.
-    store.request("b")?;
+    store.resolve("b")?;
     assert_eq!(wait_ready(&store, "b"), gens["b"]);
     assert_eq!(store.metrics().cpu.entries, 3);
     Ok(())
@@ -143,7 +143,7 @@ fn activation_needs_the_cpu_tier() -> anyhow::Result<()> {
     let store = Store::builder(config).startup("a", synthetic(tmp.path(), "a", 0)).build()?;
     store.register("b", synthetic(tmp.path(), "b", 1))?;
     let a = ready(&store, "a");
-    store.request("b")?;
+    store.resolve("b")?;
     let b = wait_ready(&store, "b");
     // "a" was evicted from the CPU tier to make room for "b", and was never in a slot.
     let err = store.activate(a, &mut CountingSink::default()).unwrap_err();
@@ -180,7 +180,7 @@ fn a_failing_validation_evicts_nothing() -> anyhow::Result<()> {
     }
     // The same through a background load of a registered adapter.
     store.register("lazy-bad", fixture("invalid_adapters/shape_mismatch"))?;
-    store.request("lazy-bad")?;
+    store.resolve("lazy-bad")?;
     assert!(matches!(common::wait_for(&store, "lazy-bad"), multilora_store::LoadEvent::Failed { .. }));
     assert_eq!(store.cpu_lru_order(), before);
     let m = store.metrics();

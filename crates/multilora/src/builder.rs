@@ -3,13 +3,13 @@
 //! (rank, targets) → model with slot buffers → tokenizer → store → KV cache from what the slots
 //! left of the budget → scheduler → the loop thread.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
 use candle_core::{DType, Device};
 use multilora_adapter::{AdapterSource, GenerationConfig, LoadOptions, ModuleKind};
-use multilora_models::{CheckpointFiles, HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
+use multilora_models::{Checkpoint, HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
 use multilora_types::{DEFAULT_MAX_LORA_RANK, LoraLimits};
@@ -22,6 +22,11 @@ use crate::handle::Engine;
 /// Default KV budget on the CPU: 256 MiB. A CPU host has no device memory to measure, so the
 /// default is a fixed budget; on a GPU the budget comes from [`DEFAULT_GPU_MEMORY_UTILIZATION`].
 pub const DEFAULT_KV_CACHE_BYTES: u64 = 256 << 20;
+
+/// The most the CPU's default KV budget grows to hold one sequence of the model's full length:
+/// 4 GiB, vLLM's CPU default (`VLLM_CPU_KVCACHE_SPACE`). Beyond it, the context length is capped
+/// to what the budget holds unless `max_model_len` is given.
+pub const MAX_DEFAULT_KV_CACHE_BYTES: u64 = 4 << 30;
 
 /// vLLM's `gpu_memory_utilization` default: the share of the GPU's memory the engine may use for
 /// weights, slots, activations and KV together.
@@ -75,6 +80,8 @@ pub struct EngineBuilder {
     allow_runtime_lora_updating: bool,
     allowed_lora_roots: Vec<PathBuf>,
     resolvers: Resolvers,
+    tokenizer: Option<PathBuf>,
+    gguf_file: Option<String>,
 }
 
 /// Resolvers to hand to the store, kept as closures because the store takes them by value.
@@ -122,6 +129,8 @@ impl EngineBuilder {
             allow_runtime_lora_updating: false,
             allowed_lora_roots: Vec::new(),
             resolvers: Resolvers::default(),
+            tokenizer: None,
+            gguf_file: None,
         }
     }
 
@@ -189,6 +198,21 @@ impl EngineBuilder {
         self
     }
 
+    /// The tokenizer (and chat template) to serve instead of the model's own (vLLM's
+    /// `--tokenizer`): a folder with `tokenizer.json` and `tokenizer_config.json` /
+    /// `chat_template.jinja`. A GGUF model otherwise uses the tokenizer its metadata describes.
+    pub fn tokenizer(mut self, dir: impl Into<PathBuf>) -> EngineBuilder {
+        self.tokenizer = Some(dir.into());
+        self
+    }
+
+    /// The GGUF file of a hub repo to serve (a repo usually holds one per quantization), e.g.
+    /// `Engine::builder("org/name-GGUF").gguf_file("name.Q4_K_M.gguf")`.
+    pub fn gguf_file(mut self, name: impl Into<String>) -> EngineBuilder {
+        self.gguf_file = Some(name.into());
+        self
+    }
+
     /// A directory runtime adapter sources must lie in.
     pub fn allowed_lora_root(mut self, root: impl Into<PathBuf>) -> EngineBuilder {
         self.allowed_lora_roots.push(root.into());
@@ -222,15 +246,21 @@ impl EngineBuilder {
     /// KV budget → scheduler → loop.
     pub fn build(mut self) -> Result<Engine> {
         self.check()?;
-        let source = ModelSource::parse(&self.model)?;
+        let mut source = ModelSource::parse(&self.model)?;
+        if let Some(file) = &self.gguf_file {
+            source = source.with_gguf_file(file)?;
+        }
         let hub = HubConfig::from_env();
-        let (files, cfg) = self.read_config(&source, &hub)?;
-        let max_model_len = self.context_length(&cfg)?;
-        let generation = if self.generation_config {
-            GenerationConfig::from_file(&files.dir.join("generation_config.json"))
-                .map_err(multilora_models::Error::from)?
-        } else {
-            GenerationConfig::default()
+        let checkpoint = self.open(&source, &hub)?;
+        let cfg = checkpoint.config()?;
+        let model_limit = self.context_length(&cfg)?;
+        // A GGUF file carries no generation defaults; a Hugging Face folder may.
+        let generation = match &checkpoint {
+            Checkpoint::Safetensors(files) if self.generation_config => {
+                GenerationConfig::from_file(&files.dir.join("generation_config.json"))
+                    .map_err(multilora_models::Error::from)?
+            }
+            _ => GenerationConfig::default(),
         };
         let mut eos_token_ids = cfg.eos_token_ids.clone();
         for id in &generation.eos_token_ids {
@@ -239,16 +269,18 @@ impl EngineBuilder {
             }
         }
         let lora = self.lora_limits(&cfg)?;
-        let dtype = self.resolve_dtype(&cfg);
+        let (dtype, quantized) = self.resolve_dtype(&cfg, &checkpoint);
         let lora_dtype = self.lora_dtype.unwrap_or(dtype);
         let opts = ModelOptions::default()
             .dtype(dtype)
             .device(self.device.clone())
             .lora(lora.clone())
             .lora_dtype(lora_dtype)
-            .hub(hub.clone());
-        let model = Model::load(&source, &opts)?;
-        let tokenizer = load_tokenizer(&files.dir)?;
+            .hub(hub.clone())
+            .quantized(quantized);
+        let model = Model::load_checkpoint(&checkpoint, &opts)?;
+        let weights = weights_description(&checkpoint, &model, quantized);
+        let text = crate::text::load(&checkpoint, self.tokenizer.as_deref())?;
         let served = self.served_model_name.clone().unwrap_or_else(|| self.model.clone());
         let max_cpu_loras = self.max_cpu_loras.unwrap_or(lora.max_loras().max(32));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -260,7 +292,7 @@ impl EngineBuilder {
         let store = self.build_store(store_cfg, &tx, &events)?;
 
         let slot_bytes = model.lora_slot_bytes();
-        let (kv_budget, budget_from) = self.kv_budget(&model, slot_bytes, max_model_len)?;
+        let (kv_budget, budget_from, max_model_len) = self.kv_budget(&model, slot_bytes, model_limit)?;
         let kv_cfg = KvCacheConfig::for_budget(model.config(), dtype, self.block_size, kv_budget);
         let scheduler = self.build_scheduler(&lora, max_model_len, kv_cfg.num_blocks).map_err(|e| {
             EngineError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
@@ -271,19 +303,25 @@ impl EngineBuilder {
             device = ?self.device.location(),
             dtype = ?dtype,
             checkpoint_dtype = cfg.torch_dtype.as_deref().unwrap_or("unknown"),
+            weights = %weights,
+            tokenizer = %text.from,
+            max_model_len,
             decode_attention = model.decode_attention(),
             kernels = %model.kernels(),
             kv_budget = %budget_from,
             max_loras = lora.max_loras(),
             max_lora_rank = lora.max_lora_rank(),
             lora_slot_bytes = slot_bytes,
+            kv_bytes = kv_cfg.num_blocks as u64 * self.block_size as u64 * model.kv_bytes_per_token(),
             kv_blocks = kv_cfg.num_blocks,
             kv_tokens = kv_cfg.num_blocks * self.block_size,
             "multilora engine ready"
         );
         let config = EngineConfig {
             model: self.model,
-            model_dir: files.dir.clone(),
+            model_dir: checkpoint.dir(),
+            chat_template: text.chat_template,
+            weights,
             served_model_name: served,
             lora,
             max_cpu_loras,
@@ -303,7 +341,7 @@ impl EngineBuilder {
             eos_token_ids,
             generation,
         };
-        Engine::start(config, model, kv, scheduler, store, tokenizer, (tx, rx, events))
+        Engine::start(config, model, kv, scheduler, store, text.tokenizer, (tx, rx, events))
     }
 
     /// The checks that need no file: startup adapters with LoRA off, a utilization outside (0, 1].
@@ -318,20 +356,20 @@ impl EngineBuilder {
         Ok(())
     }
 
-    /// The model's files (fetched for a hub id, with its tokenizer files) and its `config.json`.
-    fn read_config(&self, source: &ModelSource, hub: &HubConfig) -> Result<(CheckpointFiles, ModelConfig)> {
-        let files = source.resolve(hub)?;
-        let cfg = ModelConfig::from_file(&files.config).map_err(multilora_models::Error::from)?;
-        if let ModelSource::Hub { repo, revision } = source {
+    /// The checkpoint, opened (fetched for a hub id, with the tokenizer files of a Hugging Face
+    /// repo).
+    fn open(&self, source: &ModelSource, hub: &HubConfig) -> Result<Checkpoint> {
+        let checkpoint = source.open(hub)?;
+        if let (ModelSource::Hub { repo, revision, .. }, Checkpoint::Safetensors(_)) = (source, &checkpoint) {
             // The tokenizer files and the generation defaults sit next to config.json in the
             // snapshot; fetch them too (a repo without one of them is not an error).
-            for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+            for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
                 if let Err(e) = hub.file(repo, revision, f) {
-                    tracing::warn!(repo = %repo, file = f, error = %e, "tokenizer file not fetched");
+                    tracing::debug!(repo = %repo, file = f, error = %e, "tokenizer file not fetched");
                 }
             }
         }
-        Ok((files, cfg))
+        Ok(checkpoint)
     }
 
     /// The LoRA limits, built once: `max_loras`; `max_lora_rank` (default: the largest startup
@@ -404,48 +442,78 @@ impl EngineBuilder {
         Scheduler::new(cfg)
     }
 
-    /// `auto` (no dtype given): the checkpoint's own dtype (f32 when `config.json` names none).
-    fn resolve_dtype(&self, cfg: &ModelConfig) -> DType {
-        self.dtype.unwrap_or_else(|| cfg.auto_dtype())
+    /// The served dtype, and whether GGUF weights stay quantized. `auto` (no dtype given) is the
+    /// checkpoint's own: `torch_dtype` (f32 when `config.json` names none), or for a GGUF file
+    /// its quantized tensors as they are (norms and KV cache in f32). A dtype given for a GGUF
+    /// file dequantizes every weight to it (`f32` is the reference path).
+    fn resolve_dtype(&self, cfg: &ModelConfig, checkpoint: &Checkpoint) -> (DType, bool) {
+        match (self.dtype, checkpoint.gguf()) {
+            (Some(dt), Some(_)) => (dt, false),
+            (None, Some(_)) => (DType::F32, true),
+            (dt, None) => (dt.unwrap_or_else(|| cfg.auto_dtype()), false),
+        }
     }
 
-    /// Bytes for the KV cache, and where the figure came from (for the log and errors): the
-    /// given `kv_cache_bytes` minus the slots; on a GPU without one, `gpu_memory_utilization` of
-    /// the device minus what the weights and slots already hold and one step's activations.
-    fn kv_budget(&self, model: &Model, slot_bytes: u64, max_model_len: usize) -> Result<(u64, String)> {
+    /// Bytes for the KV cache, where the figure came from (for the log and errors), and the
+    /// context length served. The budget is the given `kv_cache_bytes` minus the slots; on a GPU
+    /// without one, `gpu_memory_utilization` of the device minus what the weights and slots
+    /// already hold and one step's activations; on the CPU without one, enough for one sequence
+    /// of the model's full length, at least [`DEFAULT_KV_CACHE_BYTES`] and at most
+    /// [`MAX_DEFAULT_KV_CACHE_BYTES`] (vLLM's CPU default), or exactly what an explicit
+    /// `max_model_len` needs. When the budget cannot hold one full-length sequence and no
+    /// `max_model_len` was given, the context length is capped to what it holds and the cap is
+    /// logged; an explicit `max_model_len` the budget cannot hold stays an error (the scheduler's).
+    fn kv_budget(&self, model: &Model, slot_bytes: u64, limit: usize) -> Result<(u64, String, usize)> {
         const GIB: f64 = (1u64 << 30) as f64;
-        if let Some(bytes) = self.kv_cache_bytes {
-            return Ok((
-                bytes.saturating_sub(slot_bytes),
-                format!("kv_cache_bytes {bytes} minus {slot_bytes} of lora slots"),
-            ));
-        }
-        let Some(mem) = multilora_models::device_memory(model.device())? else {
-            return Ok((
-                DEFAULT_KV_CACHE_BYTES.saturating_sub(slot_bytes),
-                format!("the default {DEFAULT_KV_CACHE_BYTES} bytes minus {slot_bytes} of lora slots"),
-            ));
+        let per_token = model.kv_bytes_per_token().max(1);
+        let full = (limit.div_ceil(self.block_size) * self.block_size) as u64 * per_token;
+        let (budget, from) = if let Some(bytes) = self.kv_cache_bytes {
+            (bytes.saturating_sub(slot_bytes), format!("kv_cache_bytes {bytes} minus {slot_bytes} of lora slots"))
+        } else if let Some(mem) = multilora_models::device_memory(model.device())? {
+            let used = mem.total - mem.free;
+            let activations = multilora_models::step_activation_bytes(
+                model.config(),
+                model.dtype(),
+                self.max_num_batched_tokens,
+                limit,
+            );
+            let allowed = (mem.total as f64 * self.gpu_memory_utilization) as u64;
+            let budget = allowed.saturating_sub(used).saturating_sub(activations);
+            let from = format!(
+                "gpu_memory_utilization {} of {:.1} GiB = {:.1} GiB, minus {:.1} GiB in use after weights and {:.2} \
+                 GiB of slots, minus {:.1} GiB for a step of {} tokens",
+                self.gpu_memory_utilization,
+                mem.total as f64 / GIB,
+                allowed as f64 / GIB,
+                used as f64 / GIB,
+                slot_bytes as f64 / GIB,
+                activations as f64 / GIB,
+                self.max_num_batched_tokens,
+            );
+            (budget, from)
+        } else {
+            let floor = DEFAULT_KV_CACHE_BYTES.saturating_sub(slot_bytes);
+            let wanted = if self.max_model_len.is_some() { full } else { full.min(MAX_DEFAULT_KV_CACHE_BYTES) };
+            let budget = floor.max(wanted);
+            let from = if budget == floor {
+                format!("the default {DEFAULT_KV_CACHE_BYTES} bytes minus {slot_bytes} of lora slots")
+            } else {
+                format!("one sequence of {limit} tokens at {per_token} bytes a token")
+            };
+            (budget, from)
         };
-        let used = mem.total - mem.free;
-        let activations = multilora_models::step_activation_bytes(
-            model.config(),
-            model.dtype(),
-            self.max_num_batched_tokens,
-            max_model_len,
+        let holds = (budget / per_token) as usize / self.block_size * self.block_size;
+        if holds >= limit || self.max_model_len.is_some() || holds == 0 {
+            return Ok((budget, from, limit));
+        }
+        tracing::warn!(
+            model_limit = limit,
+            max_model_len = holds,
+            kv_budget = %from,
+            "the kv cache holds {holds} tokens, fewer than the model's {limit}: max_model_len is capped to {holds} \
+             (give --max-model-len or --kv-cache-bytes to choose)"
         );
-        let allowed = (mem.total as f64 * self.gpu_memory_utilization) as u64;
-        let budget = allowed.saturating_sub(used).saturating_sub(activations);
-        let from = format!(
-            "gpu_memory_utilization {} of {:.1} GiB = {:.1} GiB, minus {:.1} GiB in use after weights and {:.2} GiB of slots,              minus {:.1} GiB for a step of {} tokens",
-            self.gpu_memory_utilization,
-            mem.total as f64 / GIB,
-            allowed as f64 / GIB,
-            used as f64 / GIB,
-            slot_bytes as f64 / GIB,
-            activations as f64 / GIB,
-            self.max_num_batched_tokens,
-        );
-        Ok((budget, from))
+        Ok((budget, format!("{from}; max_model_len capped to the {holds} tokens it holds"), holds))
     }
 
     /// Reads each startup adapter's config (no tensors): the largest rank and the modules
@@ -455,10 +523,8 @@ impl EngineBuilder {
         let opts = LoadOptions::new(DType::F32);
         let (mut rank, mut kinds) = (0, Vec::new());
         for (name, src) in &self.loras {
-            let dir = AdapterSource::parse(src)
-                .and_then(|s| s.resolve())
-                .map_err(|e| EngineError::adapter_format(name, e))?;
-            let summary = multilora_adapter::read_config(name, &dir, &shapes, &opts)
+            let summary = AdapterSource::parse(src)
+                .and_then(|source| multilora_adapter::read_source_config(name, &source, &shapes, &opts))
                 .map_err(|e| EngineError::adapter_format(name, e))?;
             rank = rank.max(summary.max_rank());
             for id in summary.modules.keys() {
@@ -471,15 +537,17 @@ impl EngineBuilder {
     }
 }
 
-/// The model's `tokenizer.json`, if it has one (without, only token-id prompts are accepted).
-fn load_tokenizer(dir: &Path) -> Result<Option<tokenizers::Tokenizer>> {
-    let path = dir.join("tokenizer.json");
-    if !path.is_file() {
-        tracing::warn!(path = %path.display(), "no tokenizer.json: only token-id prompts are accepted");
-        return Ok(None);
-    }
-    match tokenizers::Tokenizer::from_file(&path) {
-        Ok(t) => Ok(Some(t)),
-        Err(e) => Err(EngineError::Tokenizer { path, source: Arc::from(e) }),
+/// How the base weights are held, for the log and `/v1/models`: the file's tensor types and
+/// whether they were kept quantized, and the bytes they take.
+fn weights_description(checkpoint: &Checkpoint, model: &Model, quantized: bool) -> String {
+    let mib = model.weight_bytes() as f64 / (1u64 << 20) as f64;
+    match checkpoint.gguf() {
+        Some(g) => {
+            let types: Vec<String> = g.tensor_types().iter().map(|(t, n)| format!("{t} x{n}")).collect();
+            let how =
+                if quantized { "kept quantized".to_string() } else { format!("dequantized to {:?}", model.dtype()) };
+            format!("GGUF {} ({how}, {mib:.1} MiB)", types.join(", "))
+        }
+        None => format!("safetensors, {:?} ({mib:.1} MiB)", model.dtype()),
     }
 }

@@ -6,10 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::time::Instant;
 
-use multilora_store::LoadEvent;
+use multilora_store::{LoadEvent, Resolution};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::error::Result;
 use crate::metrics::MetricsSnapshot;
 use crate::request::{Event, SamplingParams};
 use crate::stop::StopStrings;
@@ -21,12 +20,10 @@ pub(crate) enum Command {
     Submit(Box<Submission>),
     /// Cancel a request (its stream was dropped).
     Abort(u64),
-    /// Unload an adapter and fail the requests waiting for it.
-    Unload(String, SyncSender<Result<()>>),
     /// Send a metrics snapshot.
     Metrics(SyncSender<MetricsSnapshot>),
     /// A background load finished (the store's events come down this same channel): the
-    /// deferred requests are looked at again.
+    /// tickets of the deferred requests are looked at again.
     Adapter(LoadEvent),
     /// Stop: fail what is left and exit.
     Shutdown,
@@ -59,6 +56,9 @@ impl EventCount {
 pub(crate) struct Submission {
     pub(crate) id: u64,
     pub(crate) model: String,
+    /// What `model` resolved to at submit, held by the request from then on (`None`: the base
+    /// model); the loop never looks the name up again.
+    pub(crate) adapter: Option<Resolution>,
     pub(crate) prompt: Vec<u32>,
     pub(crate) params: SamplingParams,
     /// `params.stop`, compiled.

@@ -7,6 +7,7 @@ use candle_core::DType;
 use multilora_adapter::GenerationConfig;
 
 use crate::request::SamplingParams;
+use crate::text::ChatTemplateSource;
 use multilora_scheduler::StepTime;
 use multilora_types::LoraLimits;
 
@@ -16,9 +17,16 @@ use multilora_types::LoraLimits;
 pub struct EngineConfig {
     /// The model source as given.
     pub model: String,
-    /// The model's local directory (the hub cache's snapshot for a hub id): `tokenizer.json`,
-    /// `tokenizer_config.json` (chat template, special tokens) and `generation_config.json`.
+    /// The model's local directory (the hub cache's snapshot for a hub id; the folder of a GGUF
+    /// file): where `generation_config.json` is read from.
     pub model_dir: PathBuf,
+    /// The model's chat template (`--tokenizer DIR`'s, the checkpoint's `chat_template.jinja` or
+    /// `tokenizer_config.json`, or a GGUF file's `tokenizer.chat_template`); `None` when it has
+    /// none.
+    pub chat_template: Option<ChatTemplateSource>,
+    /// How the base weights are held, e.g. `GGUF Q4_1 ×210, F32 ×61, Q8_0 ×1 (quantized, 93.8 MiB)`
+    /// or `safetensors BF16 (256.0 MiB)`.
+    pub weights: String,
     /// The name requests use for the base model.
     pub served_model_name: String,
     /// Adapter slots (distinct adapters per step), the rank of every slot and the modules with
@@ -29,7 +37,8 @@ pub struct EngineConfig {
     /// Dtype of adapters and slots.
     pub lora_dtype: DType,
     /// The dtype the model is served in (weights and KV cache; on the CPU the activations are
-    /// f32 whatever it is).
+    /// f32 whatever it is). A GGUF model kept quantized holds its projections in their GGUF
+    /// types ([`EngineConfig::weights`]) and the rest (norms, KV cache) in this dtype.
     pub dtype: DType,
     /// Which kernel each path of a step runs, with the instruction set picked at run time (the
     /// start-up log's `kernels`).

@@ -1,8 +1,9 @@
 //! The engine loop, on its own thread: drain commands between steps, admit requests whose
-//! adapter is ready (the rest wait here in arrival order), then one step (`step.rs`: schedule →
+//! adapter is in hand (the rest wait here in arrival order, each on the ticket of its adapter's
+//! load: the loop never looks a model name up), then one step (`step.rs`: schedule →
 //! activate adapter generations into slots → one forward over the flat batch → sample → update
-//! → stream). The live request table's entries are in `live.rs`, the metrics snapshot in
-//! `snapshot.rs`. When there is nothing to run it blocks on the command channel (the store's
+//! → stream). The live request table's entries are in `live.rs`, what each holds of its adapter
+//! in `hold.rs`, the metrics snapshot in `snapshot.rs`. When there is nothing to run it blocks on the command channel (the store's
 //! load events arrive there too), waking only to beat its heartbeat twice a second, so an idle
 //! engine costs next to nothing. What it publishes for readers that must not wait on it (state,
 //! heartbeat, snapshot) is in `health.rs`.
@@ -13,11 +14,12 @@
 //! being handed over from this thread one by one, and an embedding application's own rayon work
 //! never competes with a step for the global pool.
 
+mod hold;
 mod live;
 mod snapshot;
 mod step;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -25,17 +27,17 @@ use std::time::{Duration, Instant};
 
 use multilora_models::{KvCache, Model};
 use multilora_scheduler::{Request, Scheduler};
-use multilora_store::{AdapterStatus, LoadEvent, Store};
-use multilora_types::AdapterGen;
+use multilora_store::{LoadEvent, Store};
 use tokenizers::Tokenizer;
 
 use crate::command::{Command, EventCount, Submission};
 use crate::config::EngineConfig;
-use crate::error::{EngineError, Result};
+use crate::error::EngineError;
 use crate::health::{HEARTBEAT, LoopState, PUBLISH_EVERY, Published, panic_message};
 use crate::metrics::Counters;
 use crate::request::{Event, FinishReason, Usage};
 use crate::step_cost::CostEstimator;
+use hold::{Admission, Hold};
 use live::{Live, stop_ids};
 
 /// Everything the loop thread owns.
@@ -197,9 +199,6 @@ impl EngineLoop {
                 Command::Submit(sub) => {
                     let _ = sub.events.send(Event::Error(failed.clone()));
                 }
-                Command::Unload(_, reply) => {
-                    let _ = reply.send(Err(failed.clone()));
-                }
                 Command::Metrics(reply) => {
                     let _ = reply.send((*self.published.snapshot()).clone());
                 }
@@ -215,18 +214,18 @@ impl EngineLoop {
         match cmd {
             Command::Submit(sub) => self.submit(*sub),
             Command::Abort(id) => self.abort(id),
-            Command::Unload(name, reply) => {
-                let _ = reply.send(self.unload(&name));
-            }
             Command::Metrics(reply) => {
                 let _ = reply.send(self.snapshot());
             }
-            // Deferred requests are checked against the store on every iteration, so a load
-            // event only has to wake the loop; it is logged here.
+            // Deferred requests' tickets are looked at on every iteration, so a load event only
+            // has to wake the loop; it is logged here.
             Command::Adapter(ev) => {
                 self.events.taken();
                 match ev {
                     LoadEvent::Ready { name, .. } => tracing::debug!(adapter = %name, "adapter in host memory"),
+                    LoadEvent::Superseded { name, .. } => {
+                        tracing::debug!(adapter = %name, "a superseded load ended for the requests accepted on it")
+                    }
                     LoadEvent::Failed { name, error } => {
                         tracing::warn!(adapter = %name, %error, "adapter load failed")
                     }
@@ -238,51 +237,50 @@ impl EngineLoop {
         true
     }
 
-    fn submit(&mut self, sub: Submission) {
+    fn submit(&mut self, mut sub: Submission) {
         let seed = sub.params.seed.unwrap_or_else(|| {
             self.seed_counter = self.seed_counter.wrapping_add(0x9e37_79b9_7f4a_7c15);
             self.seed_counter ^ sub.id.rotate_left(32)
         });
-        let live = Live::new(sub, seed, &self.config.eos_token_ids, self.tokenizer.is_some());
+        let base = sub.adapter.is_none();
+        let (hold, refused) = match Hold::accept(sub.adapter.take()) {
+            Ok(hold) => (hold, None),
+            Err(e) => (Hold::Base, Some(e)),
+        };
+        let live = Live::new(sub, hold, seed, &self.config.eos_token_ids, self.tokenizer.is_some());
         let id = live.sub.id;
         let name = live.sub.model.clone();
         self.live.insert(id, live);
-        if name == self.config.served_model_name {
-            self.admit(id, None);
-            return;
+        if let Some(e) = refused {
+            return self.fail(id, EngineError::from_store_arc(&name, &e));
         }
-        // `submit` refused names that are not served (LoRA off included); the store is asked
-        // again because the adapter may have loaded, failed or been unloaded since.
-        // In arrival order behind an earlier request for the same adapter, and behind every
-        // deferred request while a load waits for a CPU entry (see `admit_deferred`).
-        let earlier = self.deferred.iter().any(|d| self.live.get(d).is_some_and(|l| l.sub.model == name))
-            || (!self.deferred.is_empty() && self.store.loads_waiting() > 0);
-        match self.store.request(&name) {
-            Ok(AdapterStatus::Ready(g)) if !earlier => self.admit(id, Some(g)),
-            Ok(AdapterStatus::Failed(e)) => self.fail(id, EngineError::from_store_arc(&name, &e)),
-            Ok(_) => self.deferred.push_back(id),
-            Err(e) => self.fail(id, EngineError::from_store(&name, e)),
+        // An adapter's request waits in arrival order behind an earlier request for the same
+        // adapter, and behind every deferred request while a load waits for a CPU entry (see
+        // `admit_deferred`); the base model's never waits here.
+        let earlier = !base
+            && (self.deferred.iter().any(|d| self.live.get(d).is_some_and(|l| l.sub.model == name))
+                || (!self.deferred.is_empty() && self.store.loads_waiting() > 0));
+        if earlier || self.try_admit(id) {
+            self.deferred.push_back(id);
         }
     }
 
-    /// Hands request `id` to the scheduler on `generation`: from here until it finishes it
-    /// holds that generation's host-memory entry (a `HostLease`; its slot only while it runs),
-    /// so it keeps its place and aging in the scheduler whatever loads come meanwhile. If the
-    /// generation left host memory since it was looked up, the request waits again in order.
-    fn admit(&mut self, id: u64, generation: Option<AdapterGen>) {
-        let Some(live) = self.live.get_mut(&id) else { return };
-        if let Some(g) = generation {
-            match self.store.host_lease(g) {
-                Ok(host) => live.host = Some(host),
-                Err(_) => {
-                    self.store.prefetch([live.sub.model.as_str()]);
-                    let at = self.deferred.partition_point(|&d| d < id);
-                    self.deferred.insert(at, id);
-                    return;
-                }
+    /// Hands request `id` to the scheduler if its adapter is in hand (`Hold::admit`: from here
+    /// until it finishes it holds that generation's host-memory entry, its slot only while it
+    /// runs, so it keeps its place and aging in the scheduler whatever loads, unloads and
+    /// reloads come meanwhile); one whose load failed fails. Returns whether its load still
+    /// runs (then the caller keeps it in the engine's queue).
+    fn try_admit(&mut self, id: u64) -> bool {
+        let Some(live) = self.live.get_mut(&id) else { return false };
+        let generation = match live.hold.admit(&self.store) {
+            Admission::Admitted(generation) => generation,
+            Admission::Loading => return true,
+            Admission::Failed(e) => {
+                let name = live.sub.model.clone();
+                self.fail(id, EngineError::from_store_arc(&name, &e));
+                return false;
             }
-        }
-        live.generation = generation;
+        };
         let p = &live.sub.params;
         let room = self.config.max_model_len.saturating_sub(live.sub.prompt.len()).max(1);
         live.max_new = p.max_tokens.unwrap_or(room).min(room);
@@ -299,45 +297,41 @@ impl EngineLoop {
                 }
                 other => EngineError::invalid(other.to_string()),
             };
-            return self.fail(id, err);
+            self.fail(id, err);
+            return false;
         }
         let prompt_len = live.sub.prompt.len() as u64;
         let usage = self.counters.adapter(&live.sub.model);
         usage.requests += 1;
         usage.prompt_tokens += prompt_len;
         self.counters.prompt_tokens += prompt_len;
+        false
     }
 
-    /// Admits deferred requests whose adapter became ready, and fails those whose load failed.
+    /// Admits deferred requests whose adapter is in hand, in arrival order, and fails those
+    /// whose load failed. No name is looked up: each request's ticket says how its load ended.
     fn admit_deferred(&mut self) {
         if self.deferred.is_empty() {
             return;
         }
-        let mut status: HashMap<String, std::result::Result<AdapterStatus, EngineError>> = HashMap::new();
-        // While a load waits for a CPU entry to be unpinned, requests behind it wait too, even
-        // for adapters in host memory: admitting them would pin those entries again and could
-        // starve the waiting load. (Admitted requests hold their entry until they finish.)
+        // While a load waits for a CPU entry to be unpinned, requests behind one still loading
+        // wait too, even for adapters in host memory: admitting them would pin those entries
+        // again and could starve the waiting load. (Admitted requests hold their entry until
+        // they finish.) And a request never passes an earlier one for the same model.
         let capacity_wait = self.store.loads_waiting() > 0;
         let mut blocked = false;
+        let mut loading: HashSet<String> = HashSet::new();
         let queue = std::mem::take(&mut self.deferred);
         for id in queue {
-            if blocked {
+            let Some(name) = self.live.get(&id).map(|l| l.sub.model.clone()) else { continue };
+            if blocked || loading.contains(&name) {
                 self.deferred.push_back(id);
                 continue;
             }
-            let Some(name) = self.live.get(&id).map(|l| l.sub.model.clone()) else { continue };
-            let st = status
-                .entry(name.clone())
-                .or_insert_with(|| self.store.request(&name).map_err(|e| EngineError::from_store(&name, e)))
-                .clone();
-            match st {
-                Ok(AdapterStatus::Ready(g)) => self.admit(id, Some(g)),
-                Ok(AdapterStatus::Failed(e)) => self.fail(id, EngineError::from_store_arc(&name, &e)),
-                Ok(_) => {
-                    self.deferred.push_back(id);
-                    blocked = capacity_wait;
-                }
-                Err(e) => self.fail(id, e),
+            if self.try_admit(id) {
+                self.deferred.push_back(id);
+                loading.insert(name);
+                blocked = capacity_wait;
             }
         }
     }
@@ -371,10 +365,9 @@ impl EngineLoop {
         self.finish(id, FinishReason::Error, 0);
     }
 
-    /// Removes request `id` (its lease goes with it), counts it, sends `Finished`.
+    /// Removes request `id` (its hold goes with it), counts it, sends `Finished`.
     fn finish(&mut self, id: u64, reason: FinishReason, completion_tokens: usize) {
-        let Some(mut live) = self.live.remove(&id) else { return };
-        live.lease = None;
+        let Some(live) = self.live.remove(&id) else { return };
         *self.counters.finished.entry(reason.as_str()).or_default() += 1;
         if reason != FinishReason::Error && reason != FinishReason::Aborted {
             self.counters.e2e.observe(live.sub.arrived.elapsed());
@@ -383,25 +376,12 @@ impl EngineLoop {
         let _ = live.sub.events.send(Event::Finished { reason, usage });
     }
 
-    fn unload(&mut self, name: &str) -> Result<()> {
-        self.store.unload(name).map_err(|e| EngineError::from_store(name, e))?;
-        let waiting: Vec<u64> =
-            self.deferred.iter().copied().filter(|d| self.live.get(d).is_some_and(|l| l.sub.model == name)).collect();
-        for id in waiting {
-            self.fail(id, EngineError::ModelNotFound { name: name.to_string() });
-        }
-        Ok(())
-    }
-
     /// Fails everything still live and queued, and leaves a last snapshot for `metrics()`.
     fn shutdown(&mut self) {
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
                 Command::Submit(sub) => {
                     let _ = sub.events.send(Event::Error(EngineError::Shutdown));
-                }
-                Command::Unload(_, reply) => {
-                    let _ = reply.send(Err(EngineError::Shutdown));
                 }
                 Command::Adapter(_) => self.events.taken(),
                 _ => {}

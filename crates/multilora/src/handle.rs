@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use multilora_adapter::AdapterSource;
 use multilora_models::{KvCache, Model};
 use multilora_scheduler::Scheduler;
-use multilora_store::{AdapterStatus, Store};
+use multilora_store::{Resolution, Store};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -175,8 +175,11 @@ impl EngineHandle {
 
     /// Validates and tokenizes `request` on the caller's thread, then queues it. Invalid
     /// parameters, an untokenizable or too long prompt, an unknown model and an adapter whose
-    /// last load failed fail here, before anything is queued. An adapter that is not in host
-    /// memory yet starts loading here; if that load fails, the error arrives on the stream as
+    /// last load failed fail here, before anything is queued. The model name is resolved here,
+    /// once: the request holds the adapter generation it was accepted with (or the load of it
+    /// that this call started or joined, for an adapter not in host memory yet) until it ends,
+    /// so an unload or reload of the adapter after this call never fails it; it finishes on that
+    /// generation, as in vLLM. If the load fails, the error arrives on the stream as
     /// [`Event::Error`] ([`RequestStream::adapter_ready`] says which case a stream is in).
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
         let config = &self.shared.config;
@@ -199,12 +202,14 @@ impl EngineHandle {
             return Err(EngineError::PromptTooLong { prompt_len: prompt.len(), max_model_len: config.max_model_len });
         }
         let stops = StopStrings::new(&request.params.stop)?;
-        let adapter_ready = self.resolve(&request.model)?;
+        let adapter = self.resolve(&request.model)?;
+        let adapter_ready = !matches!(adapter, Some(Resolution::Loading(_)));
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = unbounded_channel();
         let sub = Submission {
             id,
             model: request.model,
+            adapter,
             prompt,
             params: request.params,
             stops,
@@ -215,21 +220,20 @@ impl EngineHandle {
         Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false, adapter_ready })
     }
 
-    /// Whether `model` is served: the base model, or an adapter the store knows or a resolver
-    /// may find (whose load this starts). `Ok(true)` when its weights are in host memory now
-    /// (the base always), `Ok(false)` while its load runs.
-    fn resolve(&self, model: &str) -> Result<bool> {
+    /// What `model` is: `None` for the base model; for an adapter, what the store resolves it
+    /// to (its generation in host memory, or the ticket of the load this starts or joins). An
+    /// unknown model, LoRA being off, and an adapter whose last load failed are errors.
+    fn resolve(&self, model: &str) -> Result<Option<Resolution>> {
         let config = &self.shared.config;
         if model == config.served_model_name {
-            return Ok(true);
+            return Ok(None);
         }
         if config.lora.is_off() {
             return Err(EngineError::ModelNotFound { name: model.to_string() });
         }
-        match self.shared.store.lookup(model) {
-            Ok(AdapterStatus::Ready(_)) => Ok(true),
-            Ok(AdapterStatus::Failed(e)) => Err(EngineError::from_store_arc(model, &e)),
-            Ok(_) => Ok(false),
+        match self.shared.store.resolve(model) {
+            Ok(Resolution::Failed(e)) => Err(EngineError::from_store_arc(model, &e)),
+            Ok(resolution) => Ok(Some(resolution)),
             Err(e) => Err(EngineError::from_store(model, e)),
         }
     }
@@ -241,6 +245,13 @@ impl EngineHandle {
         let tok = self.tokenizer()?;
         let enc = tok.encode(text, add_special_tokens).map_err(|e| EngineError::invalid(format!("tokenizing: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids` with the model's tokenizer (special tokens left out when
+    /// `skip_special_tokens`).
+    pub fn detokenize(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        let tok = self.tokenizer()?;
+        tok.decode(ids, skip_special_tokens).map_err(|e| EngineError::invalid(format!("decoding: {e}")))
     }
 
     /// Each token's own text (special tokens included), as OpenAI's logprobs report tokens.
@@ -321,24 +332,28 @@ impl EngineHandle {
     }
 
     /// Registers and loads adapter `name` from `source` (vLLM's `/v1/load_lora_adapter`),
-    /// returning once it is validated and in host memory. The files are read on the caller's
-    /// thread, never inside a step. Refused unless `allow_runtime_lora_updating`.
-    pub fn load_adapter(&self, name: &str, source: &str) -> Result<()> {
-        let src = self.runtime_source(source)?;
+    /// returning once it is validated and registered: `Ok(true)` when it is in host memory,
+    /// `Ok(false)` when every host-memory entry is pinned by requests (it is not refused: it goes
+    /// in when the first entry unpins, and requests for it wait until then). The files are read
+    /// on the caller's thread, never inside a step. Refused unless `allow_runtime_lora_updating`.
+    pub fn load_adapter(&self, name: &str, source: &str) -> Result<bool> {
+        let src = self.runtime_source(name, source)?;
         // The store refuses an adapter targeting modules without slot buffers before it is
         // registered, so a refused load leaves nothing behind.
-        self.shared.store.load(name, src).map_err(|e| EngineError::from_store(name, e))?;
-        Ok(())
+        let loaded = self.shared.store.load(name, src).map_err(|e| EngineError::from_store(name, e))?;
+        Ok(loaded.is_cached())
     }
 
-    /// Replaces `name`'s weights in place: new requests get the new generation, running ones
-    /// finish on the old; prefix-cache blocks of the old generation are never reused. A new
-    /// version that fails any check (unreadable, invalid, targeting modules without slots) is
-    /// refused and the previous one stays current.
-    pub fn reload_adapter(&self, name: &str, source: &str) -> Result<()> {
-        let src = self.runtime_source(source)?;
-        self.shared.store.reload_in_place(name, src).map_err(|e| EngineError::from_store(name, e))?;
-        Ok(())
+    /// Replaces `name`'s weights in place: new requests get the new generation, requests
+    /// accepted before finish on the one they were accepted with; prefix-cache blocks of the old
+    /// generation are never reused. A new version that fails any check (unreadable, invalid,
+    /// targeting modules without slots) is refused and the previous one stays current.
+    /// `Ok(true)` when the new version is in host memory, `Ok(false)` when every host-memory
+    /// entry is pinned: new requests wait for it until the first entry unpins.
+    pub fn reload_adapter(&self, name: &str, source: &str) -> Result<bool> {
+        let src = self.runtime_source(name, source)?;
+        let loaded = self.shared.store.reload_in_place(name, src).map_err(|e| EngineError::from_store(name, e))?;
+        Ok(loaded.is_cached())
     }
 
     /// Starts loading adapter `name` again now, after a failed load, without waiting for its
@@ -347,24 +362,23 @@ impl EngineHandle {
     pub fn retry_adapter(&self, name: &str) -> Result<bool> {
         self.check_alive()?;
         self.shared.store.retry(name);
-        match self.shared.store.request(name) {
-            Ok(AdapterStatus::Ready(_)) => Ok(true),
-            Ok(AdapterStatus::Failed(e)) => Err(EngineError::from_store_arc(name, &e)),
-            Ok(_) => Ok(false),
+        match self.shared.store.resolve(name) {
+            Ok(Resolution::Ready(_)) => Ok(true),
+            Ok(Resolution::Loading(_)) => Ok(false),
+            Ok(Resolution::Failed(e)) => Err(EngineError::from_store_arc(name, &e)),
             Err(e) => Err(EngineError::from_store(name, e)),
         }
     }
 
-    /// Removes `name`: new and still-deferred requests for it get `model_not_found`; running
-    /// ones finish.
+    /// Removes `name`: new requests for it get `model_not_found`; requests accepted before run
+    /// to their end on the generation they were accepted with (or the load of it they wait on).
     pub fn unload_adapter(&self, name: &str) -> Result<()> {
         if !self.shared.config.allow_runtime_lora_updating {
             return Err(EngineError::RuntimeUpdatesDisabled);
         }
         self.check_alive()?;
-        let (reply, rx) = std::sync::mpsc::sync_channel(1);
-        self.shared.tx.send(Command::Unload(name.to_string(), reply)).map_err(|_| EngineError::Shutdown)?;
-        rx.recv().map_err(|_| EngineError::Shutdown)?
+        self.shared.store.unload(name).map_err(|e| EngineError::from_store(name, e))?;
+        Ok(())
     }
 
     /// `Ok` while the loop runs; a stopped or failed engine refuses every call that would
@@ -377,12 +391,20 @@ impl EngineHandle {
         }
     }
 
-    fn runtime_source(&self, source: &str) -> Result<AdapterSource> {
+    /// A client's source string for adapter `name`, read and confined by the store, which asks
+    /// the file system nothing about a path outside the allowed roots (one answer for all of
+    /// them). A string that is no adapter source is `invalid_request`, as before.
+    fn runtime_source(&self, name: &str, source: &str) -> Result<AdapterSource> {
         if !self.shared.config.allow_runtime_lora_updating {
             return Err(EngineError::RuntimeUpdatesDisabled);
         }
         self.check_alive()?;
-        AdapterSource::parse(source).map_err(|e| EngineError::invalid(e.to_string()))
+        self.shared.store.runtime_source(name, source).map_err(|e| match e {
+            multilora_store::Error::Adapter(e @ multilora_adapter::Error::Source { .. }) => {
+                EngineError::invalid(e.to_string())
+            }
+            other => EngineError::from_store(name, other),
+        })
     }
 }
 

@@ -67,8 +67,9 @@ mod request;
 mod sampling;
 mod step_cost;
 mod stop;
+mod text;
 
-pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder};
+pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, MAX_DEFAULT_KV_CACHE_BYTES};
 pub use candle_core::{DType, Device};
 pub use config::EngineConfig;
 pub use error::{EngineError, Result, SharedError};
@@ -90,3 +91,4 @@ pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, TokenLogprob, Usage,
 };
+pub use text::ChatTemplateSource;

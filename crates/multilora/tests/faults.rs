@@ -242,6 +242,50 @@ fn resolved_adapter_waits_in_the_engine_while_it_loads() -> Result<()> {
     Ok(())
 }
 
+/// A request accepted while its adapter is being resolved holds that load: the operator loads
+/// other weights under the name and then unloads it before the load ends, and the request still
+/// runs, on the weights the load it was accepted on read, with the tokens those weights give; a
+/// request accepted on the operator's weights keeps those through the unload.
+#[test]
+fn a_request_waiting_on_a_load_keeps_it_across_a_load_and_an_unload_of_its_name() -> Result<()> {
+    let prompt = vec![1u32, 294, 488, 7];
+    let reference = builder(4).build()?;
+    let want = reference.submit(GenerateRequest::new("rslora_r4", prompt.clone()).params(greedy(5)))?;
+    let want = want.collect_blocking()?.token_ids;
+    drop(reference);
+    let root = fixtures().join("adapters");
+    let (gate_tx, gate) = std::sync::mpsc::channel::<()>();
+    let engine = multilora::Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .max_lora_rank(16)
+        .kv_cache_bytes(8 << 20)
+        .allow_runtime_lora_updating(true)
+        .allowed_lora_root(fixtures())
+        .lora_resolver(Gated { inner: multilora::DirectoryResolver::new(root), gate: std::sync::Mutex::new(gate) })
+        .build()?;
+    // Bound after the engine, so that a failing assertion opens the gate before the engine's
+    // loader threads are joined.
+    let open = gate_tx;
+    let waiting = engine.submit(GenerateRequest::new("rslora_r4", prompt.clone()).params(greedy(5)))?;
+    assert!(!waiting.adapter_ready());
+    until(&engine, "waiting in the engine for the load", |m| m.deferred == 1);
+    let h = engine.handle();
+    assert!(h.load_adapter("rslora_r4", &path("adapters/all_r16"))?);
+    // A later request gets the operator's weights at once (and waits behind the earlier one for
+    // the same name, in arrival order), and keeps them through the unload too.
+    let other = engine.submit(GenerateRequest::new("rslora_r4", prompt.clone()).params(greedy(5)))?;
+    assert!(other.adapter_ready());
+    h.unload_adapter("rslora_r4")?;
+    drop(open);
+    assert_eq!(waiting.collect_blocking()?.token_ids, want, "the request ran on what its load read");
+    assert_ne!(other.collect_blocking()?.token_ids, want, "the later one on the operator's weights");
+    let m = wait_for(&engine, |m| m.running == 0 && m.waiting == 0);
+    assert_idle(&m);
+    assert!(m.request_errors.is_empty(), "{:?}", m.request_errors);
+    assert_eq!(m.cpu_tier.entries, 0, "the superseded generation left with its request: {m:?}");
+    Ok(())
+}
+
 /// A start-up adapter whose config claims a rank of a billion (or a rank pattern of that size):
 /// the engine sizes its slots from the start-up ranks, so this once aborted the process on a
 /// 2 TB allocation. It is a typed error naming the adapter, before any slot is allocated; so is a

@@ -12,6 +12,7 @@ pub(crate) mod lora_cuda;
 // The CUDA glue and the emulated kernel tests use the plan; a CPU build only tests it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod plan;
+pub(crate) mod quant;
 pub(crate) mod shrink;
 pub(crate) mod slow;
 

@@ -5,6 +5,8 @@ mod emulated;
 mod gemm;
 mod layers;
 mod ops;
+mod quant;
+mod quant_kernels;
 
 use std::collections::BTreeMap;
 

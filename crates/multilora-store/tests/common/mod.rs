@@ -11,7 +11,7 @@ use std::time::Duration;
 use multilora_adapter::{
     AdapterSource, Fingerprint, LoadOptions, LoraAdapter, ModelShapes, ModuleKind, SlotSink, SyntheticAdapter,
 };
-use multilora_store::{AdapterGen, AdapterLoader, FsLoader, LoadEvent, SlotId, Store};
+use multilora_store::{AdapterGen, AdapterLoader, FsLoader, LoadEvent, Loaded, SlotId, Store};
 use parking_lot::Mutex;
 
 /// The PEFT fixtures of the repository.
@@ -142,4 +142,13 @@ pub fn with_events(builder: multilora_store::StoreBuilder) -> anyhow::Result<(St
 /// The next event on `rx`; the timeout only keeps a broken test from hanging.
 pub fn next_event(rx: &mpsc::Receiver<LoadEvent>) -> LoadEvent {
     rx.recv_timeout(Duration::from_secs(60)).expect("no load event")
+}
+
+/// The generation of a runtime load or reload that went into the CPU tier at once; one that had
+/// to wait for room fails the test.
+pub fn cached(loaded: Loaded) -> AdapterGen {
+    match loaded {
+        Loaded::Cached(generation) => generation,
+        other => panic!("expected a load cached at once: {other:?}"),
+    }
 }

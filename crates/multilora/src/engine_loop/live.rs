@@ -1,14 +1,14 @@
-//! The live request table's entry: a request from submission to its end — its pin (a
-//! `SlotLease`, dropped with it), its sampler, detokenizer and stop-string text, its prompt
-//! logprobs — and what one step does for it (prompt logprobs, sampling, stop strings, events).
+//! The live request table's entry: a request from submission to its end — its hold on its
+//! adapter (`hold.rs`, dropped with it), its sampler, detokenizer and stop-string text, its
+//! prompt logprobs — and what one step does for it (prompt logprobs, sampling, stop strings,
+//! events).
 
 use std::time::Instant;
 
 use multilora_scheduler::{LogitsWanted, RequestResult, ScheduledRequest};
-use multilora_store::{HostLease, SlotLease};
-use multilora_types::AdapterGen;
 use tokenizers::Tokenizer;
 
+use super::hold::Hold;
 use crate::command::Submission;
 use crate::detokenize::Detokenizer;
 use crate::metrics::Counters;
@@ -20,15 +20,9 @@ use crate::stop::{StopScan, StopStrings};
 #[derive(Debug)]
 pub(super) struct Live {
     pub(super) sub: Submission,
-    pub(super) generation: Option<AdapterGen>,
-    /// This request's pin on `generation`: held from the step it starts running until it
-    /// finishes, is cancelled or is preempted (a waiting request must not hold a slot, or
-    /// waiting requests of running adapters could pin every slot). Dropped with the request,
-    /// so a pin cannot outlive it.
-    pub(super) lease: Option<SlotLease>,
-    /// While preempted: a pin on `generation`'s host-memory entry only (not its slot), so the
-    /// request resumes on the same weights however the tiers move meanwhile.
-    pub(super) host: Option<HostLease>,
+    /// What it holds of its adapter, from `submit` on: dropped with the request, so a pin
+    /// cannot outlive it.
+    pub(super) hold: Hold,
     pub(super) sampler: SamplerState,
     pub(super) detok: Option<Detokenizer>,
     /// Where the scan of the generated text for stop strings stands.
@@ -41,8 +35,8 @@ pub(super) struct Live {
 }
 
 impl Live {
-    /// A request just submitted: not yet on an adapter generation, holding no pin.
-    pub(super) fn new(sub: Submission, seed: u64, eos: &[u32], detokenize: bool) -> Live {
+    /// A request just submitted, holding what `submit` resolved its model to.
+    pub(super) fn new(sub: Submission, hold: Hold, seed: u64, eos: &[u32], detokenize: bool) -> Live {
         let stop = stop_ids(&sub.params, eos);
         let detok = detokenize.then(|| Detokenizer::new(&sub.prompt, sub.params.skip_special_tokens));
         let stop_scan = sub.stops.as_ref().map(StopStrings::scanner);
@@ -50,23 +44,12 @@ impl Live {
             sampler: SamplerState::new(seed, &sub.prompt, stop, &sub.params),
             prompt_lp: sub.params.prompt_logprobs.map(|_| vec![None; sub.prompt.len()]),
             sub,
-            generation: None,
-            lease: None,
-            host: None,
+            hold,
             detok,
             stop_scan,
             last_token: None,
             max_new: usize::MAX,
         }
-    }
-
-    /// Back to the start, to be computed again (its adapter left host memory while it waited:
-    /// nothing was generated, so nothing is lost).
-    pub(super) fn restart(&mut self) {
-        self.generation = None;
-        self.lease = None;
-        self.host = None;
-        self.prompt_lp = self.sub.params.prompt_logprobs.map(|_| vec![None; self.sub.prompt.len()]);
     }
 
     /// Prompt logprobs and sampling for this request's share of a step (`rows`: its logit

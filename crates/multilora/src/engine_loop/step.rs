@@ -1,5 +1,5 @@
-//! One engine step: schedule → pin the generations of requests that start running (and unpin
-//! the preempted) → activate the step's generations into slots → one forward over the flat
+//! One engine step: schedule → pin the slots of requests that start running (and unpin the
+//! preempted) → activate the step's generations into slots → one forward over the flat
 //! batch → prompt logprobs, sampling, stop strings → the scheduler's update → stream the events
 //! and count the step. Also the warm-up that seeds the step cost model.
 
@@ -82,9 +82,9 @@ impl EngineLoop {
                     None => continue,
                 },
             };
-            // Failed, re-deferred or unpinned since `schedule`: not part of this step.
+            // Failed since `schedule`: not part of this step.
             match self.live.get(&s.id) {
-                Some(live) if s.adapter.is_none() || live.lease.is_some() => {}
+                Some(live) if live.hold.runs_on(s.adapter) => {}
                 _ => continue,
             }
             seqs.push(
@@ -161,41 +161,20 @@ impl EngineLoop {
         }
     }
 
-    /// Pins the generation of every request that starts running this step, and releases the
-    /// pins of preempted requests (they wait again).
+    /// Pins the slot of every request that starts running this step, and lets go of the slots
+    /// of preempted requests (they wait again, on their host-memory entry): `Hold::run` and
+    /// `Hold::preempt`, neither of which can fail, since the request holds its generation all
+    /// along.
     fn update_pins(&mut self, out: &SchedulerOutput) {
         for &id in &out.preempted {
             if let Some(live) = self.live.get_mut(&id) {
-                // Its slot is let go (a waiting request must not pin one), its host-memory entry
-                // is held, taken before the slot lease goes so the generation is never unheld.
-                if let Some(g) = live.generation {
-                    live.host = self.store.host_lease(g).ok();
-                }
-                live.lease = None;
+                live.hold.preempt();
                 self.counters.preemptions += 1;
             }
         }
         for s in &out.scheduled {
-            let Some(live) = self.live.get_mut(&s.id) else { continue };
-            let Some(g) = live.generation else { continue };
-            if live.lease.is_some() {
-                continue;
-            }
-            if let Ok(lease) = self.store.lease(g) {
-                live.lease = Some(lease);
-                live.host = None;
-            } else if live.sampler.num_generated == 0 {
-                // Evicted from the CPU tier while waiting: back to the engine's queue until it
-                // is loaded again (nothing was generated, so nothing is lost).
-                // It keeps its place: the engine's queue is in arrival (id) order.
-                self.scheduler.abort(s.id);
-                live.restart();
-                self.store.prefetch([live.sub.model.as_str()]);
-                let at = self.deferred.partition_point(|&d| d < s.id);
-                self.deferred.insert(at, s.id);
-            } else {
-                let name = live.sub.model.clone();
-                self.fail(s.id, EngineError::AdapterEvicted { name });
+            if let Some(live) = self.live.get_mut(&s.id) {
+                live.hold.run();
             }
         }
     }
@@ -204,11 +183,9 @@ impl EngineLoop {
     /// activated fail alone.
     fn activate(&mut self, out: &SchedulerOutput) -> HashMap<AdapterGen, SlotId> {
         let mut slots = HashMap::new();
-        // Only the requests still on their generation with a lease (not those sent back to
-        // wait for their adapter by `update_pins`) take part.
-        let on = |live: &HashMap<u64, Live>, id: u64, g: AdapterGen| {
-            live.get(&id).is_some_and(|l| l.generation == Some(g) && l.lease.is_some())
-        };
+        // Only the requests running on the generation take part.
+        let on =
+            |live: &HashMap<u64, Live>, id: u64, g: AdapterGen| live.get(&id).is_some_and(|l| l.hold.runs_on(Some(g)));
         for &g in &out.active_adapters {
             if !out.scheduled.iter().any(|s| s.adapter == Some(g) && on(&self.live, s.id, g)) {
                 continue;

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""multilora against llama.cpp on the same GGUF file, the same adapters and the same requests, one
+engine after the other in one run, so that every ratio is taken from figures measured together.
+
+    benches/peers/compare.py --llamacpp DIR/lcpp-build/bin --multilora target/release/multilora \
+        --gguf SmolLM2-135M-Instruct.Q4_1.gguf --adapters ADAPTER_DIR [--threads 2] [--json out.json]
+
+ADAPTER_DIR holds eight llama.cpp LoRA files (`cargo run --release -p multilora-adapter --example
+peer_adapters -- ADAPTER_DIR`); both engines serve the same files. Workloads (prompts: the chat-
+templated questions of tests/fixtures/smollm2/expected/transformers.json, sent as token ids; greedy;
+EOS ignored):
+
+- llama-bench pp512 / tg128 (its own prompt and generation, 2 threads, 3 repetitions);
+- one stream, 128 new tokens: decode tokens/s from the stream's own clock (after its first token),
+  against llama-bench's tg128;
+- prompt processing, a 512-token prompt and 1 new token: prompt tokens/s, against pp512;
+- 16 concurrent streams of 64 new tokens on the base model, and over the eight adapters (two streams
+  each): new tokens/s over the wall clock, llama-server with 16 parallel slots (it runs requests
+  whose adapters differ in separate batches).
+
+Only the standard library is used.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REFERENCE = os.path.join(ROOT, "tests/fixtures/smollm2/expected/transformers.json")
+
+
+def post(port, path, body, timeout=900):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def wait_ready(port, proc, what):
+    for _ in range(600):
+        if proc.poll() is not None:
+            sys.exit(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    sys.exit(f"{what} did not become ready")
+
+
+class Engine:
+    """One server: how to address a request to `adapter` (None = base) and read its tokens."""
+
+    def __init__(self, kind, port, adapters):
+        self.kind, self.port, self.adapters = kind, port, adapters
+
+    def body(self, prompt, n, adapter, stream):
+        if self.kind == "multilora":
+            return "/v1/completions", {"model": adapter or "base", "prompt": prompt, "max_tokens": n,
+                                       "temperature": 0, "ignore_eos": True, "stream": stream}
+        lora = [{"id": i, "scale": 1.0 if a == adapter else 0.0} for i, a in enumerate(self.adapters)]
+        return "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                               "cache_prompt": False, "lora": lora, "stream": stream}
+
+    def run(self, prompt, n, adapter):
+        """Returns (tokens, seconds from sending to the last token)."""
+        path, body = self.body(prompt, n, adapter, False)
+        t0 = time.perf_counter()
+        with post(self.port, path, body) as r:
+            out = json.load(r)
+        tokens = out["usage"]["completion_tokens"] if self.kind == "multilora" else out["tokens_predicted"]
+        return tokens, time.perf_counter() - t0
+
+    def stream_times(self, prompt, n, adapter):
+        """The arrival time of every streamed event that carries a token."""
+        path, body = self.body(prompt, n, adapter, True)
+        times = []
+        t0 = time.perf_counter()
+        with post(self.port, path, body) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                # One event per token: a choice's chunk (multilora; the usage chunk has none), a
+                # not-yet-stopped chunk (llama-server).
+                token = bool(ev.get("choices")) if self.kind == "multilora" else not ev.get("stop", False)
+                if token:
+                    times.append(time.perf_counter() - t0)
+        return times
+
+
+def concurrent(engine, prompts, n, adapters_of):
+    out = [None] * len(prompts)
+
+    def one(i):
+        out[i] = engine.run(prompts[i], n, adapters_of(i))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(o[0] for o in out)
+    assert tokens == n * len(prompts), out
+    return tokens / wall
+
+
+def workloads(engine, prompts, long_prompt, rounds):
+    adapters = engine.adapters
+    res = {}
+    best = lambda f: max(f() for _ in range(rounds))  # noqa: E731
+    # Warm-up: every adapter once.
+    concurrent(engine, prompts[:len(adapters)], 4, lambda i: adapters[i])
+
+    def one_stream():
+        t = engine.stream_times(prompts[0], 128, None)
+        return (len(t) - 1) / (t[-1] - t[0])
+
+    res["1 stream decode"] = best(one_stream)
+
+    def prefill():
+        tokens, secs = engine.run(long_prompt, 1, None)
+        return len(long_prompt) / secs
+
+    res["prompt 512"] = best(prefill)
+    p16 = [prompts[i % len(prompts)] for i in range(16)]
+    res["16 streams base"] = best(lambda: concurrent(engine, p16, 64, lambda i: None))
+    res["16 streams 8 adapters"] = best(lambda: concurrent(engine, p16, 64, lambda i: adapters[i % len(adapters)]))
+    return res
+
+
+def start(cmd, port, what, log):
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_ready(port, proc, what)
+    return proc
+
+
+def stop(proc):
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llamacpp", required=True, help="folder with llama-server and llama-bench")
+    ap.add_argument("--multilora", required=True, help="the multilora binary (release build)")
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--adapters", required=True, help="folder of eight llama.cpp LoRA files")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    cases = json.load(open(REFERENCE))["cases"]
+    prompts = [c["prompt_ids"] for c in cases if c["adapter"] == "base"]
+    # A 512-token prompt: the reference prompts and answers, one after the other.
+    long_prompt = [t for c in cases for t in c["prompt_ids"] + c["output_ids"]][:512]
+    files = sorted(f for f in os.listdir(a.adapters) if f.endswith(".gguf"))
+    names = [f[:-5] for f in files]
+    assert len(files) == 8, files
+    log = open("compare.log", "w")
+    report = {}
+
+    bench = subprocess.run([os.path.join(a.llamacpp, "llama-bench"), "-m", a.gguf, "-t", str(a.threads), "-p", "512",
+                            "-n", "128", "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    for row in json.loads(bench.stdout):
+        key = "pp512" if row["n_prompt"] else "tg128"
+        report[f"llama-bench {key}"] = row["avg_ts"]
+
+    port = 18600
+    lora = ",".join(os.path.join(a.adapters, f) for f in files)
+    server = start([os.path.join(a.llamacpp, "llama-server"), "-m", a.gguf, "--lora", lora, "--lora-init-without-apply",
+                    "-t", str(a.threads), "-tb", str(a.threads), "--parallel", "16", "-cb", "-c", "16384",
+                    "--cache-ram", "0", "--host", "127.0.0.1", "--port", str(port), "--no-webui"],
+                   port, "llama-server", log)
+    try:
+        for k, v in workloads(Engine("llamacpp", port, names), prompts, long_prompt, a.rounds).items():
+            report[f"llama.cpp {k}"] = v
+    finally:
+        stop(server)
+
+    port = 18500
+    cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port),
+           "--max-loras", "8", "--max-lora-rank", "32"]
+    for n, f in zip(names, files):
+        cmd += ["--lora-modules", f"{n}={os.path.join(a.adapters, f)}"]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), RUST_LOG="warn")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    wait_ready(port, server, "multilora serve")
+    try:
+        for k, v in workloads(Engine("multilora", port, names), prompts, long_prompt, a.rounds).items():
+            report[f"multilora {k}"] = v
+    finally:
+        stop(server)
+
+    ratios = {
+        "1 stream decode / tg128": report["multilora 1 stream decode"] / report["llama-bench tg128"],
+        "prompt 512 / pp512": report["multilora prompt 512"] / report["llama-bench pp512"],
+        "16 streams base / llama-server": report["multilora 16 streams base"] / report["llama.cpp 16 streams base"],
+        "16 streams 8 adapters / llama-server":
+            report["multilora 16 streams 8 adapters"] / report["llama.cpp 16 streams 8 adapters"],
+    }
+    for k, v in report.items():
+        print(f"{k:40s} {v:10.1f} tokens/s")
+    for k, v in ratios.items():
+        print(f"{k:40s} {v:10.2f}x")
+    if a.json:
+        json.dump({"figures": report, "ratios": ratios}, open(a.json, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+//! Activation quantization: each row of `x` cut into blocks of 32, each block to integer quants
+//! of about 16 bits with one f32 scale, held as two i8 planes (`Q = 254 · hi + lo`), and the
+//! integer sums of its quants that the weights' offsets and minima need (Q8_1's sum, kept exact).
+//!
+//! Rows are stored in panels of [`PANEL`] (8): within a panel, block by block, the 8 rows' 32
+//! `hi` quants side by side, then their 32 `lo` quants (`qs[p][b][plane][r][32]`: a row's `lo`
+//! is [`LO`] bytes after its `hi`), and their scales and sums field by field ([`Meta`]:
+//! `meta[p][b].d[r]`, …), so a row tile reaches all its rows' operands from one address plus
+//! constant offsets, and an epilogue reads only the cache lines of its fields.
+//!
+//! ```text
+//! d = max|x_i| / (127 · 254),   Q_i = round_ties_even(x_i · (1 / d)) (0 when d = 0)
+//! hi_i = ⌊(Q_i + 127) / 254⌋,   lo_i = Q_i − 254 · hi_i    (both in −127 ..= 127)
+//! s = Σ Q_i
+//! ```
+//!
+//! GGML quantizes activations to 8 bits (Q8_0 / Q8_1: `max|x| / 127`); the second plane makes the
+//! error 254 times smaller (at most `d / 2` a value, `max|x| / 64,516`) for one more integer dot
+//! product per block against the same decoded weights, which is what keeps the quantized path as
+//! close to the dequantized model as llama.cpp is, or closer (docs/BENCHMARKS.md).
+//!
+//! A block depends on its own 32 values only, so a row's quants do not depend on the batch; the
+//! one plain-Rust routine is compiled for each instruction set (IEEE operations, no contraction),
+//! and the AVX-512 one does the same operations, so every set quantizes to the same bits.
+
+use rayon::prelude::*;
+
+use crate::ops::quant::QuantIsa;
+
+/// Rows per panel.
+pub(crate) const PANEL: usize = 8;
+
+/// Bytes from a row's `hi` quants of a block to its `lo` quants.
+pub(crate) const LO: usize = 32 * PANEL;
+
+/// Bytes of one block of a panel (both planes of its 8 rows).
+pub(crate) const BLOCK: usize = 2 * LO;
+
+/// The largest `|Q|`: `max|x|` maps to it.
+const QMAX: f32 = 127.0 * 254.0;
+
+/// The scales and sums of one block of a panel's 8 rows, field by field (one row per lane),
+/// each as an epilogue reads it. Fields read together share a 64-byte line: `d`, `ds` (scale and
+/// minimum), `s`, `sa` (offsets), `sb`, `dsa`, then `dsb`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C, align(64))]
+pub(crate) struct Meta {
+    /// The scale `d`.
+    pub(crate) d: [f32; PANEL],
+    /// `d · s`, rounded once.
+    pub(crate) ds: [f32; PANEL],
+    /// `s = Σ Q` over the 32 quants; `sa`, `sb` over the first and the last 16.
+    pub(crate) s: [i32; PANEL],
+    pub(crate) sa: [i32; PANEL],
+    pub(crate) sb: [i32; PANEL],
+    /// `d · sa`, `d · sb`, rounded once.
+    pub(crate) dsa: [f32; PANEL],
+    pub(crate) dsb: [f32; PANEL],
+    pad: [f32; PANEL],
+}
+
+impl Meta {
+    /// Sets row `r`'s fields from the block's scale and its two half sums.
+    #[inline(always)]
+    fn set(&mut self, r: usize, d: f32, sa: i32, sb: i32) {
+        let s = sa + sb;
+        (self.d[r], self.ds[r], self.s[r], self.sa[r], self.sb[r]) = (d, d * s as f32, s, sa, sb);
+        (self.dsa[r], self.dsb[r]) = (d * sa as f32, d * sb as f32);
+    }
+}
+
+/// The quantized rows of `x: [m, k]`, in panels of [`PANEL`] rows (the last one padded):
+/// `qs[p][b][plane][r][32]` and `meta[p][b]`.
+#[derive(Debug)]
+pub(crate) struct Act {
+    pub(crate) qs: Vec<i8>,
+    pub(crate) meta: Vec<Meta>,
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+}
+
+impl Act {
+    /// Blocks per row.
+    pub(crate) fn nb(&self) -> usize {
+        self.k / 32
+    }
+
+    /// Where row `i`'s block 0 is: its offset into `qs`, its panel's first [`Meta`] in `meta`,
+    /// and its slot in the panel. Block `b` of the row is `BLOCK · b` and `b` further; the
+    /// next row of the panel 32 bytes and one slot on.
+    pub(crate) fn at(&self, i: usize) -> (usize, usize, usize) {
+        let (p, r) = (i / PANEL, i % PANEL);
+        (p * self.nb() * BLOCK + 32 * r, p * self.nb(), r)
+    }
+}
+
+/// Splits `Q` (`|Q| <= QMAX`, integral) into its two planes: `(hi, lo)`, `Q = 254 · hi + lo`.
+/// The quotient of two integers below 2²⁴ rounds correctly and is never within an ulp of the
+/// next integer unless it is one, so `floor` is exact.
+#[inline(always)]
+fn split(q: f32) -> (f32, f32) {
+    let hi = ((q + 127.0) / 254.0).floor();
+    (hi, q - 254.0 * hi)
+}
+
+/// Slot `r`'s `hi` and `lo` quants in each block of a panel's `qs`.
+#[inline(always)]
+fn planes(qs: &mut [i8], r: usize) -> impl Iterator<Item = (&mut [i8], &mut [i8])> {
+    let row = 32 * r..32 * r + 32;
+    qs.chunks_exact_mut(BLOCK).map(move |b| {
+        let (h, l) = b.split_at_mut(LO);
+        (&mut h[row.clone()], &mut l[row.clone()])
+    })
+}
+
+/// Quantizes one row `x` (`k` values) into slot `r` of its panel (`qs`, `meta`: the panel's).
+#[inline(always)]
+fn blocks(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
+    let qs = planes(qs, r);
+    for ((xb, (hb, lb)), mt) in x.chunks_exact(32).zip(qs).zip(meta) {
+        // The largest |x| as bits: for non-negative floats the integer order is the float order
+        // (a NaN, larger than every number, makes the block NaN, as it should).
+        let amax = xb.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff));
+        let d = f32::from_bits(amax) / QMAX;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut q = [0i32; 32];
+        for (((o, h), l), &v) in q.iter_mut().zip(hb.iter_mut()).zip(lb.iter_mut()).zip(xb) {
+            let t = (v * id).round_ties_even().clamp(-QMAX, QMAX);
+            // A NaN quant is 0, as `as i32` makes it.
+            let t = if t.is_nan() { 0.0 } else { t };
+            let (hi, lo) = split(t);
+            (*o, *h, *l) = (t as i32, hi as i8, lo as i8);
+        }
+        mt.set(r, d, q[..16].iter().sum(), q[16..].iter().sum());
+    }
+}
+
+/// [`blocks`] with AVX-512: the same operations on 16 lanes, so the same bits (a NaN product
+/// is masked to 0 as `as i32` makes it, and integral values convert exactly).
+///
+/// # Safety
+/// AVX-512 F/BW/VL must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn blocks_avx512(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
+    use std::arch::x86_64::*;
+    let qs = planes(qs, r);
+    for ((xb, (hb, lb)), mt) in x.chunks_exact(32).zip(qs).zip(meta) {
+        // SAFETY: `xb` holds 32 f32, `hb` and `lb` 32 bytes each; AVX-512 F/BW/VL are available
+        // (the caller).
+        unsafe {
+            let (lo, hi) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
+            let abs = _mm512_set1_epi32(0x7fff_ffff);
+            let bits = _mm512_max_epu32(
+                _mm512_and_si512(_mm512_castps_si512(lo), abs),
+                _mm512_and_si512(_mm512_castps_si512(hi), abs),
+            );
+            let d = f32::from_bits(_mm512_reduce_max_epu32(bits)) / QMAX;
+            let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            // `(Q, hi, lo)` as i32, NaN quants masked to 0.
+            let quant = |v: __m512| {
+                let t = _mm512_mul_ps(v, id);
+                let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(t, t);
+                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+                let t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-QMAX)), _mm512_set1_ps(QMAX));
+                let t = _mm512_maskz_mov_ps(ordered, t);
+                let h = _mm512_div_ps(_mm512_add_ps(t, _mm512_set1_ps(127.0)), _mm512_set1_ps(254.0));
+                let h = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(h);
+                let l = _mm512_sub_ps(t, _mm512_mul_ps(_mm512_set1_ps(254.0), h));
+                (_mm512_cvtps_epi32(t), _mm512_cvtps_epi32(h), _mm512_cvtps_epi32(l))
+            };
+            let ((qa, ha, la), (qz, hz, lz)) = (quant(lo), quant(hi));
+            _mm_storeu_si128(hb.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(ha));
+            _mm_storeu_si128(hb.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(hz));
+            _mm_storeu_si128(lb.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(la));
+            _mm_storeu_si128(lb.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(lz));
+            mt.set(r, d, _mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qz));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn blocks_avx2(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
+    blocks(x, qs, meta, r)
+}
+
+/// Quantizes `x: [m, k]` (row-major, `k` a multiple of 32) into panels, side by side on the
+/// rayon pool when `parallel`.
+///
+/// # Panics
+/// When `x` is not `m · k` values or `k` not a multiple of 32.
+pub(crate) fn quantize(isa: QuantIsa, x: &[f32], m: usize, k: usize, parallel: bool) -> Act {
+    assert!(k.is_multiple_of(32) && x.len() == m * k, "quantized activations: {} values for [{m}, {k}]", x.len());
+    let (nb, panels) = (k / 32, m.div_ceil(PANEL));
+    let mut qs = vec![0i8; panels * nb * BLOCK];
+    let mut meta = vec![Meta::default(); panels * nb];
+    let isa = if isa.available() { isa } else { QuantIsa::Portable };
+    let row = |x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512 F/BW/VL (with AVX2, FMA, F16C) were detected by `available`.
+        QuantIsa::Avx512Vnni => unsafe { blocks_avx512(x, qs, meta, r) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2, FMA and F16C were detected by `available`.
+        QuantIsa::Avx2 | QuantIsa::AvxVnni => unsafe { blocks_avx2(x, qs, meta, r) },
+        _ => blocks(x, qs, meta, r),
+    };
+    let panel = |(p, (qs, meta)): (usize, (&mut [i8], &mut [Meta]))| {
+        for (r, x) in x[p * PANEL * k..].chunks_exact(k.max(1)).take(PANEL).enumerate() {
+            row(x, qs, meta, r);
+        }
+    };
+    let (qc, mc) = ((nb * BLOCK).max(1), nb.max(1));
+    if parallel && panels > 1 {
+        qs.par_chunks_mut(qc).zip(meta.par_chunks_mut(mc)).enumerate().for_each(panel);
+    } else {
+        qs.chunks_mut(qc).zip(meta.chunks_mut(mc)).enumerate().for_each(panel);
+    }
+    Act { qs, meta, m, k }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(a: &Act) -> (Vec<i8>, Vec<u32>) {
+        let m = a.meta.iter().flat_map(|m| {
+            let f = [m.d, m.ds, m.dsa, m.dsb].into_iter().flatten().map(f32::to_bits);
+            f.chain([m.s, m.sa, m.sb].into_iter().flatten().map(|v| v as u32)).collect::<Vec<_>>()
+        });
+        (a.qs.clone(), m.collect())
+    }
+
+    /// Blocks of ties (`d = 1`: values on `.5`), a NaN, infinities, subnormals, zeros and plain
+    /// values, in `m` rows shifted against each other.
+    fn awkward(m: usize) -> (Vec<f32>, usize) {
+        let mut blocks: Vec<[f32; 32]> = Vec::new();
+        let mut ties = [0f32; 32];
+        for (i, v) in ties.iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) + 0.5;
+        }
+        ties[31] = 127.0;
+        blocks.push(ties);
+        let mut nan = [0.25f32; 32];
+        nan[7] = f32::NAN;
+        blocks.push(nan);
+        let mut inf = [-0.75f32; 32];
+        inf[3] = f32::INFINITY;
+        inf[9] = f32::NEG_INFINITY;
+        blocks.push(inf);
+        blocks.push([1e-42; 32]);
+        blocks.push([f32::MIN_POSITIVE * 0.5; 32]);
+        blocks.push([0.0; 32]);
+        blocks.push(std::array::from_fn(|i| ((i * 37 % 29) as f32 - 14.0) * 0.013));
+        let k = 32 * blocks.len();
+        let mut x = Vec::with_capacity(m * k);
+        for r in 0..m {
+            for b in 0..blocks.len() {
+                x.extend_from_slice(&blocks[(b + r) % blocks.len()]);
+            }
+        }
+        (x, k)
+    }
+
+    #[test]
+    fn every_isa_quantizes_to_the_portable_bits() {
+        for (m, parallel) in [(3, false), (21, true)] {
+            let (x, k) = awkward(m);
+            let want = bits(&quantize(QuantIsa::Portable, &x, m, k, false));
+            for isa in QuantIsa::all_available() {
+                assert!(bits(&quantize(isa, &x, m, k, parallel)) == want, "{isa:?}: m = {m}");
+            }
+        }
+    }
+
+    /// Row `i`'s block `b`: its combined quants `254 · hi + lo`.
+    fn combined(a: &Act, i: usize, b: usize) -> Vec<i32> {
+        let (q, _, _) = a.at(i);
+        let at = q + BLOCK * b;
+        (0..32).map(|t| 254 * a.qs[at + t] as i32 + a.qs[at + LO + t] as i32).collect()
+    }
+
+    #[test]
+    fn ties_round_to_even_and_sums_are_exact() {
+        let (x, k) = awkward(1);
+        let a = quantize(QuantIsa::best(), &x, 1, k, false);
+        // Block 0: the largest value is 127, so `d = 1 / 254` and each value `v` is `254 · v`,
+        // an integer: the planes hold it exactly.
+        let want: Vec<i32> =
+            (0..32).map(|i| if i == 31 { 127 * 254 } else { (((i as f32 - 16.0) + 0.5) * 254.0) as i32 }).collect();
+        assert_eq!(combined(&a, 0, 0), want);
+        let r = a.at(0).2;
+        let m = &a.meta[0];
+        assert_eq!(
+            (m.d[r], m.sa[r], m.sb[r], m.s[r]),
+            (127.0 / QMAX, want[..16].iter().sum(), want[16..].iter().sum(), want.iter().sum())
+        );
+        // The zeros block has scale 0 and quants 0; the NaN block has a NaN scale.
+        let (zeros, nan) = (&a.meta[5], &a.meta[1]);
+        assert!(zeros.d[r] == 0.0 && zeros.s[r] == 0 && nan.d[r].is_nan());
+    }
+
+    #[test]
+    fn planes_stay_in_i8_and_hold_each_value_to_half_a_step() {
+        let (x, k) = awkward(4);
+        let a = quantize(QuantIsa::best(), &x, 4, k, false);
+        assert!(a.qs.iter().all(|&q| q != i8::MIN), "a plane reached -128");
+        for i in 0..4 {
+            let (_, mo, r) = a.at(i);
+            for b in 0..k / 32 {
+                let d = a.meta[mo + b].d[r];
+                // Subnormal scales lose their precision (and with it the bound): blocks of values
+                // below 2⁻¹¹¹, which no activation is.
+                if !d.is_normal() {
+                    continue;
+                }
+                for (t, q) in combined(&a, i, b).into_iter().enumerate() {
+                    let v = x[i * k + 32 * b + t];
+                    let err = (v as f64 - q as f64 * d as f64).abs();
+                    assert!(err <= d as f64 * 0.5001, "row {i} block {b} value {t}: {v} as {q} · {d}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! The quantized product's kernels: activation quantization ([`act`]), the generic tile loop
+//! ([`tile`]) over each weight type ([`mod@format`]) on each instruction set ([`simd`]: portable;
+//! [`x86`]: AVX2, AVX-VNNI, AVX-512 VNNI), and [`run`], the safe entry point.
+//!
+//! This module and its children are the quantized path's only `unsafe`: raw-pointer vector loads
+//! and stores, the `#[target_feature]` entry points (called only after run-time detection), and
+//! the one output pointer that threads write disjoint rectangles through. [`run`] checks every
+//! job against the weights, the activations and the output, and against each other, before any
+//! of that runs.
+
+pub(crate) mod act;
+mod format;
+mod simd;
+mod tile;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use rayon::prelude::*;
+
+use super::QuantType;
+use super::layout::{TN, layout};
+use crate::ops::quant::QuantIsa;
+use act::Act;
+use format::{Format, Q2K, Q3K, Q4_0, Q4_1, Q4K, Q5_0, Q5_1, Q5K, Q6K, Q8_0};
+use simd::{Portable, Simd};
+use tile::{RowTile, rows_any};
+
+/// One weight segment: `n` output columns from `col0`, of one type, as tiles of `k` each.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Seg<'a> {
+    pub(crate) qt: QuantType,
+    pub(crate) tiles: &'a [u8],
+    pub(crate) n: usize,
+    pub(crate) col0: usize,
+}
+
+/// One task: tiles `t0..t1` of segment `seg` against rows `m0..m1`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Job {
+    pub(crate) seg: usize,
+    pub(crate) t0: usize,
+    pub(crate) t1: usize,
+    pub(crate) m0: usize,
+    pub(crate) m1: usize,
+}
+
+/// The output, shared by the threads; each writes only its own jobs' rectangles.
+#[derive(Clone, Copy, Debug)]
+struct Out {
+    ptr: *mut f32,
+    ldy: usize,
+}
+
+// SAFETY: `Out` is only handed to jobs whose output rectangles `run` checked to be disjoint, so
+// no two threads ever write, or read, the same element.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+/// The output columns of a job.
+fn cols(s: &Seg<'_>, j: &Job) -> (usize, usize) {
+    (s.col0 + (j.t0 * TN).min(s.n), s.col0 + (j.t1 * TN).min(s.n))
+}
+
+/// Checks what makes the jobs sound: every segment's tiles hold `k` of its columns, inside the
+/// output; every job inside its segment and the activations, and no two overlapping.
+///
+/// # Panics
+/// When one does not hold.
+fn check(act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
+    let (m, k) = (act.m, act.k);
+    let panels = m.div_ceil(act::PANEL);
+    let holds = act.qs.len() >= panels * act.nb() * act::BLOCK && act.meta.len() >= panels * act.nb();
+    assert!(k.is_multiple_of(32) && holds, "quant kernel: activations");
+    for s in segs {
+        let l = layout(s.qt);
+        assert!(k.is_multiple_of(l.sb), "quant kernel: k = {k} for {}", s.qt.name());
+        assert!(s.tiles.len() >= s.n.div_ceil(TN) * (k / l.sb) * l.bytes, "quant kernel: {} tile bytes", s.tiles.len());
+        assert!(s.col0 + s.n <= ldy, "quant kernel: segment columns past the output");
+    }
+    for (i, j) in jobs.iter().enumerate() {
+        let s = segs.get(j.seg).expect("quant kernel: job of no segment");
+        assert!(j.t0 <= j.t1 && j.t1 <= s.n.div_ceil(TN) && j.m0 <= j.m1 && j.m1 <= m, "quant kernel: job {j:?}");
+        let (c0, c1) = cols(s, j);
+        let overlaps = |o: &Job| {
+            let (d0, d1) = cols(&segs[o.seg], o);
+            j.m0 < o.m1 && o.m0 < j.m1 && c0 < d1 && d0 < c1
+        };
+        assert!(!jobs[..i].iter().any(overlaps), "quant kernel: job {j:?} overlaps another");
+    }
+    let area: usize = jobs
+        .iter()
+        .map(|j| {
+            let (c0, c1) = cols(&segs[j.seg], j);
+            (j.m1 - j.m0) * (c1 - c0)
+        })
+        .sum();
+    assert!(area == m * ldy, "quant kernel: the jobs cover {area} of {} outputs", m * ldy);
+}
+
+/// Computes every job into a new `[m, ldy]` output, on the rayon pool when `parallel`. The jobs
+/// must cover the output exactly: it is written once, never zeroed first.
+///
+/// # Panics
+/// When a job reaches outside the weights, the activations or the output, overlaps another, or
+/// the jobs leave an output uncovered.
+pub(crate) fn run(isa: QuantIsa, act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job], parallel: bool) -> Vec<f32> {
+    check(act, segs, ldy, jobs);
+    let len = act.m * ldy;
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    let isa = if isa.available() { isa } else { QuantIsa::Portable };
+    let out = Out { ptr: y.as_mut_ptr(), ldy };
+    let go = |j: &Job| {
+        let s = &segs[j.seg];
+        if j.m0 == j.m1 || j.t0 == j.t1 {
+            return;
+        }
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (`available`); `check`
+            // put the job inside the operands and apart from every other.
+            QuantIsa::Avx512Vnni => unsafe { job_avx512(s, act, out, j) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-VNNI, AVX2, FMA and F16C were detected; bounds as above.
+            QuantIsa::AvxVnni => unsafe { job_avxvnni(s, act, out, j) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2, FMA and F16C were detected; bounds as above.
+            QuantIsa::Avx2 => unsafe { job_avx2(s, act, out, j) },
+            // SAFETY: no instruction set needed; bounds as above.
+            _ => unsafe { job::<Portable>(s, act, out, j) },
+        }
+    };
+    if parallel && jobs.len() > 1 {
+        jobs.par_iter().for_each(go);
+    } else {
+        jobs.iter().for_each(go);
+    }
+    // SAFETY: the capacity is `len`; the jobs are disjoint, inside `[m, ldy]` and their areas sum
+    // to `m · ldy` (`check`), and each writes every output of its rectangle: all are initialized.
+    unsafe { y.set_len(len) };
+    y
+}
+
+/// One job of type `F`: for each tile, each `S::LANES`-column part of it, row tiles down the
+/// job's rows.
+///
+/// # Safety
+/// As `run` checked: the job is inside the segment, the activations and the output, nobody else
+/// writes its rectangle, and `S`'s instruction set is available.
+#[inline(always)]
+unsafe fn job_of<S: Simd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+    let nsb = act.k / F::L.sb;
+    let rec = nsb * F::L.bytes;
+    for t in j.t0..j.t1 {
+        let tile_cols = (s.n - t * TN).min(TN);
+        let mut c0 = 0;
+        while c0 < tile_cols {
+            let mut i = j.m0;
+            while i < j.m1 {
+                let (xo, mo, slot) = act.at(i);
+                // SAFETY: tile `t` of the segment, rows `i..` of the activations (within row `i`'s
+                // panel: `rows_any` stops at its end) and outputs `(i.., col0 + 16t + c0 ..)`, all
+                // inside the job (see `run`'s checks).
+                i += unsafe {
+                    let rt = RowTile {
+                        w: s.tiles.as_ptr().add(t * rec),
+                        nsb,
+                        c0,
+                        x: act.qs.as_ptr().add(xo),
+                        meta: act.meta.as_ptr().add(mo),
+                        slot,
+                        y: out.ptr.add(i * out.ldy + s.col0 + t * TN + c0),
+                        ldy: out.ldy,
+                        cols: (tile_cols - c0).min(S::LANES),
+                    };
+                    rows_any::<S, F>(j.m1 - i, rt)
+                };
+            }
+            c0 += S::LANES;
+        }
+    }
+}
+
+/// [`job_of`] for the segment's type.
+///
+/// # Safety
+/// As for [`job_of`].
+#[inline(always)]
+unsafe fn job<S: Simd>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match s.qt {
+            QuantType::Q4_0 => job_of::<S, Q4_0>(s, act, out, j),
+            QuantType::Q4_1 => job_of::<S, Q4_1>(s, act, out, j),
+            QuantType::Q5_0 => job_of::<S, Q5_0>(s, act, out, j),
+            QuantType::Q5_1 => job_of::<S, Q5_1>(s, act, out, j),
+            QuantType::Q8_0 => job_of::<S, Q8_0>(s, act, out, j),
+            QuantType::Q2K => job_of::<S, Q2K>(s, act, out, j),
+            QuantType::Q3K => job_of::<S, Q3K>(s, act, out, j),
+            QuantType::Q4K => job_of::<S, Q4K>(s, act, out, j),
+            QuantType::Q5K => job_of::<S, Q5K>(s, act, out, j),
+            QuantType::Q6K => job_of::<S, Q6K>(s, act, out, j),
+        }
+    }
+}
+
+/// # Safety
+/// As for [`job_of`], with AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn job_avx512(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+    // SAFETY: forwarded from the caller, which checked the features.
+    unsafe { job::<x86::Avx512>(s, act, out, j) }
+}
+
+/// # Safety
+/// As for [`job_of`], with AVX-VNNI, AVX2, FMA and F16C available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avxvnni,avx2,fma,f16c")]
+unsafe fn job_avxvnni(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+    // SAFETY: forwarded from the caller, which checked the features.
+    unsafe { job::<x86::Avx256<true>>(s, act, out, j) }
+}
+
+/// # Safety
+/// As for [`job_of`], with AVX2, FMA and F16C available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn job_avx2(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+    // SAFETY: forwarded from the caller, which checked the features.
+    unsafe { job::<x86::Avx256<false>>(s, act, out, j) }
+}

@@ -1,0 +1,295 @@
+//! Quantized CPU products for GGUF weights: `y = x · Wᵀ` with `W: [n, k]` held in GGML blocks
+//! ([`QuantType`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K … Q6_K), `x: [m, k]` and
+//! `y: [m, n]` f32.
+//!
+//! ```text
+//! y[i, j] = Σ_b Σ_{t<32} W[j, 32b + t] · d_x[i, b] · Q_x[i, 32b + t]
+//! ```
+//!
+//! Each row of `x` is quantized in blocks of 32 (integer quants `Q_x` of about 16 bits held as two
+//! i8 planes, an f32 scale `d_x` and the quants' sums: GGML's Q8_0 / Q8_1 with a second plane for
+//! what the first one leaves, [`kernel::act`]), then every 32-value block of every output is an
+//! exact integer dot product of weight quants and activation quants (one per plane: `vpdpbusd`
+//! on AVX-512 VNNI / AVX-VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2, i32 in portable Rust, combined
+//! as `254 · hi + lo`), scaled into an f32 accumulator block after block in `k`'s order. So each
+//! output is the same chain of operations whatever the batch, the tile or the thread: a row's
+//! result is bit for bit independent of the other rows, and the same on every instruction set
+//! (the quantizer and the f32 operations are the same IEEE operations everywhere). The only
+//! error against the exact product with the dequantized weight is that of quantizing `x` (at
+//! most `d_x / 2 = max|x| / 64,516` a value, 254 times less than GGML's 8-bit activations) and
+//! the f32 roundings of the block sums.
+//!
+//! The weight stays quantized ([`mod@layout`]: GGML's blocks regrouped by 16 output columns so one
+//! vector instruction multiplies 16 columns by 4 values of `k`, about the GGUF file's bytes). One
+//! kernel serves every batch size: a tile of 16 columns (the whole of `k`, read as one stream) is
+//! decoded into registers once per row tile of up to 8 rows and multiplied against all of them.
+//! Up to 64 rows (decode) every tile goes through all rows at once, so `W` is read from memory
+//! once; above, rows are cut into blocks whose quantized activations (panels of 8 rows) stay in
+//! L2 while each tile stays in L1. The tiles are cut into column ranges that run on the current
+//! rayon pool ([`kernel`]); `k` is never split.
+
+mod dequant;
+// The quantized path's one module allowed `unsafe`: vector loads, the output pointer.
+#[allow(unsafe_code)]
+mod kernel;
+mod layout;
+mod types;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use kernel::{Job, Seg};
+use layout::{TN, layout};
+pub use types::{QuantIsa, QuantType};
+
+/// One run of output columns of one type, as tiles ([`mod@layout`]).
+#[derive(Debug)]
+struct Segment {
+    qt: QuantType,
+    n: usize,
+    tiles: Vec<u8>,
+}
+
+/// A GGML-quantized weight `W: [n, k]` (PyTorch's `[out, in]`), held in its blocks and multiplied
+/// by [`QuantWeight::forward`] without dequantizing. Several weights of the same `k` and any types
+/// stack into one ([`QuantWeight::stack`]: fused q/k/v or gate/up) without copying. Cloning is
+/// cheap (the blocks are shared).
+#[derive(Clone)]
+pub struct QuantWeight {
+    n: usize,
+    k: usize,
+    /// The segments in output-column order, each shared with the weights it was stacked from.
+    segs: Arc<Vec<Arc<Segment>>>,
+}
+
+impl std::fmt::Debug for QuantWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let types: Vec<&str> = self.types().iter().map(|t| t.name()).collect();
+        write!(f, "QuantWeight[{}, {}, {}]", self.n, self.k, types.join("+"))
+    }
+}
+
+/// Up to this many rows a product takes all rows in one block (`W` read from memory once);
+/// above it, rows are cut into blocks whose quantized activations fit in L2.
+const DECODE_ROWS: usize = 64;
+
+/// Bytes of quantized activations one block of rows may take.
+const X_BLOCK_BYTES: usize = 1 << 20;
+
+/// Below this many multiply-adds in one product, threads cost more than they save.
+const PARALLEL_WORK: usize = 1 << 19;
+
+/// Column ranges per thread, so a thread slowed by another process is caught up on.
+const TASKS_PER_THREAD: usize = 4;
+
+impl QuantWeight {
+    /// One `[n, k]` weight from GGML block bytes, rows in order, each row `k / block_elems`
+    /// blocks (the GGUF layout). The bytes are regrouped, not kept.
+    pub fn from_bytes(qtype: QuantType, n: usize, k: usize, bytes: &[u8]) -> Result<QuantWeight> {
+        let shape_err = |reason: String| Error::QuantShape { qtype: qtype.name(), n, k, reason };
+        let be = qtype.block_elems();
+        if n == 0 || k == 0 {
+            return Err(shape_err("both dimensions must be positive".into()));
+        }
+        if !k.is_multiple_of(be) {
+            return Err(shape_err(format!("k is not a multiple of the block size {be}")));
+        }
+        let nsb = k / be;
+        let expected = n.checked_mul(nsb).and_then(|b| b.checked_mul(qtype.block_bytes()));
+        let Some(expected) = expected else { return Err(shape_err("the shape is too large".into())) };
+        if bytes.len() != expected {
+            return Err(Error::QuantBytes { qtype: qtype.name(), n, k, got: bytes.len(), expected });
+        }
+        let l = layout(qtype);
+        let rec = nsb * l.bytes;
+        let tiles_len = n.div_ceil(TN).checked_mul(rec).ok_or_else(|| shape_err("the shape is too large".into()))?;
+        let mut tiles = vec![0u8; tiles_len];
+        let bb = qtype.block_bytes();
+        tiles.par_chunks_mut(rec).enumerate().for_each(|(t, tile)| {
+            for (sb, r) in tile.chunks_exact_mut(l.bytes).enumerate() {
+                for c in 0..TN.min(n - t * TN) {
+                    let at = ((t * TN + c) * nsb + sb) * bb;
+                    layout::write_parts(qtype, r, c, &layout::ggml_parts(qtype, &bytes[at..at + bb]));
+                }
+            }
+        });
+        Ok(QuantWeight { n, k, segs: Arc::new(vec![Arc::new(Segment { qt: qtype, n, tiles })]) })
+    }
+
+    /// The weights' rows one after another (e.g. q, k and v of a fused projection): one weight
+    /// whose output columns are the parts' in order. The parts may have different types (Q4_K_M
+    /// files mix Q4_K and Q6_K) but must share `k`; their blocks are shared, not copied.
+    pub fn stack(parts: Vec<QuantWeight>) -> Result<QuantWeight> {
+        let Some(first) = parts.first() else {
+            return Err(Error::QuantStack { reason: "no weights to stack".into() });
+        };
+        let k = first.k;
+        if let Some((i, p)) = parts.iter().enumerate().find(|(_, p)| p.k != k) {
+            return Err(Error::QuantStack { reason: format!("part {i} has k = {}, part 0 has k = {k}", p.k) });
+        }
+        let n = parts.iter().map(|p| p.n).sum();
+        let segs = parts.iter().flat_map(|p| p.segs.iter().cloned()).collect();
+        Ok(QuantWeight { n, k, segs: Arc::new(segs) })
+    }
+
+    /// `(n, k)`: output and input features.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The distinct types of its row segments, in order of first appearance.
+    pub fn types(&self) -> Vec<QuantType> {
+        let mut out = Vec::new();
+        for s in self.segs.iter() {
+            if !out.contains(&s.qt) {
+                out.push(s.qt);
+            }
+        }
+        out
+    }
+
+    /// Bytes it holds in memory (its blocks; about the GGUF bytes of the weight).
+    pub fn storage_bytes(&self) -> usize {
+        self.segs.iter().map(|s| s.tiles.len()).sum()
+    }
+
+    /// `x: [m, k]` · `Wᵀ` → `[m, n]` f32, with the best kernels of this CPU. `x` is a 2-D CPU
+    /// tensor (any `m`, contiguous or not; a non-f32 one is converted).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, QuantIsa::best())
+    }
+
+    /// [`QuantWeight::forward`] with a chosen instruction set (for tests and benchmarks); an
+    /// error when the CPU lacks it. Every set gives the same bits.
+    pub fn forward_with(&self, x: &Tensor, isa: QuantIsa) -> Result<Tensor> {
+        if !isa.available() {
+            return Err(Error::IsaUnavailable { op: "quantized linear".into(), isa: isa.describe().into() });
+        }
+        if !x.device().is_cpu() {
+            return Err(Error::InvalidLayer {
+                module: "quantized linear".into(),
+                reason: format!("the input is on {:?}; quantized weights run on the cpu", x.device().location()),
+            });
+        }
+        let &[m, kx] = x.dims() else {
+            let rows = x.dims().first().copied().unwrap_or(0);
+            return Err(Error::shape("quantized linear", "input", x.dims(), &[rows, self.k]));
+        };
+        if kx != self.k {
+            return Err(Error::shape("quantized linear", "input", x.dims(), &[m, self.k]));
+        }
+        let (n, k) = (self.n, self.k);
+        if m == 0 {
+            return Ok(Tensor::zeros((0, n), DType::F32, &Device::Cpu)?);
+        }
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        let (storage, l) = x.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            return Err(Error::shape("quantized linear", "input", x.dims(), &[m, k]));
+        };
+        let xs = &cpu.as_slice::<f32>()?[l.start_offset()..l.start_offset() + m * k];
+        let threads = rayon::current_num_threads();
+        let parallel = threads > 1 && m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK;
+        let act = kernel::act::quantize(isa, xs, m, k, parallel);
+        drop(storage);
+        let jobs = self.plan(m, if parallel { threads } else { 1 });
+        let segs = self.seg_views();
+        let y = kernel::run(isa, &act, &segs, n, &jobs, parallel);
+        Ok(Tensor::from_vec(y, (m, n), &Device::Cpu)?)
+    }
+
+    /// `[n, k]` f32: every value as ggml dequantizes it, bit for bit.
+    pub fn dequantize(&self) -> Result<Tensor> {
+        let mut w = vec![0f32; self.n * self.k];
+        w.par_chunks_mut(self.k).enumerate().for_each(|(j, row)| self.row_into(j, row));
+        Ok(Tensor::from_vec(w, (self.n, self.k), &Device::Cpu)?)
+    }
+
+    /// `[rows.len(), k]` f32: the rows `rows` of [`QuantWeight::dequantize`] (the embedding
+    /// gather of a quantized `token_embd`); every index is checked `< n` first.
+    pub fn dequantize_rows(&self, rows: &[u32]) -> Result<Tensor> {
+        if let Some((position, &index)) = rows.iter().enumerate().find(|(_, r)| **r as usize >= self.n) {
+            return Err(Error::QuantRowOutOfRange { index: index as usize, position, rows: self.n });
+        }
+        let mut w = vec![0f32; rows.len() * self.k];
+        let gather = |(row, &j): (&mut [f32], &u32)| self.row_into(j as usize, row);
+        if rows.len() >= 16 {
+            w.par_chunks_mut(self.k).zip(rows).for_each(gather);
+        } else {
+            w.chunks_mut(self.k).zip(rows).for_each(gather);
+        }
+        Ok(Tensor::from_vec(w, (rows.len(), self.k), &Device::Cpu)?)
+    }
+
+    /// One line for the start-up log: per type, the kernel and the instruction set it runs on,
+    /// e.g. `Q4_1: 16-bit activations, AVX-512 VNNI`.
+    pub fn describe(&self) -> String {
+        let isa = QuantIsa::best().describe();
+        let parts: Vec<String> =
+            self.types().iter().map(|t| format!("{}: 16-bit activations, {isa}", t.name())).collect();
+        parts.join("; ")
+    }
+
+    /// Dequantizes output row `j < n` into `out` (`k` values).
+    fn row_into(&self, mut j: usize, out: &mut [f32]) {
+        for s in self.segs.iter() {
+            if j >= s.n {
+                j -= s.n;
+                continue;
+            }
+            let l = layout(s.qt);
+            let rec = (self.k / l.sb) * l.bytes;
+            let tile = &s.tiles[(j / TN) * rec..][..rec];
+            for (r, o) in tile.chunks_exact(l.bytes).zip(out.chunks_exact_mut(l.sb)) {
+                dequant::values(s.qt, &layout::read_parts(s.qt, r, j % TN), o);
+            }
+            return;
+        }
+    }
+
+    /// The segments as the kernels see them, with their first output columns.
+    fn seg_views(&self) -> Vec<Seg<'_>> {
+        let mut col0 = 0;
+        self.segs
+            .iter()
+            .map(|s| {
+                let v = Seg { qt: s.qt, tiles: &s.tiles, n: s.n, col0 };
+                col0 += s.n;
+                v
+            })
+            .collect()
+    }
+
+    /// How a product of `m` rows is cut into jobs: blocks of rows (all of them for a decode
+    /// step), and in each the tiles of all segments cut into about `TASKS_PER_THREAD · threads`
+    /// column ranges (none across a segment boundary).
+    fn plan(&self, m: usize, threads: usize) -> Vec<Job> {
+        let row_bytes = 2 * self.k + self.k / 32 * std::mem::size_of::<kernel::act::Meta>() / kernel::act::PANEL;
+        let mb = if m <= DECODE_ROWS { m } else { (X_BLOCK_BYTES / row_bytes).clamp(DECODE_ROWS, m) / 8 * 8 };
+        let row_blocks: Vec<(usize, usize)> = (0..m).step_by(mb.max(1)).map(|m0| (m0, (m0 + mb).min(m))).collect();
+        let tiles: Vec<usize> = self.segs.iter().map(|s| s.n.div_ceil(TN)).collect();
+        let total: usize = tiles.iter().sum();
+        let wanted = if threads > 1 { threads * TASKS_PER_THREAD } else { 1 };
+        let chunks = wanted.div_ceil(row_blocks.len()).clamp(1, total);
+        let per = total.div_ceil(chunks);
+        let mut jobs = Vec::new();
+        for &(m0, m1) in &row_blocks {
+            let mut base = 0;
+            for (seg, &nt) in tiles.iter().enumerate() {
+                // Global tile ranges [c·per, (c+1)·per) intersected with this segment's.
+                let mut t = 0;
+                while t < nt {
+                    let end = ((base + t) / per + 1) * per - base;
+                    let t1 = end.min(nt);
+                    jobs.push(Job { seg, t0: t, t1, m0, m1 });
+                    t = t1;
+                }
+                base += nt;
+            }
+        }
+        jobs
+    }
+}

@@ -1,0 +1,113 @@
+//! A real GGUF model's text side and first contact (`tests/fixtures/smollm2`, the file through
+//! `MULTILORA_SMOLLM2_GGUF`; skipped without it, a failure in CI):
+//!
+//! - the tokenizer built from the GGUF metadata gives transformers' ids for every case of
+//!   `expected/tokenize.json`, and decodes them back;
+//! - the chat template from the metadata renders each question as transformers rendered it, and
+//!   the rendered prompt tokenizes to transformers' `prompt_ids`;
+//! - an engine with no setting but the model starts (the KV budget grows to one full-length
+//!   sequence) and answers `/v1/chat/completions` with the model's template;
+//! - so does the checkpoint transformers saves for the file, whose template is in
+//!   `chat_template.jinja`.
+
+#[path = "../../../tests/support/smollm2.rs"]
+mod smollm2;
+
+use anyhow::{Context, Result};
+use multilora::Engine;
+use multilora_server::{ChatTemplate, ServeOptions, ServerConfig};
+use serde_json::{Value, json};
+use smollm2::{cases, fixtures, ids};
+
+#[test]
+fn the_metadata_tokenizer_gives_transformers_ids() -> Result<()> {
+    let Some(gguf) = smollm2::gguf("the_metadata_tokenizer_gives_transformers_ids") else { return Ok(()) };
+    let engine =
+        Engine::builder(gguf.to_string_lossy()).max_loras(0).kv_cache_bytes(16 << 20).max_model_len(256).build()?;
+    let handle = engine.handle();
+    let tokenize = cases("tokenize");
+    assert!(tokenize.len() >= 15);
+    for case in &tokenize {
+        let text = case["text"].as_str().context("text")?;
+        let got = handle.tokenize(text, false)?;
+        assert_eq!(got, ids(&case["ids"]), "{text:?}");
+        assert_eq!(handle.detokenize(&got, false)?, case["decoded"].as_str().context("decoded")?, "{text:?}");
+    }
+    Ok(())
+}
+
+/// Renders every reference question through `template` and checks transformers' text and ids.
+fn renders_like_transformers(engine: &Engine, template: &ChatTemplate) -> Result<()> {
+    for case in cases("transformers") {
+        let messages = [json!({"role": "user", "content": case["question"]})];
+        let text = template.render(&messages, true, &Default::default())?;
+        assert_eq!(text, case["prompt_text"].as_str().context("prompt_text")?);
+        assert_eq!(engine.handle().tokenize(&text, false)?, ids(&case["prompt_ids"]));
+    }
+    Ok(())
+}
+
+/// Serves `engine`, asks it the reference's first question through the chat route (greedy, 12
+/// tokens), and checks the answer begins transformers' answer.
+async fn chat_answers_like_transformers(engine: Engine) -> Result<()> {
+    let case = cases("transformers").into_iter().find(|c| c["adapter"] == "base").context("a base case")?;
+    let model = engine.config().served_model_name.clone();
+    let app = multilora_server::router(engine.handle(), ServerConfig::default())?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(multilora_server::serve_with(
+        listener,
+        app,
+        async move {
+            let _ = stopped.await;
+        },
+        ServeOptions::default(),
+    ));
+    let body = json!({"model": model, "messages": [{"role": "user", "content": case["question"]}],
+        "max_tokens": 12, "temperature": 0});
+    let resp = reqwest::Client::new().post(format!("{url}/v1/chat/completions")).json(&body).send().await?;
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await?;
+    let _ = stop.send(());
+    server.await??;
+    assert_eq!(status, 200, "{v}");
+    let answer = v["choices"][0]["message"]["content"].as_str().context("content")?;
+    let expected = case["text"].as_str().context("text")?;
+    assert!(!answer.is_empty() && expected.starts_with(answer), "{answer:?} is not how {expected:?} begins");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gguf_file_with_no_other_setting_serves_chat_with_its_template() -> Result<()> {
+    let Some(gguf) = smollm2::gguf("a_gguf_file_with_no_other_setting_serves_chat_with_its_template") else {
+        return Ok(());
+    };
+    let engine = Engine::builder(gguf.to_string_lossy()).build()?;
+    let c = engine.config();
+    assert_eq!(c.max_model_len, 8192, "the model's own context length, not capped");
+    assert!(c.num_kv_blocks * c.block_size >= 8192, "one full-length sequence fits");
+    assert!(c.weights.contains("Q4_1") && c.weights.contains("kept quantized"), "{}", c.weights);
+    let source = c.chat_template.clone().context("the metadata's template")?;
+    assert!(source.origin.starts_with("tokenizer.chat_template"), "{}", source.origin);
+    renders_like_transformers(&engine, &ChatTemplate::from_source(&source)?)?;
+    chat_answers_like_transformers(engine).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_checkpoint_transformers_saves_serves_chat_from_chat_template_jinja() -> Result<()> {
+    let Some(gguf) = smollm2::gguf("the_checkpoint_transformers_saves_serves_chat_from_chat_template_jinja") else {
+        return Ok(());
+    };
+    let dir = tempfile::tempdir()?;
+    multilora_models::write_gguf_as_checkpoint(&gguf, dir.path(), candle_core::DType::F32)?;
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
+        std::fs::copy(fixtures().join("hf").join(f), dir.path().join(f))?;
+    }
+    let engine = Engine::builder(dir.path().to_string_lossy()).max_loras(0).build()?;
+    let source = engine.config().chat_template.clone().context("chat_template.jinja")?;
+    assert!(source.origin.ends_with("chat_template.jinja"), "{}", source.origin);
+    assert_eq!((source.bos_token.as_str(), source.eos_token.as_str()), ("<|im_start|>", "<|im_end|>"));
+    renders_like_transformers(&engine, &ChatTemplate::from_source(&source)?)?;
+    chat_answers_like_transformers(engine).await
+}
