@@ -10,10 +10,16 @@ peer_adapters -- ADAPTER_DIR`); both engines serve the same files. Workloads (pr
 templated questions of tests/fixtures/smollm2/expected/transformers.json, sent as token ids; greedy;
 EOS ignored):
 
-- llama-bench pp512 / tg128 (its own prompt and generation, 2 threads, 3 repetitions);
+Both servers run at once, idle while the other works; each round runs llama-bench, then the four
+workloads on one engine and on the other (the order alternating), so that a slow spell of a shared
+machine falls on both. Reported: each figure's best round, and each ratio's median over the rounds
+(paired: both sides of a ratio from the same round).
+
+- llama-bench pp512 / tg128 (its own prompt and generation, 2 threads, one repetition a round);
 - one stream, 128 new tokens: decode tokens/s from the stream's own clock (after its first token),
   against llama-bench's tg128;
-- prompt processing, a 512-token prompt and 1 new token: prompt tokens/s, against pp512;
+- prompt processing, a 512-token prompt (another one each round; no prefix cache on either side)
+  and 1 new token: prompt tokens/s, against pp512;
 - 16 concurrent streams of 64 new tokens on the base model, and over the eight adapters (two streams
   each): new tokens/s over the wall clock, llama-server with 16 parallel slots (it runs requests
   whose adapters differ in separate batches).
@@ -114,28 +120,31 @@ def concurrent(engine, prompts, n, adapters_of):
     return tokens / wall
 
 
-def workloads(engine, prompts, long_prompt, rounds):
+def warm_up(engine):
+    """Every adapter once."""
+    concurrent(engine, [[1, 2, 3]] * len(engine.adapters), 4, lambda i: engine.adapters[i])
+
+
+def workloads(engine, prompts, long_prompt):
+    """One round of the four workloads; `long_prompt` differs from round to round, so that no cache
+    of either engine can serve it."""
     adapters = engine.adapters
     res = {}
-    best = lambda f: max(f() for _ in range(rounds))  # noqa: E731
-    # Warm-up: every adapter once.
-    concurrent(engine, prompts[:len(adapters)], 4, lambda i: adapters[i])
-
-    def one_stream():
-        t = engine.stream_times(prompts[0], 128, None)
-        return (len(t) - 1) / (t[-1] - t[0])
-
-    res["1 stream decode"] = best(one_stream)
-
-    def prefill():
-        tokens, secs = engine.run(long_prompt, 1, None)
-        return len(long_prompt) / secs
-
-    res["prompt 512"] = best(prefill)
+    t = engine.stream_times(prompts[0], 128, None)
+    res["1 stream decode"] = (len(t) - 1) / (t[-1] - t[0])
+    tokens, secs = engine.run(long_prompt, 1, None)
+    res["prompt 512"] = len(long_prompt) / secs
     p16 = [prompts[i % len(prompts)] for i in range(16)]
-    res["16 streams base"] = best(lambda: concurrent(engine, p16, 64, lambda i: None))
-    res["16 streams 8 adapters"] = best(lambda: concurrent(engine, p16, 64, lambda i: adapters[i % len(adapters)]))
+    res["16 streams base"] = concurrent(engine, p16, 64, lambda i: None)
+    res["16 streams 8 adapters"] = concurrent(engine, p16, 64, lambda i: adapters[i % len(adapters)])
     return res
+
+
+def llama_bench(a):
+    out = subprocess.run([os.path.join(a.llamacpp, "llama-bench"), "-m", a.gguf, "-t", str(a.threads), "-p", "512",
+                          "-n", "128", "-r", "1", "-o", "json"] + (["--repack", "0"] if a.no_repack else []),
+                         capture_output=True, text=True, check=True)
+    return {f"llama-bench {'pp512' if row['n_prompt'] else 'tg128'}": row["avg_ts"] for row in json.loads(out.stdout)}
 
 
 def start(cmd, port, what, log):
@@ -159,64 +168,71 @@ def main():
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--adapters", required=True, help="folder of eight llama.cpp LoRA files")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-repack", action="store_true",
+                    help="llama.cpp without weight repacking: where its AMX path crashes (a VM that reports AMX "
+                         "but does not enable it), it then runs the AVX-512 VNNI / AVX2 code of any other CPU")
     ap.add_argument("--json")
     a = ap.parse_args()
     cases = json.load(open(REFERENCE))["cases"]
     prompts = [c["prompt_ids"] for c in cases if c["adapter"] == "base"]
     # A 512-token prompt: the reference prompts and answers, one after the other.
-    long_prompt = [t for c in cases for t in c["prompt_ids"] + c["output_ids"]][:512]
+    long_prompt_base = [t for c in cases for t in c["prompt_ids"] + c["output_ids"]]
     files = sorted(f for f in os.listdir(a.adapters) if f.endswith(".gguf"))
     names = [f[:-5] for f in files]
     assert len(files) == 8, files
     log = open("compare.log", "w")
-    report = {}
 
-    bench = subprocess.run([os.path.join(a.llamacpp, "llama-bench"), "-m", a.gguf, "-t", str(a.threads), "-p", "512",
-                            "-n", "128", "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
-    for row in json.loads(bench.stdout):
-        key = "pp512" if row["n_prompt"] else "tg128"
-        report[f"llama-bench {key}"] = row["avg_ts"]
-
-    port = 18600
+    port_l, port_m = 18600, 18500
     lora = ",".join(os.path.join(a.adapters, f) for f in files)
-    server = start([os.path.join(a.llamacpp, "llama-server"), "-m", a.gguf, "--lora", lora, "--lora-init-without-apply",
-                    "-t", str(a.threads), "-tb", str(a.threads), "--parallel", "16", "-cb", "-c", "16384",
-                    "--cache-ram", "0", "--host", "127.0.0.1", "--port", str(port), "--no-webui"],
-                   port, "llama-server", log)
-    try:
-        for k, v in workloads(Engine("llamacpp", port, names), prompts, long_prompt, a.rounds).items():
-            report[f"llama.cpp {k}"] = v
-    finally:
-        stop(server)
-
-    port = 18500
-    cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port),
-           "--max-loras", "8", "--max-lora-rank", "32"]
+    llama = start([os.path.join(a.llamacpp, "llama-server"), "-m", a.gguf, "--lora", lora, "--lora-init-without-apply",
+                   "-t", str(a.threads), "-tb", str(a.threads), "--parallel", "16", "-cb", "-c", "16384",
+                   "--cache-ram", "0", "--host", "127.0.0.1", "--port", str(port_l), "--no-webui"]
+                  + (["--no-repack"] if a.no_repack else []),
+                  port_l, "llama-server", log)
+    # As llama-server's `cache_prompt: false` and `--cache-ram 0`: every prompt computed in full.
+    cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port_m),
+           "--max-loras", "8", "--max-lora-rank", "32", "--no-enable-prefix-caching"]
     for n, f in zip(names, files):
         cmd += ["--lora-modules", f"{n}={os.path.join(a.adapters, f)}"]
     env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), RUST_LOG="warn")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    wait_ready(port, server, "multilora serve")
+    ours = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    rounds = []
     try:
-        for k, v in workloads(Engine("multilora", port, names), prompts, long_prompt, a.rounds).items():
-            report[f"multilora {k}"] = v
+        wait_ready(port_m, ours, "multilora serve")
+        engines = [("llama.cpp", Engine("llamacpp", port_l, names)), ("multilora", Engine("multilora", port_m, names))]
+        for _, e in engines:
+            warm_up(e)
+        # The engines take turns within each round (both idle while the other runs), so that a slow
+        # spell of a shared machine falls on both; each round has its own 512-token prompt.
+        for r in range(a.rounds):
+            shift = 37 * (r + 1)
+            long_prompt = (long_prompt_base[shift:] + long_prompt_base[:shift])[:512]
+            figures = llama_bench(a)
+            for name, e in engines if r % 2 == 0 else engines[::-1]:
+                for k, v in workloads(e, prompts, long_prompt).items():
+                    figures[f"{name} {k}"] = v
+            rounds.append(figures)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
     finally:
-        stop(server)
+        stop(llama)
+        stop(ours)
 
-    ratios = {
-        "1 stream decode / tg128": report["multilora 1 stream decode"] / report["llama-bench tg128"],
-        "prompt 512 / pp512": report["multilora prompt 512"] / report["llama-bench pp512"],
-        "16 streams base / llama-server": report["multilora 16 streams base"] / report["llama.cpp 16 streams base"],
-        "16 streams 8 adapters / llama-server":
-            report["multilora 16 streams 8 adapters"] / report["llama.cpp 16 streams 8 adapters"],
+    pairs = {
+        "1 stream decode / tg128": ("multilora 1 stream decode", "llama-bench tg128"),
+        "prompt 512 / pp512": ("multilora prompt 512", "llama-bench pp512"),
+        "16 streams base / llama-server": ("multilora 16 streams base", "llama.cpp 16 streams base"),
+        "16 streams 8 adapters / llama-server": ("multilora 16 streams 8 adapters", "llama.cpp 16 streams 8 adapters"),
     }
+    report = {k: max(r[k] for r in rounds) for k in rounds[0]}
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    ratios = {k: median([r[n] / r[d] for r in rounds]) for k, (n, d) in pairs.items()}
     for k, v in report.items():
-        print(f"{k:40s} {v:10.1f} tokens/s")
+        print(f"{k:40s} {v:10.1f} tokens/s (best of {a.rounds} rounds)")
     for k, v in ratios.items():
-        print(f"{k:40s} {v:10.2f}x")
+        print(f"{k:40s} {v:10.2f}x (median of the rounds' ratios)")
     if a.json:
-        json.dump({"figures": report, "ratios": ratios}, open(a.json, "w"), indent=2)
+        json.dump({"rounds": rounds, "best": report, "ratios": ratios}, open(a.json, "w"), indent=2)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,17 @@ pub(crate) struct EngineArgs {
     /// Context length (default: the model's).
     #[arg(long)]
     pub(crate) max_model_len: Option<usize>,
-    /// Bytes for the KV cache and the adapter slots together (default: 256 MiB on the CPU; on a
-    /// GPU what `--gpu-memory-utilization` leaves).
+    /// Bytes for the KV cache and the adapter slots together (default on the CPU: one
+    /// full-length sequence, at least 256 MiB and at most 4 GiB, `--max-model-len` capped to
+    /// what that holds when it is not given; on a GPU what `--gpu-memory-utilization` leaves).
     #[arg(long)]
     pub(crate) kv_cache_bytes: Option<u64>,
+    /// Reuse the KV of a prompt's cached prefix (vLLM's flag; on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub(crate) enable_prefix_caching: bool,
+    /// Compute every prompt in full (vLLM's flag), e.g. to time prompt processing.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub(crate) no_enable_prefix_caching: bool,
     /// Share of the GPU's memory for weights, slots, activations and KV (vLLM's; default 0.9).
     #[arg(long)]
     pub(crate) gpu_memory_utilization: Option<f64>,
@@ -196,6 +203,7 @@ impl EngineArgs {
             b = b.kv_cache_bytes(bytes);
         }
         b = b.generation_config(self.generation_config == "auto");
+        b = b.enable_prefix_caching(!self.no_enable_prefix_caching);
         more(b).build().map_err(|e| {
             // The adapter error's text names the adapter, its file and the reason; say which flag
             // (its message already starts with `adapter "NAME":`, so it is not repeated here).
