@@ -11,18 +11,10 @@ use serde_json::Value;
 /// The served base model's name in these tests.
 pub const BASE: &str = "base";
 
-/// The seven adapters of `adapters/` plus the two extra ones.
-pub const ADAPTERS: [(&str, &str); 9] = [
-    ("qv_r8", "adapters/qv_r8"),
-    ("all_r16", "adapters/all_r16"),
-    ("rslora_r4", "adapters/rslora_r4"),
-    ("pattern_r8", "adapters/pattern_r8"),
-    ("regex_layers", "adapters/regex_layers"),
-    ("layers_subset", "adapters/layers_subset"),
-    ("rank32", "adapters/rank32"),
-    ("embed_target", "invalid_adapters/embed_target"),
-    ("bias_all", "invalid_adapters/bias_all"),
-];
+/// The fixture's adapter table, shared with the models' tests (and the server's, through these).
+#[path = "../../../../tests/support/peft_tiny.rs"]
+mod peft_tiny;
+pub use peft_tiny::ADAPTERS;
 
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
