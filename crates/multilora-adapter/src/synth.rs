@@ -4,10 +4,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use multilora_types::SplitMix64;
+use multilora_types::{ModuleKind, SplitMix64};
 use safetensors::{Dtype, tensor::TensorView};
 
-use crate::module::ModuleKind;
 use crate::shapes::ModelShapes;
 
 /// What to write.

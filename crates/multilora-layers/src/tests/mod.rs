@@ -11,8 +11,8 @@ mod quant_kernels;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule, ModuleId};
-use multilora_types::{SlotId, SplitMix64};
+use multilora_adapter::{AdapterConfig, LoraAdapter, LoraModule, ModuleId};
+use multilora_types::{Fingerprint, SlotId, SplitMix64};
 
 use crate::LoraMapping;
 

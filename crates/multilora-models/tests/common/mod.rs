@@ -7,9 +7,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::LoadOptions;
-use multilora_models::{
-    Batch, KvCache, KvCacheConfig, LogitsWanted, LoraLimits, Model, ModelOptions, SeqInput, SlotId,
-};
+use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelOptions, SeqInput};
+use multilora_types::{LogitsWanted, LoraLimits, SlotId};
 use serde_json::Value;
 
 pub const TOL: f32 = 1e-4;
