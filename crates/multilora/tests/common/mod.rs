@@ -65,6 +65,38 @@ pub fn list<'a>(v: &'a Value, key: &str) -> &'a [Value] {
     v.get(key).and_then(Value::as_array).unwrap_or_else(|| panic!("fixture: no list {key:?}")).as_slice()
 }
 
+/// A copy of the checkpoint in `src` with every float tensor rounded to bf16 and `config.json`
+/// naming `bfloat16`, written to `dst` (the other files copied as they are).
+pub fn bf16_checkpoint(src: &std::path::Path, dst: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dst)?;
+    for entry in std::fs::read_dir(src)? {
+        let path = entry?.path();
+        let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        match file.as_str() {
+            "model.safetensors" => {
+                let mut tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)?;
+                for t in tensors.values_mut() {
+                    if t.dtype().is_float() {
+                        *t = t.to_dtype(candle_core::DType::BF16)?;
+                    }
+                }
+                candle_core::safetensors::save(&tensors, dst.join(&file))?;
+            }
+            "config.json" => {
+                let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+                for key in ["torch_dtype", "dtype"] {
+                    cfg[key] = Value::from("bfloat16");
+                }
+                std::fs::write(dst.join(&file), cfg.to_string())?;
+            }
+            _ => {
+                std::fs::copy(&path, dst.join(&file))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Polls metrics until `done` holds (the loop may still be releasing after a drop).
 pub fn wait_for(engine: &Engine, done: impl Fn(&MetricsSnapshot) -> bool) -> MetricsSnapshot {
     let start = Instant::now();
