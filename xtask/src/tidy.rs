@@ -1,6 +1,7 @@
 //! `cargo xtask tidy`: every `.rs` file opens with `//!`, no file is over 800 lines, no
 //! `todo!`/`unimplemented!` in shipped code, the crate dependency direction of the design holds
-//! (read from `cargo metadata`), and the shared vocabulary is defined once, in `multilora-types`.
+//! (read from `cargo metadata`), and the shared vocabulary is defined once, in `multilora-types`,
+//! and taken from there: never through the path of a crate that relays it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -59,10 +60,24 @@ const VOCABULARY: &[&str] = &[
     "enum ModuleKind",
 ];
 
+/// The crates below the engine, as paths are spelled. A name of `multilora-types` is taken from
+/// `multilora_types` itself, never through one of these (the engine, `multilora`, re-exports a few
+/// for its embedders: that is its public API, and the server and the CLI use it).
+const INNER: &[&str] = &[
+    "multilora_adapter",
+    "multilora_prefix_cache",
+    "multilora_scheduler",
+    "multilora_store",
+    "multilora_kernels",
+    "multilora_layers",
+    "multilora_models",
+];
+
 pub(crate) fn run() -> Result<()> {
     let root = workspace_root()?;
     let mut problems = Vec::new();
-    check_files(&root, &mut problems)?;
+    let names = vocabulary_names(&root)?;
+    check_files(&root, &names, &mut problems)?;
     let users = check_dependencies(&root, &mut problems)?;
     if problems.is_empty() {
         println!("tidy: {TYPES} (depends on none of ours) is used by {}", users.join(", "));
@@ -81,7 +96,82 @@ fn workspace_root() -> Result<PathBuf> {
     here.parent().map(Path::to_path_buf).context("xtask has no parent directory")
 }
 
-fn check_files(root: &Path, problems: &mut Vec<String>) -> Result<()> {
+/// The public names of `multilora-types`: what its `lib.rs` exports with `pub use`.
+fn vocabulary_names(root: &Path) -> Result<Vec<String>> {
+    let lib = root.join("crates/multilora-types/src/lib.rs");
+    let text = std::fs::read_to_string(&lib).with_context(|| format!("read {}", lib.display()))?;
+    let mut names = Vec::new();
+    for stmt in text.split(';') {
+        let Some(at) = stmt.find("pub use ") else { continue };
+        let tree = &stmt[at + "pub use ".len()..];
+        let leaves = match (tree.find('{'), tree.rfind('}')) {
+            (Some(open), Some(close)) => &tree[open + 1..close],
+            _ => tree.rsplit("::").next().unwrap_or(""),
+        };
+        names.extend(idents(leaves).filter(|n| *n != "self").map(str::to_string));
+    }
+    if names.is_empty() {
+        bail!("{}: no `pub use` names found", lib.display());
+    }
+    Ok(names)
+}
+
+/// The identifiers in `text`.
+fn idents(text: &str) -> impl Iterator<Item = &str> {
+    text.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|s| !s.is_empty())
+}
+
+/// The names a path or use tree starting at `rest` (just after `crate::`) takes: every segment of
+/// `a::b::C`, every identifier of a `{…}` group.
+fn tree_names(rest: &str) -> Vec<&str> {
+    let rest = rest.trim_start();
+    if let Some(inner) = rest.strip_prefix('{') {
+        let mut depth = 1;
+        let mut end = inner.len();
+        for (i, c) in inner.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        return idents(&inner[..end]).collect();
+    }
+    let len = rest.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(rest.len());
+    let mut names = vec![&rest[..len]];
+    if let Some(more) = rest[len..].strip_prefix("::") {
+        names.extend(tree_names(more));
+    }
+    names
+}
+
+/// Problems for each name of `multilora-types` that `text` takes through an inner crate's path.
+fn relayed_vocabulary(rel: &str, text: &str, names: &[String], problems: &mut Vec<String>) {
+    for krate in INNER {
+        let prefix = format!("{krate}::");
+        for (at, _) in text.match_indices(&prefix) {
+            let before = text[..at].chars().next_back();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            for name in tree_names(&text[at + prefix.len()..]) {
+                if names.iter().any(|n| n == name) {
+                    let line = text[..at].matches('\n').count() + 1;
+                    problems
+                        .push(format!("{rel}:{line}: `{name}` taken through `{krate}`: use multilora_types::{name}"));
+                }
+            }
+        }
+    }
+}
+
+fn check_files(root: &Path, names: &[String], problems: &mut Vec<String>) -> Result<()> {
     let mut files = Vec::new();
     for dir in ["crates", "xtask", "benches", "tests"] {
         collect_rs(&root.join(dir), &mut files)?;
@@ -98,6 +188,7 @@ fn check_files(root: &Path, problems: &mut Vec<String>) -> Result<()> {
         }
         let shipped = rel.contains("/src/") && !rel.contains("/tests/");
         if !rel.starts_with("crates/multilora-types/") && !rel.starts_with("xtask/") {
+            relayed_vocabulary(&rel, &text, names, problems);
             for (n, line) in text.lines().enumerate() {
                 let code = line.split("//").next().unwrap_or("");
                 if let Some(item) =

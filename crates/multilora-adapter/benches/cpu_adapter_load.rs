@@ -5,7 +5,8 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use multilora_adapter::{LoadOptions, ModelShapes, ModuleKind, SyntheticAdapter, WEIGHTS_FILE, load_dir};
+use multilora_adapter::{LoadOptions, ModelShapes, SyntheticAdapter, WEIGHTS_FILE, load_dir};
+use multilora_types::ModuleKind;
 
 fn bench(c: &mut Criterion) {
     let shapes = ModelShapes::llama(16, 2048, 5632, 32000, 16, 8);

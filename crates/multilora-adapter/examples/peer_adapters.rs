@@ -8,7 +8,8 @@
 
 use std::path::PathBuf;
 
-use multilora_adapter::{LoadOptions, ModelShapes, ModuleKind, SyntheticAdapter};
+use multilora_adapter::{LoadOptions, ModelShapes, SyntheticAdapter};
+use multilora_types::ModuleKind;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::args().nth(1).ok_or("usage: peer_adapters OUT_DIR")?);

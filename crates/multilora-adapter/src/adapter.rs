@@ -4,11 +4,11 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor};
-pub use multilora_types::{Fingerprint, SlotId};
+use multilora_types::{Fingerprint, ModuleKind, SlotId};
 
 use crate::config::AdapterConfig;
 use crate::error::Result;
-use crate::module::{ModuleId, ModuleKind};
+use crate::module::ModuleId;
 use crate::shapes::ModelShapes;
 
 /// One adapted module: `delta(x) = b · (a · x)` with PEFT's scaling already folded into `b`.

@@ -115,7 +115,7 @@ impl AdapterConfig {
             serde_path_to_error::deserialize(Value::Object(raw.clone())).map_err(|e| format!("field {e}"))?;
         let target_modules = match fields.target_modules {
             Some(ModuleSelector::Regex(s)) if s == "all-linear" => ModuleSelector::List(
-                crate::module::ModuleKind::PROJECTIONS.iter().map(|k| k.short_name().to_string()).collect(),
+                multilora_types::ModuleKind::PROJECTIONS.iter().map(|k| k.short_name().to_string()).collect(),
             ),
             Some(s) => s,
             None => return Err("field \"target_modules\" is missing or null".to_string()),
@@ -346,7 +346,7 @@ impl Matcher {
         list.iter()
             .find(|entry| {
                 let last = entry.rsplit('.').next().unwrap_or(entry);
-                crate::module::ModuleKind::from_short_name(last).is_none()
+                multilora_types::ModuleKind::from_short_name(last).is_none()
             })
             .cloned()
     }

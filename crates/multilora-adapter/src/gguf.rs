@@ -12,7 +12,9 @@
 
 use std::io::{Read, Seek, SeekFrom};
 
-use crate::module::{ModuleId, ModuleKind};
+use multilora_types::ModuleKind;
+
+use crate::module::ModuleId;
 
 /// ggml's name of a tensor type id (`ggml_type` in ggml.h), or `"unknown"`.
 pub fn ggml_type_name(id: u32) -> &'static str {

@@ -18,14 +18,14 @@ use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
-use multilora_types::MAX_LORA_RANK_CEILING;
+use multilora_types::{Fingerprint, MAX_LORA_RANK_CEILING, ModuleKind};
 
-use crate::adapter::{Fingerprint, LoraAdapter, LoraModule};
+use crate::adapter::{LoraAdapter, LoraModule};
 use crate::config::AdapterConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{ggml_type_name, module_of, scan_tensor_types, unpermute_rows};
 use crate::load::{ConfigSummary, LoadOptions, ModuleSetting};
-use crate::module::{ModuleId, ModuleKind};
+use crate::module::ModuleId;
 use crate::shapes::ModelShapes;
 
 const FINGERPRINT_DOMAIN: &[u8] = b"multilora/adapter-fingerprint/gguf-lora/v1\0";

@@ -49,8 +49,7 @@ mod source;
 mod synth;
 
 pub use adapter::{
-    Fingerprint, LoraAdapter, LoraModule, SlotId, SlotSink, embedding_digest, embedding_digest_of_rows,
-    with_embedding_digest,
+    LoraAdapter, LoraModule, SlotSink, embedding_digest, embedding_digest_of_rows, with_embedding_digest,
 };
 pub use config::{AdapterConfig, ModuleSelector};
 pub use error::{Error, Result};
@@ -61,7 +60,7 @@ pub use load::{
 pub use model_config::{
     Architecture, ConfigError, GenerationConfig, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling,
 };
-pub use module::{ModuleId, ModuleKind};
+pub use module::ModuleId;
 pub use shapes::ModelShapes;
 pub use source::{AdapterSource, HubConfig};
 pub use synth::SyntheticAdapter;

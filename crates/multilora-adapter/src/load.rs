@@ -5,13 +5,13 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use multilora_types::MAX_LORA_RANK_CEILING;
+use multilora_types::{Fingerprint, MAX_LORA_RANK_CEILING, ModuleKind};
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 
-use crate::adapter::{Fingerprint, LoraAdapter, LoraModule};
+use crate::adapter::{LoraAdapter, LoraModule};
 use crate::config::{AdapterConfig, Matcher, Refusal};
 use crate::error::{Error, Result};
-use crate::module::{ModuleId, ModuleKind};
+use crate::module::ModuleId;
 use crate::shapes::ModelShapes;
 
 /// The file names PEFT writes.

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-pub use multilora_types::ModuleKind;
+use multilora_types::ModuleKind;
 
 /// One adaptable module of the model: a projection in a given layer, or the embedding, or `lm_head`.
 ///

@@ -1,7 +1,9 @@
 //! `ModelShapes`: what an adapter is validated against — the base model's per-module sizes, and a
 //! digest of its input embedding for adapters that carry a saved copy of it.
 
-use crate::module::{ModuleId, ModuleKind};
+use multilora_types::ModuleKind;
+
+use crate::module::ModuleId;
 
 /// Sizes of the base model that adapters must fit.
 ///

@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use multilora_types::{ModuleKind, SplitMix64};
 use safetensors::{Dtype, tensor::TensorView};
 
-use crate::module::ModuleKind;
 use crate::shapes::ModelShapes;
 
 /// What to write.
@@ -51,7 +51,7 @@ impl SyntheticAdapter {
         });
         std::fs::write(dir.join(crate::load::CONFIG_FILE), serde_json::to_string_pretty(&config)?)?;
 
-        let mut rng = SplitMix(self.seed);
+        let mut rng = SplitMix64::new(self.seed);
         let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for id in shapes.modules() {
             if !self.targets.contains(&id.kind) {
@@ -64,8 +64,16 @@ impl SyntheticAdapter {
                 ("lora_A.weight", "lora_B.weight")
             };
             let prefix = format!("base_model.model.{}", id.peft_name());
-            buffers.push((format!("{prefix}.{a}"), vec![self.rank, i], rng.normal_bytes(self.rank * i, self.std)));
-            buffers.push((format!("{prefix}.{b}"), vec![o, self.rank], rng.normal_bytes(o * self.rank, self.std)));
+            buffers.push((
+                format!("{prefix}.{a}"),
+                vec![self.rank, i],
+                normal_bytes(&mut rng, self.rank * i, self.std),
+            ));
+            buffers.push((
+                format!("{prefix}.{b}"),
+                vec![o, self.rank],
+                normal_bytes(&mut rng, o * self.rank, self.std),
+            ));
         }
         let views: HashMap<String, TensorView<'_>> = buffers
             .iter()
@@ -81,30 +89,11 @@ impl SyntheticAdapter {
     }
 }
 
-/// SplitMix64 with Box–Muller: a few lines, stable across platforms and crate versions, which a
-/// general-purpose RNG crate does not promise for its streams.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+/// `n` f32 samples of N(0, `std`²) as little-endian bytes, from `rng`'s Box–Muller stream.
+fn normal_bytes(rng: &mut SplitMix64, n: usize, std: f32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * 4);
+    for _ in 0..n {
+        out.extend_from_slice(&((rng.gaussian() as f32) * std).to_le_bytes());
     }
-
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-
-    fn normal_bytes(&mut self, n: usize, std: f32) -> Vec<u8> {
-        let mut out = Vec::with_capacity(n * 4);
-        for _ in 0..n {
-            let (u, v) = (self.uniform(), self.uniform());
-            let z = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
-            out.extend_from_slice(&((z as f32) * std).to_le_bytes());
-        }
-        out
-    }
+    out
 }

@@ -42,7 +42,7 @@ fn check(name: &str, rel: &str, record: &serde_json::Value) {
     let raw =
         candle_core::safetensors::load(fixtures().join(rel).join("adapter_model.safetensors"), &Device::Cpu).unwrap();
     for (id, m) in adapter.modules() {
-        let key = if id.kind == multilora_adapter::ModuleKind::EmbedTokens {
+        let key = if id.kind == multilora_types::ModuleKind::EmbedTokens {
             format!("base_model.model.{}.lora_embedding_B", id.peft_name())
         } else {
             format!("base_model.model.{}.lora_B.weight", id.peft_name())
@@ -94,7 +94,7 @@ fn lora_dtype_is_honoured_and_fingerprint_is_dtype_independent() {
     let bf16 = load_dir("b", &dir, &shapes, &LoadOptions::new(DType::BF16)).unwrap();
     assert_eq!(bf16.dtype(), DType::BF16);
     assert_eq!(f32_.fingerprint(), bf16.fingerprint());
-    let id = ModuleId::layer(0, multilora_adapter::ModuleKind::KProj);
+    let id = ModuleId::layer(0, multilora_types::ModuleKind::KProj);
     assert_eq!(bf16.module(&id).unwrap().b().unwrap().dims(), &[64, 16]);
     // Memory accounting: f32 at own rank; in rank-32 slots twice that.
     assert_eq!(f32_.nbytes(), 4 * 16 * 4 * ((128 + 128) * 2 + (128 + 64) * 2 + (128 + 352) * 3) as u64);
@@ -180,7 +180,7 @@ fn gguf_lora_files_that_do_not_fit_are_refused() {
     };
     let s = |v: &str| gguf_file::Value::String(v.into());
     let lora = [("general.type", s("adapter")), ("adapter.type", s("lora")), ("general.architecture", s("llama"))];
-    let (hidden, q) = shapes.in_out(multilora_adapter::ModuleKind::QProj);
+    let (hidden, q) = shapes.in_out(multilora_types::ModuleKind::QProj);
     let good = [("blk.0.attn_q.weight.lora_a", (4, hidden)), ("blk.0.attn_q.weight.lora_b", (q, 4))];
     let load = |p: &std::path::Path| multilora_adapter::load_gguf_lora("x", p, &shapes, &opts);
     assert!(load(&write("ok.gguf", &lora, &good)).is_ok());

@@ -21,6 +21,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use multilora::{
     Engine, Event, GenerateRequest, MetricsSnapshot, ModelShapes, ModuleKind, SamplingParams, SyntheticAdapter,
 };
+use multilora_types::SplitMix64;
 use serde_json::json;
 
 use crate::Failure;
@@ -79,28 +80,10 @@ impl Default for DemoArgs {
     }
 }
 
-/// splitmix64: a tiny deterministic generator, so the cached model is the same on every machine.
-#[derive(Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 /// A [rows, cols] tensor, uniform with standard deviation `std`.
-fn random(rng: &mut Rng, rows: usize, cols: usize, std: f32) -> candle_core::Result<Tensor> {
+fn random(rng: &mut SplitMix64, rows: usize, cols: usize, std: f32) -> candle_core::Result<Tensor> {
     let a = std * 3f32.sqrt();
-    let v: Vec<f32> = (0..rows * cols).map(|_| rng.unit() * a).collect();
+    let v: Vec<f32> = (0..rows * cols).map(|_| rng.unit_f32() * a).collect();
     Tensor::from_vec(v, (rows, cols), &Device::Cpu)
 }
 
@@ -127,7 +110,7 @@ fn write_model(dir: &Path) -> anyhow::Result<()> {
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"});
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     std::fs::write(dir.join("tokenizer.json"), TOKENIZER)?;
-    let mut rng = Rng(0x5EED);
+    let mut rng = SplitMix64::new(0x5EED);
     let mut t = HashMap::new();
     let ones = Tensor::ones(HIDDEN, candle_core::DType::F32, &Device::Cpu)?;
     t.insert("model.embed_tokens.weight".to_string(), random(&mut rng, VOCAB, HIDDEN, 1.0)?);
@@ -200,7 +183,7 @@ const QUESTIONS: [&str; 12] = [
 /// The workload: model name per request (skewed: a few adapters are popular), and a prompt that
 /// shares the system prompt so the prefix cache can hit.
 fn workload(n: usize, served: &str, adapters: &[String]) -> Vec<(String, String)> {
-    let mut rng = Rng(42);
+    let mut rng = SplitMix64::new(42);
     let mut names = vec![served.to_string()];
     names.extend(adapters.iter().cloned());
     // Zipf-like weights 1/(k+1): the base and the first adapters get most requests.
@@ -208,7 +191,7 @@ fn workload(n: usize, served: &str, adapters: &[String]) -> Vec<(String, String)
     let total: f64 = weights.iter().sum();
     (0..n)
         .map(|i| {
-            let mut x = (rng.next() >> 11) as f64 / (1u64 << 53) as f64 * total;
+            let mut x = rng.next_f64() * total;
             let k = weights.iter().position(|w| {
                 x -= w;
                 x < 0.0

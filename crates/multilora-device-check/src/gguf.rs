@@ -12,10 +12,9 @@ use std::path::Path;
 use anyhow::Result;
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{LoadOptions, ModuleKind, SyntheticAdapter};
-use multilora_models::{
-    Batch, KvCacheConfig, LogitsWanted, LoraLimits, Model, ModelOptions, ModelSource, SeqInput, SlotId,
-};
+use multilora_adapter::{LoadOptions, SyntheticAdapter};
+use multilora_models::{Batch, KvCacheConfig, Model, ModelOptions, ModelSource, SeqInput};
+use multilora_types::{LogitsWanted, LoraLimits, ModuleKind, SlotId};
 
 use crate::report::Report;
 use crate::util::{rel_err, time_per_call};

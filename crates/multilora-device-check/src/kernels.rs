@@ -6,10 +6,12 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use multilora_adapter::ModuleId;
 use multilora_layers::{
-    LoraMapping, LoraSlots, ModuleId, ModuleKind, PagedDecodeDims, SlotId, lora_apply, lora_expand_slow, lora_shrink,
-    lora_shrink_slow, paged_decode_attention, paged_decode_attention_slow,
+    LoraMapping, LoraSlots, PagedDecodeDims, lora_apply, lora_expand_slow, lora_shrink, lora_shrink_slow,
+    paged_decode_attention, paged_decode_attention_slow,
 };
+use multilora_types::{ModuleKind, SlotId};
 
 use crate::report::Report;
 use crate::util::{randn, rel_err};

@@ -8,9 +8,11 @@ use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule};
-use multilora_layers::{LoraMapping, LoraSlots, ModuleId, ModuleKind, SlotId, lora_apply};
-use multilora_models::{Batch, KvCacheConfig, LoraLimits, Model, ModelConfig, ModelOptions, SeqInput};
+use multilora_adapter::ModuleId;
+use multilora_adapter::{AdapterConfig, LoraAdapter, LoraModule};
+use multilora_layers::{LoraMapping, LoraSlots, lora_apply};
+use multilora_models::{Batch, KvCacheConfig, Model, ModelConfig, ModelOptions, SeqInput};
+use multilora_types::{Fingerprint, LoraLimits, ModuleKind, SlotId};
 
 use crate::kernels::{LLAMA3_8B_LAYERS, random_slots};
 use crate::report::Report;

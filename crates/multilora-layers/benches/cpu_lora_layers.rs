@@ -18,30 +18,22 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{Criterion, criterion_group, criterion_main};
-use multilora_adapter::{AdapterConfig, Fingerprint, LoadOptions, ModelShapes, SyntheticAdapter};
+use multilora_adapter::{AdapterConfig, LoadOptions, LoraAdapter, LoraModule, ModelShapes, ModuleId, SyntheticAdapter};
 use multilora_layers::{
-    LoraAdapter, LoraLinear, LoraMapping, LoraModule, LoraSlots, ModuleId, ModuleKind, SlotConfig, SlotId, lora_expand,
-    lora_expand_slow, lora_shrink, lora_shrink_slow,
+    LoraLinear, LoraMapping, LoraSlots, SlotConfig, lora_expand, lora_expand_slow, lora_shrink, lora_shrink_slow,
 };
+use multilora_types::{Fingerprint, ModuleKind, SlotId, SplitMix64};
 
 const TOKENS: usize = 64;
 const ADAPTERS: usize = 8;
 
-/// SplitMix64, so every run benchmarks the same data and slot map.
-struct Rng(u64);
+/// Seeded data ([`SplitMix64`]), so every run benchmarks the same data and slot map.
+struct Rng(SplitMix64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     fn tensor(&mut self, shape: &[usize], scale: f32) -> Tensor {
         let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale).collect();
+        let v: Vec<f32> = (0..n).map(|_| (self.0.next_f32() - 0.5) * scale).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
     }
 
@@ -49,7 +41,7 @@ impl Rng {
     fn slots(&mut self) -> Vec<Option<SlotId>> {
         let mut s: Vec<Option<SlotId>> = (0..TOKENS).map(|i| Some(SlotId::new(i % ADAPTERS))).collect();
         for i in (1..s.len()).rev() {
-            let j = (self.next() % (i as u64 + 1)) as usize;
+            let j = self.0.below(i as u64 + 1) as usize;
             s.swap(i, j);
         }
         s
@@ -112,7 +104,7 @@ fn llama_projections() -> Vec<(ModuleKind, usize, usize)> {
 }
 
 fn bench_step(c: &mut Criterion) {
-    let mut rng = Rng(1);
+    let mut rng = Rng(SplitMix64::new(1));
     let slots = rng.slots();
     let mut sorted_slots = slots.clone();
     sorted_slots.sort();

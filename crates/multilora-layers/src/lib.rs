@@ -20,7 +20,9 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
-//! use multilora_layers::{LoraLinear, LoraMapping, ModuleId, ModuleKind, SlotConfig, SlotId};
+//! use multilora_adapter::ModuleId;
+//! use multilora_layers::{LoraLinear, LoraMapping, SlotConfig};
+//! use multilora_types::{ModuleKind, SlotId};
 //! # fn main() -> multilora_layers::Result<()> {
 //! let dev = Device::Cpu;
 //! let cfg = SlotConfig::new(4, 16, DType::F32, &dev);
@@ -52,11 +54,6 @@ pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
 pub use linear::{LinearWeight, LoraLinear, lora_apply};
 pub use mapping::{LoraMapping, Segment};
-pub use multilora_adapter::{
-    Architecture, ConfigError, Error as AdapterError, Fingerprint, HiddenAct, HubConfig, LoraAdapter, LoraModule,
-    ModelConfig, ModelShapes, ModuleId, ModuleKind, Result as AdapterResult, RopeScaling, SlotId, SlotSink,
-    embedding_digest, with_embedding_digest,
-};
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::expand::lora_expand;
 pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};

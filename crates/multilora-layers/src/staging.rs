@@ -50,36 +50,31 @@ pub fn stage(adapter: &LoraAdapter, dtype: DType, device: &Device) -> Result<Lor
 #[cfg(test)]
 mod tests {
     use super::*;
-    use multilora_adapter::{ModuleId, ModuleKind};
+    use crate::tests::test_device;
+    use multilora_adapter::ModuleId;
+    use multilora_types::ModuleKind;
 
-    #[test]
-    fn the_cpu_is_not_staged() -> anyhow::Result<()> {
-        let q = ModuleId::layer(0, ModuleKind::QProj);
-        let a = crate::tests::adapter("x", &[(q, 4, 8, 6)], 1)?;
-        let s = stage(&a, DType::F32, &Device::Cpu)?;
-        assert_eq!(s.module(&q).unwrap().a.to_vec2::<f32>()?, a.module(&q).unwrap().a.to_vec2::<f32>()?);
-        Ok(())
-    }
-
-    /// On a GPU, the staged modules are on the device, in the slot dtype, equal to the host ones.
-    #[cfg(feature = "cuda")]
-    #[test]
-    fn staged_modules_are_views_of_one_device_buffer() -> anyhow::Result<()> {
-        let Some(dev) = crate::tests::cuda_device("staged_modules_are_views_of_one_device_buffer") else {
-            return Ok(());
-        };
+    /// On the CPU nothing is staged (the host modules back, in f32); on a GPU the staged modules are
+    /// on the device, in the slot dtype (bf16), equal to the host ones rounded to it.
+    fn staged_modules_equal_the_host_ones(dev: &Device) -> anyhow::Result<()> {
+        let dtype = if dev.is_cpu() { DType::F32 } else { DType::BF16 };
         let (q, v) = (ModuleId::layer(0, ModuleKind::QProj), ModuleId::layer(1, ModuleKind::VProj));
         let a = crate::tests::adapter("x", &[(q, 4, 8, 6), (v, 2, 8, 3)], 1)?;
-        let s = stage(&a, DType::BF16, &dev)?;
-        let (sq, sv) = (s.module(&q).unwrap(), s.module(&v).unwrap());
-        assert!(sq.a.device().same_device(&dev) && sq.a.dtype() == DType::BF16);
-        for (id, m) in [(q, sq), (v, sv)] {
-            let host = a.module(&id).unwrap();
-            assert_eq!(
-                m.b_t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?,
-                host.b_t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.to_vec2::<f32>()?
-            );
+        let s = stage(&a, dtype, dev)?;
+        for id in [q, v] {
+            let (m, host) = (s.module(&id).unwrap(), a.module(&id).unwrap());
+            assert!(m.a.device().same_device(dev) && m.a.dtype() == dtype && m.b_t.dtype() == dtype);
+            let round = |t: &Tensor| -> anyhow::Result<Vec<Vec<f32>>> {
+                Ok(t.to_dtype(dtype)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
+            };
+            assert_eq!(round(&m.a)?, round(&host.a)?);
+            assert_eq!(round(&m.b_t)?, round(&host.b_t)?);
         }
         Ok(())
     }
+    test_device!(
+        staged_modules_equal_the_host_ones,
+        staged_modules_equal_the_host_ones_cpu,
+        staged_modules_equal_the_host_ones_cuda
+    );
 }

@@ -15,8 +15,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput};
-use multilora_adapter::{LoadOptions, ModuleKind, SyntheticAdapter};
-use multilora_models::{Batch, KvCache, KvCacheConfig, LoraLimits, Model, ModelConfig, ModelOptions, SeqInput, SlotId};
+use multilora_adapter::{LoadOptions, SyntheticAdapter};
+use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelConfig, ModelOptions, SeqInput};
+use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 const CONTEXT: usize = 64;
 const BLOCK: usize = 16;

@@ -17,9 +17,10 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput};
-use multilora_adapter::{LoadOptions, ModuleKind, SyntheticAdapter};
+use multilora_adapter::{LoadOptions, SyntheticAdapter};
 use multilora_layers::{QuantIsa, QuantType, QuantWeight};
-use multilora_models::{Batch, KvCache, KvCacheConfig, LoraLimits, Model, ModelOptions, ModelSource, SeqInput, SlotId};
+use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelOptions, ModelSource, SeqInput};
+use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 const CONTEXT: usize = 64;
 const BLOCK: usize = 16;

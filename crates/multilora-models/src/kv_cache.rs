@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use multilora_layers::ModelConfig;
+use multilora_adapter::ModelConfig;
 
 /// How big the cache is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

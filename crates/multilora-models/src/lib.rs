@@ -50,7 +50,5 @@ pub use kv_cache::{
     step_activation_bytes,
 };
 pub use llama::{Model, ModelOptions};
-pub use multilora_layers::HubConfig;
-pub use multilora_layers::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
-pub use multilora_types::{LogitsWanted, LoraLimits, SlotId};
+pub use multilora_adapter::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
 pub use weights::{Checkpoint, CheckpointFiles, ModelSource, write_checkpoint_copy};

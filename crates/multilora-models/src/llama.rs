@@ -8,11 +8,10 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
+use multilora_adapter::{LoraAdapter, ModelShapes, ModuleId};
 use multilora_adapter::{embedding_digest_of_rows, with_embedding_digest};
-use multilora_layers::{
-    LinearWeight, LoraAdapter, LoraEmbedding, LoraLinear, ModelShapes, ModuleId, ModuleKind, SlotConfig,
-};
-use multilora_types::{LoraLimits, SlotId};
+use multilora_layers::{LinearWeight, LoraEmbedding, LoraLinear, SlotConfig};
+use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 use crate::attention::{AttnDims, paged_attention, write_kv};
 use crate::batch::{Batch, Limits, StepPlan};
@@ -20,8 +19,8 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
 use crate::weights::{Checkpoint, CheckpointFiles, ModelSource, Weights};
-use multilora_layers::HubConfig;
-use multilora_layers::{HiddenAct, ModelConfig};
+use multilora_adapter::HubConfig;
+use multilora_adapter::{HiddenAct, ModelConfig};
 
 /// How to load a model.
 #[derive(Clone, Debug)]
@@ -521,20 +520,20 @@ impl Site<'_> {
     }
 }
 
-impl multilora_layers::SlotSink for Model {
-    fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> multilora_layers::AdapterResult<()> {
+impl multilora_adapter::SlotSink for Model {
+    fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> multilora_adapter::Result<()> {
         Model::write_slot(self, slot, adapter).map_err(|e| into_adapter_error(e, slot, adapter.name()))
     }
 
-    fn clear_slot(&mut self, slot: SlotId) -> multilora_layers::AdapterResult<()> {
+    fn clear_slot(&mut self, slot: SlotId) -> multilora_adapter::Result<()> {
         Model::clear_slot(self, slot).map_err(|e| into_adapter_error(e, slot, ""))
     }
 }
 
-fn into_adapter_error(e: Error, slot: SlotId, adapter: &str) -> multilora_layers::AdapterError {
+fn into_adapter_error(e: Error, slot: SlotId, adapter: &str) -> multilora_adapter::Error {
     match e {
         Error::Layer(e) => e.into(),
-        other => multilora_layers::AdapterError::SlotWrite {
+        other => multilora_adapter::Error::SlotWrite {
             slot: slot.index(),
             adapter: adapter.to_string(),
             source: Box::new(other),

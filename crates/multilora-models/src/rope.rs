@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
-use multilora_layers::{ModelConfig, RopeScaling};
+use multilora_adapter::{ModelConfig, RopeScaling};
 
 /// Precomputed `cos`/`sin` tables, `[max_positions, head_dim / 2]`.
 #[derive(Clone, Debug)]

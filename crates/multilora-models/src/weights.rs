@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::ModelConfig;
-use multilora_layers::{AdapterError, HubConfig, LinearWeight};
+use multilora_adapter::{Error as AdapterError, HubConfig};
+use multilora_layers::LinearWeight;
 
 use crate::gguf::GgufFile;
 

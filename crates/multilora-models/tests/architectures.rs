@@ -8,7 +8,8 @@ use std::path::Path;
 
 use anyhow::Result;
 use candle_core::{D, DType, Device, Tensor};
-use multilora_models::{Batch, KvCacheConfig, LogitsWanted, LoraLimits, Model, ModelOptions, SeqInput};
+use multilora_models::{Batch, KvCacheConfig, Model, ModelOptions, SeqInput};
+use multilora_types::{LogitsWanted, LoraLimits};
 use serde_json::{Value, json};
 
 const H: usize = 64;

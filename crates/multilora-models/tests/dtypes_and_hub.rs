@@ -6,9 +6,9 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use multilora_models::{
-    Batch, HubConfig, KvCache, KvCacheConfig, LogitsWanted, Model, ModelOptions, ModelSource, SeqInput, SlotId,
-};
+use multilora_adapter::HubConfig;
+use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelOptions, ModelSource, SeqInput};
+use multilora_types::{LogitsWanted, SlotId};
 
 /// bf16 / f16 logits against f32 on every fixture row, one flat batch each.
 ///

@@ -23,7 +23,8 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, ModelConfig};
-use multilora_models::{Batch, LogitsWanted, LoraLimits, Model, ModelOptions, ModelSource, SeqInput, SlotId};
+use multilora_models::{Batch, Model, ModelOptions, ModelSource, SeqInput};
+use multilora_types::{LogitsWanted, LoraLimits, SlotId};
 use serde_json::Value;
 use smollm2::{cases as reference_cases, fixtures, ids};
 

@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use multilora_models::{Batch, LogitsWanted, SeqInput, SlotId};
+use multilora_models::{Batch, SeqInput};
+use multilora_types::{LogitsWanted, SlotId};
 
 fn check(label: &str, rows: &[Row], got: &[Tensor]) -> Result<()> {
     let mut per_batch: BTreeMap<String, f32> = BTreeMap::new();

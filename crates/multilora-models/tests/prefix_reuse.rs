@@ -6,7 +6,8 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device};
 use common::*;
-use multilora_models::{Batch, LogitsWanted, SeqInput};
+use multilora_models::{Batch, SeqInput};
+use multilora_types::LogitsWanted;
 
 fn reused_full_blocks_give_the_cold_logits(dev: &Device) -> Result<()> {
     let (model, slots) = model_with_adapters_on(DType::F32, dev)?;

@@ -6,8 +6,9 @@ mod common;
 use anyhow::Result;
 use candle_core::Device;
 use common::*;
-use multilora_adapter::{LoadOptions, ModuleKind, SlotSink};
-use multilora_models::{Batch, LogitsWanted, LoraLimits, Model, ModelOptions, SeqInput, SlotId};
+use multilora_adapter::{LoadOptions, SlotSink};
+use multilora_models::{Batch, Model, ModelOptions, SeqInput};
+use multilora_types::{LogitsWanted, LoraLimits, ModuleKind, SlotId};
 
 /// On a GPU the slot writes go through the one-copy staging of `multilora_layers::stage_adapter`.
 fn slots_are_written_rewritten_and_cleared_through_the_trait(dev: &Device) -> Result<()> {

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use crate::AdapterGen;
+use multilora_types::AdapterGen;
 
 /// The interned index of "no adapter" (a base-model request).
 pub(crate) const NO_ADAPTER: u32 = u32::MAX;
@@ -145,7 +145,7 @@ impl AdapterTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{AdapterId, Fingerprint};
+    use multilora_types::{AdapterId, Fingerprint};
 
     fn g(id: u64, fp: u8) -> Option<AdapterGen> {
         Some(AdapterGen::new(AdapterId(id), Fingerprint([fp; 32])))

@@ -35,7 +35,6 @@ pub use budget::{DEFAULT_STEP_FACTOR, StepCost, StepTime};
 pub use config::{DEFAULT_MAX_SKIPPED_STEPS, DEFAULT_MIN_PREFILL_CHUNK, Policy, SchedulerConfig};
 pub use error::{Error, Result};
 pub use multilora_prefix_cache::{BlockId, KvConfig, KvMetrics, RequestId};
-pub use multilora_types::{AdapterGen, AdapterId, Fingerprint, FinishReason, LogitsWanted};
 pub use output::{FinishedRequest, RequestResult, ScheduledRequest, SchedulerCounts, SchedulerOutput};
 pub use request::Request;
 pub use scheduler::Scheduler;

@@ -1,9 +1,7 @@
 //! Requests as the scheduler sees them: plain data in, per-request bookkeeping inside.
 
 use multilora_prefix_cache::{ExtraKeys, RequestId};
-use multilora_types::AdapterGen;
-
-use crate::FinishReason;
+use multilora_types::{AdapterGen, FinishReason};
 
 /// A request handed to [`Scheduler::add_request`](crate::Scheduler::add_request).
 ///

@@ -4,12 +4,13 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use multilora_prefix_cache::{KvManager, RequestId};
+use multilora_types::{AdapterGen, FinishReason, LogitsWanted};
 
 use crate::adapters::AdapterTable;
 use crate::request::{ReqState, Status};
 use crate::{
-    AdapterGen, Error, FinishReason, FinishedRequest, LogitsWanted, Policy, Request, RequestResult, Result,
-    ScheduledRequest, SchedulerConfig, SchedulerCounts, SchedulerOutput, StepCost, StepTime,
+    Error, FinishedRequest, Policy, Request, RequestResult, Result, ScheduledRequest, SchedulerConfig, SchedulerCounts,
+    SchedulerOutput, StepCost, StepTime,
 };
 
 /// Marks a waiting-queue entry admitted during the scan, removed when the scan ends.
@@ -69,7 +70,8 @@ struct WaitEntry {
 /// [`Scheduler::abort`] may be called at any time.
 ///
 /// ```
-/// use multilora_scheduler::{AdapterGen, AdapterId, Fingerprint, Request, RequestResult, Scheduler, SchedulerConfig};
+/// use multilora_scheduler::{Request, RequestResult, Scheduler, SchedulerConfig};
+/// use multilora_types::{AdapterGen, AdapterId, Fingerprint};
 ///
 /// let mut s = Scheduler::new(SchedulerConfig::default().max_loras(1))?;
 /// let sql = AdapterGen::new(AdapterId(1), Fingerprint([7; 32]));

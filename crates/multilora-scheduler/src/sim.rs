@@ -19,8 +19,9 @@
 use std::fmt::Write as _;
 
 use multilora_prefix_cache::{KvConfig, RequestId};
+use multilora_types::{AdapterGen, AdapterId, Fingerprint};
 
-use crate::{AdapterGen, AdapterId, Fingerprint, Policy, Request, RequestResult, Result, Scheduler, SchedulerConfig};
+use crate::{Policy, Request, RequestResult, Result, Scheduler, SchedulerConfig};
 
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq, Eq)]

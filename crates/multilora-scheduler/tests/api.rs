@@ -3,9 +3,8 @@
 mod common;
 
 use common::lora;
-use multilora_scheduler::{
-    AdapterGen, Error, FinishReason, KvConfig, LogitsWanted, Policy, Request, RequestResult, Scheduler, SchedulerConfig,
-};
+use multilora_scheduler::{Error, KvConfig, Policy, Request, RequestResult, Scheduler, SchedulerConfig};
+use multilora_types::{AdapterGen, FinishReason, LogitsWanted};
 
 fn small() -> SchedulerConfig {
     SchedulerConfig::default().max_loras(2).max_model_len(16).kv(KvConfig {
@@ -142,7 +141,7 @@ fn engine_can_finish_a_waiting_request_and_abort_is_idempotent() -> anyhow::Resu
 fn counts_and_reloaded_generations() -> anyhow::Result<()> {
     let mut s = Scheduler::new(small().max_loras(1).policy(Policy::Fcfs))?;
     let old = lora(1);
-    let reloaded = AdapterGen::new(old.id, multilora_scheduler::Fingerprint([0xee; 32]));
+    let reloaded = AdapterGen::new(old.id, multilora_types::Fingerprint([0xee; 32]));
     s.add_request(Request::new(1, vec![1], 5).adapter(old))?;
     s.add_request(Request::new(2, vec![1], 5).adapter(reloaded))?;
     s.add_request(Request::new(3, vec![1], 5))?;

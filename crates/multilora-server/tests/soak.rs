@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use common::{BASE, Server, builder, copy_dir, path, sse_events, value};
 use multilora_server::ServerConfig;
+use multilora_types::SplitMix64;
 use openmetrics_parser::OpenMetricsValue;
 use serde_json::{Value, json};
 
@@ -59,23 +60,16 @@ fn soak_duration() -> Duration {
     Duration::from_secs_f64(secs.max(0.1))
 }
 
-/// A small deterministic generator (xorshift64*), one per client, so a run can be replayed.
-struct Rng(u64);
+/// Each client's seeded choices over the workspace's one generator, so a run can be replayed.
+struct Rng(SplitMix64);
 
 impl Rng {
     fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        Rng(SplitMix64::new(seed))
     }
 
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        self.0.below(n as u64) as usize
     }
 
     fn pick<T: Copy>(&mut self, xs: &[T]) -> T {

@@ -9,9 +9,9 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use multilora_adapter::{LoraAdapter, ModelShapes, ModuleKind, SlotSink, SyntheticAdapter};
-use multilora_store::{LoadEvent, Resolution, SlotId, Store, StoreConfig};
-use multilora_types::LoraLimits;
+use multilora_adapter::{LoraAdapter, ModelShapes, SlotSink, SyntheticAdapter};
+use multilora_store::{LoadEvent, Resolution, Store, StoreConfig};
+use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 const REGISTERED: usize = 10_000;
 const CACHED: usize = 64;

@@ -32,7 +32,8 @@
 //!
 //! ```no_run
 //! use multilora_adapter::{AdapterSource, ModelShapes};
-//! use multilora_store::{LoraLimits, Resolution, Store, StoreConfig};
+//! use multilora_store::{Resolution, Store, StoreConfig};
+//! use multilora_types::LoraLimits;
 //! # fn main() -> multilora_store::Result<()> {
 //! let shapes = ModelShapes::llama(4, 128, 352, 512, 4, 2);
 //! let config = StoreConfig::new("tiny-llama", shapes).lora(LoraLimits::slots(4)).max_cpu_loras(64);
@@ -72,8 +73,7 @@ pub use error::{Error, Result};
 pub use host_lease::HostLease;
 pub use lease::SlotLease;
 pub use loader::{AdapterLoader, FsLoader};
-pub use metrics::{Histogram, LOAD_TIME_BUCKETS_S, StoreMetrics, TierMetrics};
-pub use multilora_types::{AdapterGen, AdapterId, LoraLimits, SlotId};
+pub use metrics::{LOAD_TIME_BUCKETS_S, StoreMetrics, TierMetrics};
 pub use registry::{AdapterInfo, MAX_NAME_LEN, validate_name};
 pub use resolver::{DirectoryResolver, HubResolver, Resolver};
 pub use status::{LoadEvent, Loaded, Resolution, Unloaded};

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use multilora_adapter::{AdapterSource, LoraAdapter, ModuleKind};
+use multilora_adapter::{AdapterSource, LoraAdapter};
+use multilora_types::{AdapterGen, AdapterId, ModuleKind};
 
 use crate::backoff::Failure;
 use crate::cpu_tier::TierFull;
@@ -25,7 +26,6 @@ use crate::status::{LoadEvent, Loaded, Unloaded};
 use crate::store::{Inner, Job, JobKind, Shared, Store};
 use crate::ticket::AdapterRef;
 use crate::waiting::Waiting;
-use multilora_types::{AdapterGen, AdapterId};
 
 impl Shared {
     /// Runs the loader on `source`, outside the lock, timing it, and checks the adapter's

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-pub use multilora_types::Histogram;
+use multilora_types::Histogram;
 
 /// Upper bounds of the load time buckets, in seconds; a last bucket catches everything above.
 /// Fixed, so that histograms from different replicas add up.

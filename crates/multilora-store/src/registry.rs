@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use multilora_adapter::{AdapterSource, Fingerprint, LoraAdapter, ModuleKind};
-use multilora_types::{AdapterGen, AdapterId};
+use multilora_adapter::{AdapterSource, LoraAdapter};
+use multilora_types::{AdapterGen, AdapterId, Fingerprint, ModuleKind};
 
 use crate::backoff::Failure;
 use crate::error::{Error, Result};

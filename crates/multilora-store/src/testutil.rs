@@ -3,9 +3,8 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule, ModuleId, ModuleKind};
-
-use multilora_types::{AdapterGen, AdapterId};
+use multilora_adapter::{AdapterConfig, LoraAdapter, LoraModule, ModuleId};
+use multilora_types::{AdapterGen, AdapterId, Fingerprint, ModuleKind};
 
 /// Generation `fp` of adapter `id`.
 pub(crate) fn generation(id: u64, fp: u8) -> AdapterGen {

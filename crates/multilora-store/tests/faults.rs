@@ -13,9 +13,9 @@ use std::time::Duration;
 use common::{
     CountingLoader, CountingSink, cached, next_event, synthetic, tiny_shapes, wait_for, wait_ready, with_events,
 };
-use multilora_adapter::{AdapterSource, ModuleKind, SyntheticAdapter};
-use multilora_store::{AdapterGen, DirectoryResolver, Error, LoadEvent, Resolution, Store, StoreConfig};
-use multilora_types::LoraLimits;
+use multilora_adapter::{AdapterSource, SyntheticAdapter};
+use multilora_store::{DirectoryResolver, Error, LoadEvent, Resolution, Store, StoreConfig};
+use multilora_types::{AdapterGen, LoraLimits, ModuleKind};
 
 /// Long enough that no test outlives it: within it, a failure is answered from memory.
 const FOREVER: Duration = Duration::from_secs(3600);

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{CountingSink, cached, next_event, synthetic, tiny_shapes, wait_ready, with_events};
-use multilora_store::{AdapterGen, LoadEvent, Loaded, Resolution, Store, StoreConfig};
-use multilora_types::LoraLimits;
+use multilora_store::{LoadEvent, Loaded, Resolution, Store, StoreConfig};
+use multilora_types::{AdapterGen, LoraLimits};
 
 fn ready(store: &Store, name: &str) -> AdapterGen {
     match store.resolve(name).unwrap() {

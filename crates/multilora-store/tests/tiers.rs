@@ -7,8 +7,8 @@ use std::sync::OnceLock;
 
 use common::{CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_ready};
 use multilora_adapter::AdapterSource;
-use multilora_store::{AdapterGen, Resolution, SlotId, Store, StoreConfig};
-use multilora_types::LoraLimits;
+use multilora_store::{Resolution, Store, StoreConfig};
+use multilora_types::{AdapterGen, LoraLimits, SlotId};
 use proptest::prelude::*;
 
 fn ready(store: &Store, name: &str) -> AdapterGen {

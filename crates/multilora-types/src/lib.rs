@@ -9,6 +9,7 @@
 //! - [`ModuleKind`] and [`LoraLimits`]: what can be adapted, and the LoRA limits checked once
 //!   where they are built ("LoRA off" is a value, [`LoraLimits::off`]).
 //! - [`FinishReason`], [`LogitsWanted`] and [`Histogram`].
+//! - [`SplitMix64`]: the one seeded generator, whose streams seeded outputs and tests rely on.
 //!
 //! Plain data: no candle, no threads, no I/O, no dependency of ours.
 
@@ -17,6 +18,7 @@ mod histogram;
 mod limits;
 mod module;
 mod request;
+mod rng;
 mod slot;
 
 pub use adapter::{AdapterGen, AdapterId, Fingerprint};
@@ -24,4 +26,5 @@ pub use histogram::Histogram;
 pub use limits::{DEFAULT_MAX_LORA_RANK, LimitsError, LoraLimits, MAX_LORA_RANK_CEILING};
 pub use module::ModuleKind;
 pub use request::{FinishReason, LogitsWanted};
+pub use rng::SplitMix64;
 pub use slot::SlotId;

@@ -8,11 +8,12 @@ use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
 use candle_core::{DType, Device};
-use multilora_adapter::{AdapterSource, GenerationConfig, LoadOptions, ModuleKind};
-use multilora_models::{Checkpoint, HubConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
+use multilora_adapter::HubConfig;
+use multilora_adapter::{AdapterSource, GenerationConfig, LoadOptions};
+use multilora_models::{Checkpoint, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
-use multilora_types::{DEFAULT_MAX_LORA_RANK, LoraLimits};
+use multilora_types::{DEFAULT_MAX_LORA_RANK, LoraLimits, ModuleKind};
 
 use crate::command::{Command, EventCount};
 use crate::config::EngineConfig;

@@ -5,8 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use multilora_adapter::ModuleKind;
-use multilora_types::LimitsError;
+use multilora_types::{LimitsError, ModuleKind};
 
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -79,12 +79,15 @@ pub use metrics::{
     AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
     STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
 };
+/// What an embedder's [`Resolver`] returns: an adapter's source, or the store's error.
+pub use multilora_adapter::AdapterSource;
 /// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
-pub use multilora_adapter::{GenerationConfig, ModelShapes, ModuleKind, SyntheticAdapter};
+pub use multilora_adapter::{GenerationConfig, ModelShapes, SyntheticAdapter};
 pub use multilora_models::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
 /// The step-time budget (`EngineBuilder::step_time`) and the step cost model it is applied with.
 pub use multilora_scheduler::{DEFAULT_STEP_FACTOR, StepCost, StepTime};
-pub use multilora_store::{DirectoryResolver, Resolver};
+pub use multilora_store::{DirectoryResolver, Resolver, Result as ResolverResult};
+pub use multilora_types::ModuleKind;
 /// The LoRA limits an engine runs with ([`EngineConfig::lora`]) and why a set is refused.
 pub use multilora_types::{LimitsError, LoraLimits};
 pub use request::{

@@ -5,31 +5,9 @@
 
 use std::collections::HashMap;
 
+use multilora_types::SplitMix64;
+
 use crate::request::SamplingParams;
-
-/// A small, seedable generator (SplitMix64): each request owns one, so a seeded request gives
-/// the same tokens whatever else runs beside it. No `rand` dependency needed for this.
-#[derive(Clone, Debug)]
-pub(crate) struct Rng(u64);
-
-impl Rng {
-    pub(crate) fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// Log-softmax of `logits`, accumulated in f64 so small probabilities keep their precision.
 pub(crate) fn log_softmax(logits: &[f32]) -> Vec<f32> {
@@ -68,7 +46,9 @@ pub(crate) fn argmax(logits: &[f32]) -> u32 {
 /// What sampling needs to remember about one request.
 #[derive(Debug)]
 pub(crate) struct SamplerState {
-    rng: Rng,
+    /// The request's own generator, so a seeded request gives the same tokens whatever else runs
+    /// beside it.
+    rng: SplitMix64,
     /// Tokens of the prompt (for the repetition penalty).
     prompt_tokens: Vec<u32>,
     /// How often each token was generated (frequency / presence / repetition penalties).
@@ -87,7 +67,13 @@ impl SamplerState {
             prompt_tokens.sort_unstable();
             prompt_tokens.dedup();
         }
-        SamplerState { rng: Rng::new(seed), prompt_tokens, output_counts: HashMap::new(), num_generated: 0, stop_ids }
+        SamplerState {
+            rng: SplitMix64::new(seed),
+            prompt_tokens,
+            output_counts: HashMap::new(),
+            num_generated: 0,
+            stop_ids,
+        }
     }
 
     /// Records a generated token.
@@ -244,7 +230,7 @@ mod tests {
 
     #[test]
     fn the_lazy_ranking_is_the_full_sort() {
-        let mut rng = Rng::new(7);
+        let mut rng = SplitMix64::new(7);
         // Ties on purpose: values from a small set.
         let cand: Vec<(u32, f64)> = (0..5000).map(|i| (i, (rng.next_f64() * 40.0).floor())).collect();
         let mut full = cand.clone();

@@ -22,7 +22,7 @@ fn greedy_cases_are_batch_invariant() -> Result<()> {
 fn a_bf16_checkpoint_is_served_in_bf16_and_batch_invariant() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("base-bf16");
-    multilora_models::write_checkpoint_copy(&fixtures().join("base"), &dir, DType::BF16)?;
+    bf16_checkpoint(&fixtures().join("base"), &dir)?;
     let engine = builder_at(&dir.display().to_string(), 8).build()?;
     assert_eq!(engine.config().dtype, DType::BF16, "auto serves the checkpoint's dtype");
     assert_eq!(engine.config().lora_dtype, DType::BF16, "slots in the model's dtype");

@@ -5,9 +5,10 @@
 //! C++ compiler. On a GPU the same kernels run for real through the `*_cuda` tests.
 
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{ModuleId, ModuleKind};
+use multilora_adapter::ModuleId;
 use multilora_kernels::emulate::buffer_ptr;
 use multilora_kernels::{Emulator, KernelDtype, kernel};
+use multilora_types::ModuleKind;
 
 use super::ops::random_slots;
 use super::{Rng, bits, rel_err, slot_map};

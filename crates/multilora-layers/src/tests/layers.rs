@@ -1,7 +1,8 @@
 //! The layers: base rows bit for bit, LoRA == merged weight, fused qkv, embedding, slot writes.
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use multilora_adapter::{LoraAdapter, ModuleId, ModuleKind};
+use multilora_adapter::{LoraAdapter, ModuleId};
+use multilora_types::ModuleKind;
 
 use super::{Rng, adapter, bits, rel_err, slot_map, test_device};
 use crate::{LoraEmbedding, LoraLinear, LoraMapping, SlotConfig};

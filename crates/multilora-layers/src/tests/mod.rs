@@ -11,72 +11,32 @@ mod quant_kernels;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{AdapterConfig, Fingerprint, LoraAdapter, LoraModule, ModuleId};
-use multilora_types::SlotId;
+use multilora_adapter::{AdapterConfig, LoraAdapter, LoraModule, ModuleId};
+use multilora_types::{Fingerprint, SlotId, SplitMix64};
 
 use crate::LoraMapping;
 
-/// Runs `$body(&Device)` as a CPU test, and as a CUDA test when built with the feature. Without
-/// a GPU the CUDA test says so on its output and passes (`MULTILORA_REQUIRE_CUDA=1`, which the
-/// device check sets, makes it fail instead).
-macro_rules! test_device {
-    ($body:ident, $cpu:ident, $cuda:ident) => {
-        #[test]
-        fn $cpu() -> anyhow::Result<()> {
-            $body(&candle_core::Device::Cpu)
-        }
+/// `test_device!`, shared with the models' tests.
+#[path = "../../../../tests/support/test_device.rs"]
+mod test_device;
+pub(crate) use test_device::test_device;
 
-        #[cfg(feature = "cuda")]
-        #[test]
-        fn $cuda() -> anyhow::Result<()> {
-            match crate::tests::cuda_device(stringify!($cuda)) {
-                Some(dev) => $body(&dev),
-                None => Ok(()),
-            }
-        }
-    };
-}
-pub(crate) use test_device;
-
-/// The first GPU, or `None` after printing why the test `name` is skipped.
-#[cfg(feature = "cuda")]
-pub(crate) fn cuda_device(name: &str) -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) if std::env::var("MULTILORA_REQUIRE_CUDA").as_deref() == Ok("1") => {
-            panic!("{name}: MULTILORA_REQUIRE_CUDA=1 but no CUDA device: {e}")
-        }
-        Err(e) => {
-            println!("SKIPPED {name}: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-/// SplitMix64: seeded, a few lines, the same stream everywhere.
-pub(crate) struct Rng(u64);
+/// Seeded test data over the workspace's one generator, [`SplitMix64`].
+pub(crate) struct Rng(SplitMix64);
 
 impl Rng {
     pub(crate) fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        Rng(SplitMix64::new(seed))
     }
 
     /// Uniform in `lo..=hi`.
     pub(crate) fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+        lo + self.0.below((hi - lo + 1) as u64) as usize
     }
 
     /// Uniform in [-1, 1).
     pub(crate) fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        self.0.unit_f32()
     }
 
     pub(crate) fn tensor(&mut self, shape: &[usize], scale: f32, dtype: DType, dev: &Device) -> anyhow::Result<Tensor> {

@@ -1,7 +1,8 @@
 //! The segmented ops against the slow gathered reference, over random shapes, ranks and slot maps.
 
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{ModuleId, ModuleKind};
+use multilora_adapter::ModuleId;
+use multilora_types::ModuleKind;
 
 use super::{Rng, bits, rel_err, slot_map, test_device};
 use crate::ops::expand::expand_tensor_ops;

@@ -7,51 +7,22 @@ use std::path::PathBuf;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::LoadOptions;
-use multilora_models::{
-    Batch, KvCache, KvCacheConfig, LogitsWanted, LoraLimits, Model, ModelOptions, SeqInput, SlotId,
-};
+use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelOptions, SeqInput};
+use multilora_types::{LogitsWanted, LoraLimits, SlotId};
 use serde_json::Value;
 
 pub const TOL: f32 = 1e-4;
 
-/// Runs `$body(&Device)` as a CPU test, and as a CUDA test when built with the feature. Without
-/// a GPU the CUDA test prints why it is skipped and passes; `MULTILORA_REQUIRE_CUDA=1` (the
-/// device check sets it) makes it fail instead.
-#[allow(unused_macros)]
-macro_rules! test_device {
-    ($body:ident, $cpu:ident, $cuda:ident) => {
-        #[test]
-        fn $cpu() -> anyhow::Result<()> {
-            $body(&candle_core::Device::Cpu)
-        }
-
-        #[cfg(feature = "cuda")]
-        #[test]
-        fn $cuda() -> anyhow::Result<()> {
-            match common::cuda_device(stringify!($cuda)) {
-                Some(dev) => $body(&dev),
-                None => Ok(()),
-            }
-        }
-    };
-}
+/// `test_device!`, shared with the layers' tests.
+#[path = "../../../../tests/support/test_device.rs"]
+mod test_device;
 #[allow(unused_imports)]
-pub(crate) use test_device;
+pub(crate) use test_device::test_device;
 
-/// The first GPU, or `None` after printing why `name` is skipped.
-#[cfg(feature = "cuda")]
-pub fn cuda_device(name: &str) -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) if std::env::var("MULTILORA_REQUIRE_CUDA").as_deref() == Ok("1") => {
-            panic!("{name}: MULTILORA_REQUIRE_CUDA=1 but no CUDA device: {e}")
-        }
-        Err(e) => {
-            println!("SKIPPED {name}: no CUDA device ({e})");
-            None
-        }
-    }
-}
+/// The fixture's adapter table, shared with the engine's tests.
+#[path = "../../../../tests/support/peft_tiny.rs"]
+mod peft_tiny;
+pub use peft_tiny::ADAPTERS;
 
 pub fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
@@ -60,19 +31,6 @@ pub fn fixture() -> PathBuf {
 pub fn cases() -> Result<Value> {
     Ok(serde_json::from_str(&std::fs::read_to_string(fixture().join("cases.json"))?)?)
 }
-
-/// Every adapter the fixture's rows use, with where it lives.
-pub const ADAPTERS: [(&str, &str); 9] = [
-    ("qv_r8", "adapters/qv_r8"),
-    ("all_r16", "adapters/all_r16"),
-    ("rslora_r4", "adapters/rslora_r4"),
-    ("pattern_r8", "adapters/pattern_r8"),
-    ("regex_layers", "adapters/regex_layers"),
-    ("layers_subset", "adapters/layers_subset"),
-    ("rank32", "adapters/rank32"),
-    ("embed_target", "invalid_adapters/embed_target"),
-    ("bias_all", "invalid_adapters/bias_all"),
-];
 
 /// The base model with every fixture adapter in a slot; returns the model and name → slot.
 pub fn model_with_adapters(dtype: DType) -> Result<(Model, HashMap<String, SlotId>)> {

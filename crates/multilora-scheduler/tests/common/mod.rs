@@ -3,9 +3,8 @@
 
 use std::fmt::Write as _;
 
-use multilora_scheduler::{
-    AdapterGen, LogitsWanted, Request, RequestId, RequestResult, Scheduler, SchedulerConfig, StepCost, sim::adapter_gen,
-};
+use multilora_scheduler::{Request, RequestId, RequestResult, Scheduler, SchedulerConfig, StepCost, sim::adapter_gen};
+use multilora_types::{AdapterGen, LogitsWanted};
 
 /// Adapter `a` of the tests (same keys as the simulator's).
 pub fn lora(a: usize) -> AdapterGen {

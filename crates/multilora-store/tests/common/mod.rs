@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use multilora_adapter::{
-    AdapterSource, Fingerprint, LoadOptions, LoraAdapter, ModelShapes, ModuleKind, SlotSink, SyntheticAdapter,
-};
-use multilora_store::{AdapterGen, AdapterLoader, FsLoader, LoadEvent, Loaded, SlotId, Store};
+use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, ModelShapes, SlotSink, SyntheticAdapter};
+use multilora_store::{AdapterLoader, FsLoader, LoadEvent, Loaded, Store};
+use multilora_types::{AdapterGen, Fingerprint, ModuleKind, SlotId};
 use parking_lot::Mutex;
 
 /// The PEFT fixtures of the repository.

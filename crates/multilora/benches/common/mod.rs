@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{ModelShapes, ModuleKind, SyntheticAdapter};
+use multilora_adapter::{ModelShapes, SyntheticAdapter};
+use multilora_types::ModuleKind;
 
 /// Adapters written next to the model, `lora0` … `lora7`.
 pub const ADAPTERS: usize = 8;

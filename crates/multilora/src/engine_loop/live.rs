@@ -5,7 +5,8 @@
 
 use std::time::Instant;
 
-use multilora_scheduler::{LogitsWanted, RequestResult, ScheduledRequest};
+use multilora_scheduler::{RequestResult, ScheduledRequest};
+use multilora_types::LogitsWanted;
 use tokenizers::Tokenizer;
 
 use super::hold::Hold;

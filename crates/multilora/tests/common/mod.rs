@@ -11,18 +11,10 @@ use serde_json::Value;
 /// The served base model's name in these tests.
 pub const BASE: &str = "base";
 
-/// The seven adapters of `adapters/` plus the two extra ones.
-pub const ADAPTERS: [(&str, &str); 9] = [
-    ("qv_r8", "adapters/qv_r8"),
-    ("all_r16", "adapters/all_r16"),
-    ("rslora_r4", "adapters/rslora_r4"),
-    ("pattern_r8", "adapters/pattern_r8"),
-    ("regex_layers", "adapters/regex_layers"),
-    ("layers_subset", "adapters/layers_subset"),
-    ("rank32", "adapters/rank32"),
-    ("embed_target", "invalid_adapters/embed_target"),
-    ("bias_all", "invalid_adapters/bias_all"),
-];
+/// The fixture's adapter table, shared with the models' tests (and the server's, through these).
+#[path = "../../../../tests/support/peft_tiny.rs"]
+mod peft_tiny;
+pub use peft_tiny::ADAPTERS;
 
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
@@ -71,6 +63,38 @@ pub fn model_of(row: &Value) -> String {
 /// The fixture list `v[key]`; a missing key fails the test instead of checking nothing.
 pub fn list<'a>(v: &'a Value, key: &str) -> &'a [Value] {
     v.get(key).and_then(Value::as_array).unwrap_or_else(|| panic!("fixture: no list {key:?}")).as_slice()
+}
+
+/// A copy of the checkpoint in `src` with every float tensor rounded to bf16 and `config.json`
+/// naming `bfloat16`, written to `dst` (the other files copied as they are).
+pub fn bf16_checkpoint(src: &std::path::Path, dst: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dst)?;
+    for entry in std::fs::read_dir(src)? {
+        let path = entry?.path();
+        let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        match file.as_str() {
+            "model.safetensors" => {
+                let mut tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)?;
+                for t in tensors.values_mut() {
+                    if t.dtype().is_float() {
+                        *t = t.to_dtype(candle_core::DType::BF16)?;
+                    }
+                }
+                candle_core::safetensors::save(&tensors, dst.join(&file))?;
+            }
+            "config.json" => {
+                let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+                for key in ["torch_dtype", "dtype"] {
+                    cfg[key] = Value::from("bfloat16");
+                }
+                std::fs::write(dst.join(&file), cfg.to_string())?;
+            }
+            _ => {
+                std::fs::copy(&path, dst.join(&file))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Polls metrics until `done` holds (the loop may still be releasing after a drop).
