@@ -180,14 +180,20 @@ impl EngineLoop {
         self.published.set_state(LoopState::Failed { reason: reason.clone() });
         let failed = EngineError::EngineFailed { reason };
         self.deferred.clear();
-        for (_, live) in self.live.drain() {
+        // Each request's hold is released here; its stream is told below.
+        let streams: Vec<_> = self.live.drain().map(|(_, live)| live.sub.events.clone()).collect();
+        for _ in &streams {
             *self.counters.errors.entry(failed.kind()).or_default() += 1;
             *self.counters.finished.entry(FinishReason::Error.as_str()).or_default() += 1;
-            let _ = live.sub.events.send(Event::Error(failed.clone()));
         }
-        // The snapshot reads the scheduler; if that panics too, readers keep the last one.
+        // Published before any request hears of the failure, so that a client that saw its error
+        // finds it counted. The snapshot reads the scheduler; if that panics too, readers keep
+        // the last one.
         if let Ok(snapshot) = panic::catch_unwind(AssertUnwindSafe(|| self.snapshot())) {
             self.published.publish(snapshot);
+        }
+        for events in streams {
+            let _ = events.send(Event::Error(failed.clone()));
         }
         loop {
             let cmd = match self.rx.recv_timeout(HEARTBEAT) {
