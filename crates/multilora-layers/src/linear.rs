@@ -77,7 +77,21 @@ enum Base {
     Dense(Tensor),
     Packed(PackedWeight),
     Quant(QuantWeight),
-    Device(Vec<Arc<QTensor>>),
+    Device(Vec<DevicePart>),
+}
+
+/// One stacked part of a device weight: its blocks, and candle's product over them, made once
+/// when the layer is built (for float GGUF types `QMatMul` dequantizes: never inside a step).
+#[derive(Clone, Debug)]
+struct DevicePart {
+    q: Arc<QTensor>,
+    mm: QMatMul,
+}
+
+impl DevicePart {
+    fn new(q: Arc<QTensor>) -> Result<DevicePart> {
+        Ok(DevicePart { mm: QMatMul::from_arc(q.clone())?, q })
+    }
 }
 
 impl Base {
@@ -105,10 +119,7 @@ impl Base {
             Base::Quant(q) => back(q.forward(x)?),
             Base::Device(parts) => {
                 let xf = x.to_dtype(DType::F32)?;
-                let ys = parts
-                    .iter()
-                    .map(|q| Ok(QMatMul::from_arc(q.clone())?.forward(&xf)?))
-                    .collect::<Result<Vec<_>>>()?;
+                let ys = parts.iter().map(|p| Ok(p.mm.forward(&xf)?)).collect::<Result<Vec<_>>>()?;
                 back(if ys.len() == 1 { ys.into_iter().next().unwrap_or(xf) } else { Tensor::cat(&ys, 1)? })
             }
         }
@@ -121,7 +132,7 @@ impl Base {
             Base::Packed(p) => Ok(p.dims()),
             Base::Quant(q) => Ok(q.dims()),
             Base::Device(parts) => {
-                let dims = parts.iter().map(|q| q.shape().dims2()).collect::<candle_core::Result<Vec<_>>>()?;
+                let dims = parts.iter().map(|p| p.q.shape().dims2()).collect::<candle_core::Result<Vec<_>>>()?;
                 Ok((dims.iter().map(|d| d.0).sum(), dims.first().map_or(0, |d| d.1)))
             }
         }
@@ -133,7 +144,7 @@ impl Base {
             Base::Packed(p) => p.unpack(),
             Base::Quant(q) => q.dequantize(),
             Base::Device(parts) => {
-                let ts = parts.iter().map(|q| Ok(q.dequantize(&q.device())?)).collect::<Result<Vec<_>>>()?;
+                let ts = parts.iter().map(|p| Ok(p.q.dequantize(&p.q.device())?)).collect::<Result<Vec<_>>>()?;
                 Ok(Tensor::cat(&ts, 0)?)
             }
         }
@@ -203,7 +214,7 @@ impl LoraLinear {
         match weight {
             LinearWeight::Dense(t) => Self::new(t, bias, slices, lora),
             LinearWeight::Quant(q) => Self::with_base(Base::Quant(q), bias, slices, lora),
-            LinearWeight::Device(q) => Self::with_base(Base::Device(vec![q]), bias, slices, lora),
+            LinearWeight::Device(q) => Self::with_base(Base::Device(vec![DevicePart::new(q)?]), bias, slices, lora),
         }
     }
 
@@ -222,7 +233,8 @@ impl LoraLinear {
         }
         if parts.iter().all(|p| matches!(p, LinearWeight::Device(_))) {
             let qs = parts.into_iter().filter_map(|p| if let LinearWeight::Device(q) = p { Some(q) } else { None });
-            return Self::with_base(Base::Device(qs.collect()), bias, slices, lora);
+            let parts = qs.map(DevicePart::new).collect::<Result<Vec<_>>>()?;
+            return Self::with_base(Base::Device(parts), bias, slices, lora);
         }
         let dtype = parts
             .iter()
@@ -240,7 +252,7 @@ impl LoraLinear {
             Base::Packed(p) => format!("{:?} weights", p.dtype()),
             Base::Quant(q) => q.describe(),
             Base::Device(parts) => {
-                let types: Vec<String> = parts.iter().map(|q| format!("{:?}", q.dtype())).collect();
+                let types: Vec<String> = parts.iter().map(|p| format!("{:?}", p.q.dtype())).collect();
                 format!("{} (candle quantized matmul)", types.join("+"))
             }
         }
@@ -255,7 +267,7 @@ impl LoraLinear {
                 n * k * p.dtype().size_in_bytes()
             }
             Base::Quant(q) => q.storage_bytes(),
-            Base::Device(parts) => parts.iter().map(|q| q.storage_size_in_bytes()).sum(),
+            Base::Device(parts) => parts.iter().map(|p| p.q.storage_size_in_bytes()).sum(),
         }
     }
 

@@ -10,8 +10,9 @@
 //! `cargo bench -p multilora-models --bench cpu_decode -- --warm-up-time 1 --measurement-time 3`
 
 use std::collections::HashMap;
+mod common;
+
 use std::hint::black_box;
-use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput};
@@ -116,21 +117,6 @@ fn setup(dtype: DType) -> Setup {
     Setup { model, cache, weights, base_bytes, adapter_bytes }
 }
 
-/// Bytes per second all threads read from memory (a sum over 512 MiB, far past the caches, on
-/// the rayon pool; the best of 5).
-fn read_bandwidth() -> f64 {
-    use rayon::prelude::*;
-    let buf = vec![1u64; 64 << 20];
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let sum: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v))).sum();
-        black_box(sum);
-        best = best.max((buf.len() * 8) as f64 / t.elapsed().as_secs_f64());
-    }
-    best
-}
-
 fn batch(n: usize, lora: bool) -> Batch {
     let per_seq = (CONTEXT + 1).div_ceil(BLOCK) as u32;
     Batch::new(
@@ -168,19 +154,6 @@ fn matmuls(s: &Setup, x: &Tensor, xi: &Tensor) -> Tensor {
     last
 }
 
-fn time<F: FnMut()>(mut f: F) -> f64 {
-    f();
-    let mut runs: Vec<f64> = (0..7)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    runs.sort_by(f64::total_cmp);
-    runs[runs.len() / 2]
-}
-
 fn main() {
     let mut setups = [(DType::F32, setup(DType::F32)), (DType::BF16, setup(DType::BF16))];
     let mut c = Criterion::default().configure_from_args();
@@ -214,7 +187,7 @@ fn main() {
         }
     }
     g.finish();
-    let bw = read_bandwidth();
+    let bw = common::read_bandwidth();
     println!("\nsummary (median of 7 steps, same run); read bandwidth of all threads {:.2} GB/s", bw / 1e9);
     println!("kernels: {}", setups[1].1.model.kernels());
     println!(
@@ -224,15 +197,15 @@ fn main() {
     for &n in &BATCHES {
         let x = Tensor::randn(0f32, 1.0, (n, 1024), &Device::Cpu).expect("x");
         let xi = Tensor::randn(0f32, 1.0, (n, 2816), &Device::Cpu).expect("xi");
-        let tm = time(|| {
+        let tm = common::median_time(7, || {
             black_box(matmuls(&setups[0].1, &x, &xi));
         });
         for (dt, s) in setups.iter_mut() {
             let (bb, bl) = (batch(n, false), batch(n, true));
-            let tb = time(|| {
+            let tb = common::median_time(7, || {
                 black_box(s.model.forward(&bb, &mut s.cache).expect("forward"));
             });
-            let tl = time(|| {
+            let tl = common::median_time(7, || {
                 black_box(s.model.forward(&bl, &mut s.cache).expect("forward"));
             });
             // Rows spread over the 8 adapters: min(n, 8) of them are read.
@@ -253,10 +226,10 @@ fn main() {
     println!("\nprefill: 16 prompts of {CONTEXT} tokens in one step (median of 7), prompt tokens/s:");
     for (dt, s) in setups.iter_mut() {
         let (bb, bl) = (prefill(false), prefill(true));
-        let tb = time(|| {
+        let tb = common::median_time(7, || {
             black_box(s.model.forward(&bb, &mut s.cache).expect("forward"));
         });
-        let tl = time(|| {
+        let tl = common::median_time(7, || {
             black_box(s.model.forward(&bl, &mut s.cache).expect("forward"));
         });
         let t = (16 * CONTEXT) as f64;

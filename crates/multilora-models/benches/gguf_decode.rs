@@ -10,6 +10,8 @@
 //!
 //! `MULTILORA_SMOLLM2_GGUF=…/SmolLM2-135M-Instruct.Q4_1.gguf cargo bench -p multilora-models --bench gguf_decode -- --warm-up-time 1 --measurement-time 3`
 
+mod common;
+
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -76,21 +78,6 @@ fn setup(path: PathBuf) -> Setup {
     }
 }
 
-/// Bytes per second all threads read from memory (a sum over 512 MiB, far past the caches, on
-/// the rayon pool; the best of 5).
-fn read_bandwidth() -> f64 {
-    use rayon::prelude::*;
-    let buf = vec![1u64; 64 << 20];
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let sum: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v))).sum();
-        black_box(sum);
-        best = best.max((buf.len() * 8) as f64 / t.elapsed().as_secs_f64());
-    }
-    best
-}
-
 /// Multiply-adds per second of the quantized kernel at its best: a 1024 × 1024 Q4_1 weight
 /// (0.6 MB, in L2) at 16, 64 and 256 rows on all threads; the best of 20 calls of each.
 fn kernel_peak() -> f64 {
@@ -122,19 +109,6 @@ fn batch(n: usize, lora: bool) -> Batch {
     )
 }
 
-fn time<F: FnMut()>(mut f: F) -> f64 {
-    f();
-    let mut runs: Vec<f64> = (0..9)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    runs.sort_by(f64::total_cmp);
-    runs[runs.len() / 2]
-}
-
 fn main() {
     let Some(path) = std::env::var_os("MULTILORA_SMOLLM2_GGUF").map(PathBuf::from) else {
         eprintln!(
@@ -156,7 +130,7 @@ fn main() {
         }
     }
     g.finish();
-    let (bw, peak) = (read_bandwidth(), kernel_peak());
+    let (bw, peak) = (common::read_bandwidth(), kernel_peak());
     println!(
         "\nsummary (median of 9 steps, same run): read bandwidth of all threads {:.2} GB/s, quantized kernel peak \
          {:.1} GMAC/s ({})",
@@ -180,10 +154,10 @@ fn main() {
     );
     for &n in &BATCHES {
         let (bb, bl) = (batch(n, false), batch(n, true));
-        let tb = time(|| {
+        let tb = common::median_time(9, || {
             black_box(s.model.forward(&bb, &mut s.cache).expect("forward"));
         });
-        let tl = time(|| {
+        let tl = common::median_time(9, || {
             black_box(s.model.forward(&bl, &mut s.cache).expect("forward"));
         });
         let floor = |bytes: f64, macs: f64| (bytes / bw).max(macs / peak);
