@@ -47,6 +47,7 @@ mod error;
 mod linear;
 mod mapping;
 mod ops;
+mod pool;
 mod slots;
 mod staging;
 
@@ -60,6 +61,7 @@ pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
 pub use ops::quant::{QuantIsa, QuantType, QuantWeight};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
+pub use pool::with_hot_pool;
 pub use slots::{LoraSlots, SlotConfig};
 pub use staging::stage as stage_adapter;
 

@@ -398,6 +398,15 @@ impl Model {
     /// Runs one step: writes the new tokens' K/V into their blocks and returns f32 logits
     /// `[batch.num_logit_rows(), vocab]`, rows in sequence order.
     pub fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Tensor> {
+        // On the CPU the pool's other threads wait for the step's parallel regions awake.
+        if self.device.is_cpu() {
+            return multilora_layers::with_hot_pool(|| self.step(batch, cache));
+        }
+        self.step(batch, cache)
+    }
+
+    /// [`Model::forward`]'s body.
+    fn step(&self, batch: &Batch, cache: &mut KvCache) -> Result<Tensor> {
         cache.check(&self.cfg, self.dtype)?;
         let kc = cache.config();
         let lim = Limits {

@@ -5,6 +5,7 @@ mod emulated;
 mod gemm;
 mod layers;
 mod ops;
+mod pool;
 mod quant;
 mod quant_kernels;
 

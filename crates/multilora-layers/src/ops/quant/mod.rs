@@ -50,7 +50,7 @@ pub use types::{QuantIsa, QuantType};
 struct Segment {
     qt: QuantType,
     n: usize,
-    tiles: Vec<u8>,
+    tiles: kernel::Lines,
 }
 
 /// A GGML-quantized weight `W: [n, k]` (PyTorch's `[out, in]`), held in its blocks and multiplied
@@ -106,7 +106,7 @@ impl QuantWeight {
         let l = layout(qtype);
         let rec = nsb * l.bytes;
         let tiles_len = n.div_ceil(TN).checked_mul(rec).ok_or_else(|| shape_err("the shape is too large".into()))?;
-        let mut tiles = vec![0u8; tiles_len];
+        let mut tiles = kernel::Lines::zeroed(tiles_len);
         let bb = qtype.block_bytes();
         tiles.par_chunks_mut(rec).enumerate().for_each(|(t, tile)| {
             for (sb, r) in tile.chunks_exact_mut(l.bytes).enumerate() {

@@ -25,6 +25,48 @@ use format::{Format, Q2K, Q3K, Q4_0, Q4_1, Q4K, Q5_0, Q5_1, Q5K, Q6K, Q8_0};
 use simd::{Portable, Simd};
 use tile::{RowTile, rows_any};
 
+/// A cache line of weight bytes: [`Lines`]' unit, so that every tile starts on a line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Weight tiles on 64-byte boundaries: a vector load of a record's field never straddles two
+/// cache lines where the layout aligns it (a `Vec<u8>` of this size comes from `mmap` 16 bytes
+/// past a page, which split every 64-byte load of every tile in two).
+pub(crate) struct Lines {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl Lines {
+    /// `len` zero bytes.
+    pub(crate) fn zeroed(len: usize) -> Lines {
+        Lines { lines: vec![Line([0; 64]); len.div_ceil(64)], len }
+    }
+}
+
+impl std::ops::Deref for Lines {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `lines` holds `64 · lines.len() >= len` initialized bytes (`Line` is a plain
+        // byte array with no padding), borrowed with `self`.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Lines {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for `deref`, borrowed mutably with `self`; any byte value is a valid `Line`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for Lines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lines({} bytes)", self.len)
+    }
+}
+
 /// One weight segment: `n` output columns from `col0`, of one type, as tiles of `k` each.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Seg<'a> {

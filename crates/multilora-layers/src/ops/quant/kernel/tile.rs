@@ -123,6 +123,29 @@ pub(super) struct RowTile {
     pub(super) cols: usize,
 }
 
+/// How far ahead of the record it decodes a row tile asks for the weight's bytes. A tile's
+/// records, and the tiles of a job, lie one after the other, so this reaches into the record a
+/// few blocks on, or into the next tile. At one row the product is bound by how fast the weight
+/// streams in from memory, and the hardware prefetcher alone left a one-row GGUF step ~15%
+/// slower (2–16 KiB ahead measured alike; see docs/BENCHMARKS.md).
+const PREFETCH: usize = 4096;
+
+/// Asks for the `len` bytes from `p` to be brought into the caches (no access: never faults).
+#[inline(always)]
+fn prefetch(p: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut o = 0;
+        while o < len {
+            // SAFETY: a prefetch hint reads nothing and cannot fault, whatever the address.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(o).cast()) };
+            o += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, len);
+}
+
 /// `RM` rows against `S::LANES` columns of one weight tile.
 ///
 /// # Safety
@@ -137,6 +160,7 @@ pub(super) unsafe fn rows<S: Simd, F: Format, const RM: usize>(t: RowTile) {
         let mut acc = [S::zero(); RM];
         for sb in 0..t.nsb {
             let r = t.w.add(sb * F::L.bytes);
+            prefetch(r.wrapping_add(PREFETCH), F::L.bytes);
             let sbs = F::sb::<S>(r, t.c0);
             for s in 0..subs {
                 let (w, sc) = F::sub::<S>(r, t.c0, s, &sbs);
