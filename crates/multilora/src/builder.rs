@@ -9,8 +9,8 @@ use std::sync::mpsc::Sender;
 
 use candle_core::{DType, Device};
 use multilora_adapter::HubConfig;
-use multilora_adapter::{AdapterSource, GenerationConfig, LoadOptions};
-use multilora_models::{Checkpoint, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
+use multilora_adapter::{AdapterSource, LoadOptions};
+use multilora_models::{Checkpoint, GenerationConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
 use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
 use multilora_types::{DEFAULT_MAX_LORA_RANK, LoraLimits, ModuleKind};

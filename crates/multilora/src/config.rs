@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
-use multilora_adapter::GenerationConfig;
+use multilora_models::GenerationConfig;
 
 use crate::request::SamplingParams;
 use crate::text::ChatTemplateSource;

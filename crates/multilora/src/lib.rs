@@ -82,8 +82,8 @@ pub use metrics::{
 /// What an embedder's [`Resolver`] returns: an adapter's source, or the store's error.
 pub use multilora_adapter::AdapterSource;
 /// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
-pub use multilora_adapter::{GenerationConfig, ModelShapes, SyntheticAdapter};
-pub use multilora_models::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
+pub use multilora_adapter::{ModelShapes, SyntheticAdapter};
+pub use multilora_models::{Architecture, ConfigError, GenerationConfig, HiddenAct, ModelConfig, RopeScaling};
 /// The step-time budget (`EngineBuilder::step_time`) and the step cost model it is applied with.
 pub use multilora_scheduler::{DEFAULT_STEP_FACTOR, StepCost, StepTime};
 pub use multilora_store::{DirectoryResolver, Resolver, Result as ResolverResult};
