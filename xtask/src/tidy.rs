@@ -58,6 +58,7 @@ const VOCABULARY: &[&str] = &[
     "enum LogitsWanted",
     "struct Histogram",
     "enum ModuleKind",
+    "enum StepTime",
 ];
 
 /// The crates below the engine, as paths are spelled. A name of `multilora-types` is taken from

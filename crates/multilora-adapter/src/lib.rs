@@ -7,8 +7,6 @@
 //! - the scale `alpha/r` (rsLoRA `alpha/√r`) is folded into B, so later code computes `B·A·x`;
 //! - [`Fingerprint`] identifies an adapter by content (blake3-256 of the normalized config and
 //!   the tensor bytes), for the prefix cache and the scheduler;
-//! - [`ModelConfig`] reads a base model's `config.json` (one serde reader for the model, the
-//!   adapter shapes and the planner);
 //! - [`LoraAdapter`], [`ModuleId`], [`ModelShapes`] and [`SlotSink`] are the shared vocabulary of
 //!   the adapter format (the plain identifiers live in `multilora-types`).
 //!
@@ -42,7 +40,6 @@ pub mod gguf;
 mod gguf_lora;
 #[allow(unsafe_code)]
 mod load;
-mod model_config;
 mod module;
 mod shapes;
 mod source;
@@ -56,9 +53,6 @@ pub use error::{Error, Result};
 pub use gguf_lora::{load_gguf_lora, read_gguf_lora_config, write_gguf_lora};
 pub use load::{
     CONFIG_FILE, ConfigSummary, LoadOptions, MAX_CONFIG_FILE_BYTES, ModuleSetting, WEIGHTS_FILE, load_dir, read_config,
-};
-pub use model_config::{
-    Architecture, ConfigError, GenerationConfig, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling,
 };
 pub use module::ModuleId;
 pub use shapes::ModelShapes;

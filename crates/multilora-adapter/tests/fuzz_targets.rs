@@ -1,5 +1,6 @@
-//! Fuzz targets (bolero) for what this crate reads from untrusted files: `adapter_config.json`,
-//! the safetensors header of `adapter_model.safetensors`, and the base model's `config.json`.
+//! Fuzz targets (bolero) for what this crate reads from untrusted files: `adapter_config.json`
+//! and the safetensors header of `adapter_model.safetensors` (the base model's `config.json` has
+//! its own target, in `multilora-models`' `tests/fuzz_model_config.rs`).
 //! Each mutates a valid fixture file with the fuzzer's input and asserts a typed error or a
 //! value, never a panic, an abort or a hang.
 //!
@@ -9,13 +10,13 @@
 //! `cargo bolero test` drives the same targets with a coverage-guided engine.
 
 mod common;
-#[path = "common/mutate.rs"]
+#[path = "../../../tests/support/mutate.rs"]
 mod mutate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::{base_shapes, fixtures};
-use multilora_adapter::{AdapterConfig, LoadOptions, ModelConfig, load_dir, read_config};
+use multilora_adapter::{AdapterConfig, LoadOptions, load_dir, read_config};
 use mutate::mutate;
 
 fn report(target: &str, runs: &AtomicUsize) {
@@ -62,23 +63,4 @@ fn fuzz_safetensors_header() {
         }
     });
     report("safetensors header", &runs);
-}
-
-#[test]
-fn fuzz_model_config_json() {
-    let path = fixtures().join("base/config.json");
-    let seed = std::fs::read(&path).unwrap();
-    let runs = AtomicUsize::new(0);
-    bolero::check!().with_max_len(256).for_each(|ops: &[u8]| {
-        runs.fetch_add(1, Ordering::Relaxed);
-        let text = mutate(&seed, ops);
-        match ModelConfig::parse(&String::from_utf8_lossy(&text), &path) {
-            // What the engine computes from an accepted config must not panic either.
-            Ok(cfg) => {
-                let _ = (cfg.shapes(), cfg.max_model_len(), cfg.auto_dtype(), cfg.q_size(), cfg.kv_size());
-            }
-            Err(e) => assert!(e.to_string().contains("config.json"), "the error names the file: {e}"),
-        }
-    });
-    report("config.json", &runs);
 }

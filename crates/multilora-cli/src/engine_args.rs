@@ -208,7 +208,7 @@ impl EngineArgs {
             // The adapter error's text names the adapter, its file and the reason; say which flag
             // (its message already starts with `adapter "NAME":`, so it is not repeated here).
             match &e {
-                multilora::EngineError::Adapter { .. } => Failure::input(anyhow!("--lora: {e}")),
+                multilora::BuildError::Adapter { .. } => Failure::input(anyhow!("--lora: {e}")),
                 _ => Failure::input(anyhow!("--model {}: {e}", self.model)),
             }
         })

@@ -71,7 +71,7 @@ impl LoraEmbedding {
         }
         #[cfg(feature = "cuda")]
         if ids.device().is_cuda() {
-            return crate::ops::lora_cuda::embed_lora(&ids, y, slots, mapping);
+            return cuda_lora(&ids, y, slots, mapping);
         }
         let s = self.shrink(&ids, slots, mapping)?;
         lora_expand(y, &[s], &[slots], mapping)
@@ -131,6 +131,27 @@ impl LoraEmbedding {
     pub fn clear_slot(&mut self, slot: usize) -> Result<()> {
         self.slots_mut()?.clear(slot)
     }
+}
+
+/// The embedding's LoRA on CUDA: `y` (the gathered base rows) plus `B_k · A_k[:, id]` for every
+/// LoRA row, the gather kernel writing the expand's shared buffer.
+#[cfg(feature = "cuda")]
+fn cuda_lora(ids: &Tensor, y: Tensor, slots: &LoraSlots, mapping: &LoraMapping) -> Result<Tensor> {
+    if ids.dim(0)? != mapping.num_rows() {
+        return Err(Error::RowMismatch {
+            op: "lora_embedding".to_string(),
+            input: ids.dim(0)?,
+            mapping: mapping.num_rows(),
+        });
+    }
+    let slices = [slots];
+    let plan = crate::ops::plan::SegmentedPlan::for_layer(mapping, &slices, Some(1))?;
+    if !plan.has_work() {
+        return Ok(y);
+    }
+    let s = crate::ops::shrink::cuda::embed_shrink(ids, slots, mapping, &plan)?;
+    // `y` is the rows this layer gathered, `[rows, hidden]` by construction.
+    crate::ops::expand::Expand { slices: &slices, mapping }.cuda_shared_fwd(y, &plan, &s)
 }
 
 impl SlotSink for LoraEmbedding {

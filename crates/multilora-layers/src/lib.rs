@@ -53,11 +53,12 @@ mod staging;
 
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
-pub use linear::{LinearWeight, LoraLinear, lora_apply};
+pub use linear::{LinearWeight, LoraLinear};
 pub use mapping::{LoraMapping, Segment};
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::expand::lora_expand;
 pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
+pub use ops::lora_apply;
 pub use ops::quant::{QuantIsa, QuantType, QuantWeight};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};

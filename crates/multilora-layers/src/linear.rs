@@ -17,11 +17,9 @@ use multilora_types::SlotId;
 
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
-use crate::ops::expand::cpu::{shrink_expand_fused, shrink_expand_in_place};
-use crate::ops::expand::lora_expand;
 use crate::ops::gemm::PackedWeight;
+use crate::ops::lora_apply;
 use crate::ops::quant::QuantWeight;
-use crate::ops::shrink::lora_shrink;
 use crate::slots::{LoraSlots, SlotConfig};
 
 /// A linear layer with per-slot LoRA deltas.
@@ -338,7 +336,7 @@ impl LoraLinear {
             y = match &self.merged {
                 None => {
                     let refs: Vec<&LoraSlots> = slots.iter().collect();
-                    apply_lora(&x2, y, &refs, mapping)?
+                    lora_apply(&x2, y, &refs, mapping)?
                 }
                 Some(m) => self.forward_merged(&x2, y, slots, m, mapping)?,
             };
@@ -365,7 +363,7 @@ impl LoraLinear {
     ) -> Result<Tensor> {
         let others: Vec<LoraSlots> = slots.iter().map(|s| s.without(m.slot)).collect();
         let refs: Vec<&LoraSlots> = others.iter().collect();
-        let y = apply_lora(x, y, &refs, mapping)?;
+        let y = lora_apply(x, y, &refs, mapping)?;
         let rows: Vec<u32> = (0..mapping.num_rows() as u32)
             .filter(|&r| mapping.slots()[r as usize] != Some(SlotId::new(m.slot)))
             .collect();
@@ -533,40 +531,6 @@ impl LoraLinear {
         let w = (weight.to_dtype(DType::F32)? + delta)?.to_dtype(weight.dtype())?;
         Base::new(w, matches!(self.base, Base::Dense(_)))
     }
-}
-
-/// `y` plus every LoRA row's delta through `slices` (one layer's modules, their outputs side by
-/// side in `y`'s columns): the path [`LoraLinear::forward`] takes after the base product. On the
-/// CPU the shrink and expand run fused per segment; on CUDA the shrink splits K as the step needs
-/// and the expand sums the partials. `y`'s storage is updated in place where the device allows,
-/// so pass a tensor nothing else reads (such as a fresh base output).
-pub fn lora_apply(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
-    if mapping.no_lora() {
-        return Ok(y);
-    }
-    crate::ops::check_input("lora_apply", x, slices, mapping)?;
-    apply_lora(x, y, slices, mapping)
-}
-
-/// `y + Σ deltas`: shrink and expand, fused per segment on the CPU (the output updated in place).
-fn apply_lora(x: &Tensor, y: Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
-    if x.device().is_cpu() && y.is_contiguous() {
-        crate::ops::check_input("lora_linear", x, slices, mapping)?;
-        if shrink_expand_fused(x, &y, slices, mapping)? {
-            return Ok(y);
-        }
-        if let Some(xs) = mapping.gather_lora_rows(x)? {
-            shrink_expand_in_place(&xs.to_dtype(DType::F32)?, &y, slices, mapping)?;
-        }
-        return Ok(y);
-    }
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        crate::ops::check_input("lora_linear", x, slices, mapping)?;
-        return crate::ops::lora_cuda::apply_lora(x, y, slices, mapping);
-    }
-    let s = lora_shrink(x, slices, mapping)?;
-    lora_expand(y, &s, slices, mapping)
 }
 
 impl SlotSink for LoraLinear {

@@ -189,9 +189,6 @@ impl StepPlan {
             if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= lim.vocab) {
                 return Err(Error::batch(i, format!("token {t} is out of the vocabulary of {}", lim.vocab)));
             }
-            if let Some(slot) = s.slot.filter(|slot| slot.index() >= lim.max_loras) {
-                return Err(Error::batch(i, format!("{slot} is out of range (max_loras {})", lim.max_loras)));
-            }
             let row = |p: usize| s.block_table[p / bs] * bs as u32 + (p % bs) as u32;
             let offset = ids.len();
             ids.extend_from_slice(&s.tokens);
@@ -251,10 +248,27 @@ impl StepPlan {
             decode,
             unpermute,
             logit_rows: logit_rows_t,
-            token_mapping: LoraMapping::new(&token_slots, lim.max_loras, device)?,
+            token_mapping: token_mapping(batch, &token_slots, lim.max_loras, device)?,
             logit_mapping: LoraMapping::new(&logit_slots, lim.max_loras, device)?,
         })
     }
+}
+
+/// The step's per-token mapping. `LoraMapping::new` is the one place a step's slots are checked;
+/// a slot out of range is reported as the batch error of the sequence whose token it is (every
+/// logit row's slot is some token's, so the logit mapping never meets one).
+fn token_mapping(batch: &Batch, slots: &[Option<SlotId>], max_loras: usize, device: &Device) -> Result<LoraMapping> {
+    LoraMapping::new(slots, max_loras, device).map_err(|e| match e {
+        multilora_layers::Error::SlotOutOfRange { row, slot, max_loras } => {
+            let mut end = 0;
+            let seq = batch.seqs.iter().position(|s| {
+                end += s.tokens.len();
+                row < end
+            });
+            Error::batch(seq.unwrap_or(0), format!("slot {slot} is out of range (max_loras {max_loras})"))
+        }
+        other => other.into(),
+    })
 }
 
 fn decode_group(rows: Vec<(usize, Vec<u32>, &[u32])>, paged: bool, device: &Device) -> Result<Option<DecodeGroup>> {

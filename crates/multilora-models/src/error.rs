@@ -16,7 +16,7 @@ pub enum Error {
     },
     /// `config.json` was refused (its kind says why: `config`, `unsupported_architecture`, …).
     #[error(transparent)]
-    ModelConfig(#[from] multilora_adapter::ConfigError),
+    ModelConfig(#[from] crate::config::ConfigError),
     /// A checkpoint file is missing, or a shard index is malformed.
     #[error("{path}: {reason}")]
     Config {

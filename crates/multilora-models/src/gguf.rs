@@ -18,10 +18,10 @@ use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::gguf::{ggml_type_name, scan_tensor_types, unpermute_rows};
-use multilora_adapter::{ModelConfig, RopeScaling};
 use multilora_layers::{QuantType, QuantWeight};
 use serde_json::json;
 
+use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 
 /// An open GGUF model file: its header and metadata, and the file for reading tensors.

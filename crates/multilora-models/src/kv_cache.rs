@@ -7,8 +7,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use multilora_adapter::ModelConfig;
 
 /// How big the cache is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

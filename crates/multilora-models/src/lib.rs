@@ -1,8 +1,10 @@
 //! Llama-family decoders (Llama 2/3, Mistral, Qwen2) on candle, with LoRA sites from
 //! multilora-layers and a paged KV cache, run as one forward over a flat varlen batch.
 //!
-//! - [`ModelConfig`] reads Hugging Face `config.json`; [`Model::load`] reads safetensors (one
-//!   file or sharded) from a directory or a hub repo through the `hf-hub` cache (offline works);
+//! - [`ModelConfig`] reads Hugging Face `config.json` (the one reader of it, for the model, the
+//!   adapter shapes, the engine and the planner), [`GenerationConfig`] `generation_config.json`;
+//!   [`Model::load`] reads safetensors (one file or sharded) from a directory or a hub repo
+//!   through the `hf-hub` cache (offline works);
 //! - every projection, the embedding and (optionally) `lm_head` hold LoRA slots named as PEFT
 //!   names them; [`Model`] implements `SlotSink`, and builds each step's per-token and per-logit-row
 //!   `LoraMapping`s from the slot of each sequence;
@@ -34,6 +36,7 @@
 
 mod attention;
 mod batch;
+mod config;
 mod error;
 mod gguf;
 mod kv_cache;
@@ -43,6 +46,7 @@ mod rope;
 mod weights;
 
 pub use batch::{Batch, SeqInput};
+pub use config::{Architecture, ConfigError, GenerationConfig, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use gguf::{GgufFile, write_gguf_as_checkpoint};
 pub use kv_cache::{
@@ -50,5 +54,4 @@ pub use kv_cache::{
     step_activation_bytes,
 };
 pub use llama::{Model, ModelOptions};
-pub use multilora_adapter::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
 pub use weights::{Checkpoint, CheckpointFiles, ModelSource, write_checkpoint_copy};

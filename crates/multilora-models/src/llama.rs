@@ -15,12 +15,12 @@ use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 use crate::attention::{AttnDims, paged_attention, write_kv};
 use crate::batch::{Batch, Limits, StepPlan};
+use crate::config::{HiddenAct, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
 use crate::weights::{Checkpoint, CheckpointFiles, ModelSource, Weights};
 use multilora_adapter::HubConfig;
-use multilora_adapter::{HiddenAct, ModelConfig};
 
 /// How to load a model.
 #[derive(Clone, Debug)]

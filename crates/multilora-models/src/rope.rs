@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::config::{ModelConfig, RopeScaling};
 use crate::error::Result;
-use multilora_adapter::{ModelConfig, RopeScaling};
 
 /// Precomputed `cos`/`sin` tables, `[max_positions, head_dim / 2]`.
 #[derive(Clone, Debug)]

@@ -8,13 +8,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::ModelConfig;
 use multilora_adapter::{Error as AdapterError, HubConfig};
 use multilora_layers::LinearWeight;
 
-use crate::gguf::GgufFile;
-
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
 use crate::reader::SafetensorsFiles;
 
 /// A file of a hub repo through the shared hub settings, with the bare reason on failure (the

@@ -6,7 +6,10 @@
 //! by the step's whole time, so a burst of arriving prompts prefilled in one step freezes every
 //! stream; bounding the step's time bounds that gap. The budget is in time, not tokens, because
 //! the right token count differs by orders of magnitude between a 2-core CPU and a GPU; the
-//! engine measures the costs (the scheduler stays pure: costs come in as data).
+//! engine measures the costs (the scheduler stays pure: costs come in as data). The budget itself,
+//! `StepTime`, is the shared vocabulary's (`multilora-types`).
+
+use multilora_types::StepTime;
 
 /// What a step costs, as the engine measured it. All in seconds, all ≥ 0.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -34,55 +37,18 @@ impl StepCost {
         }
         if left <= 0.0 { 0 } else { (left / self.per_prefill_token_s).floor().min(usize::MAX as f64) as usize }
     }
-}
 
-/// How long a step that carries decode rows may take. A step with no decode row stalls no stream,
-/// so it is bounded by the token budget (`max_num_batched_tokens`) alone.
-#[non_exhaustive]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub enum StepTime {
-    /// No time budget: prefill takes whatever `max_num_batched_tokens` leaves (vLLM's behaviour
-    /// with a fixed token budget).
-    #[default]
-    Unbounded,
-    /// At most `factor` times the modelled time of the step's decode rows alone, so the largest
-    /// gap between a stream's tokens stays within about `factor` times the usual one, whatever
-    /// the device.
-    Auto {
-        /// The multiple of a decode-only step (> 1).
-        factor: f64,
-    },
-    /// At most this many seconds.
-    Max {
-        /// Seconds.
-        seconds: f64,
-    },
-}
-
-/// [`StepTime::Auto`]'s default factor: a step may take 2.5 decode steps, which keeps the largest
-/// inter-token gap within 3× the median with room for the cost model's error.
-pub const DEFAULT_STEP_FACTOR: f64 = 2.5;
-
-impl StepTime {
-    /// The longest step allowed next to `decode_rows` decode rows, given the costs; `None` when
-    /// unbounded (no budget, or no decode row to protect).
-    pub fn limit_s(&self, cost: &StepCost, decode_rows: usize) -> Option<f64> {
+    /// The longest step `step_time` allows next to `decode_rows` decode rows, given these costs;
+    /// `None` when unbounded (no budget, or no decode row to protect).
+    pub fn limit_s(&self, step_time: StepTime, decode_rows: usize) -> Option<f64> {
         if decode_rows == 0 {
             return None;
         }
-        match *self {
-            StepTime::Unbounded => None,
-            StepTime::Auto { factor } => Some(factor * cost.step_s(decode_rows, 0)),
+        match step_time {
+            StepTime::Auto { factor } => Some(factor * self.step_s(decode_rows, 0)),
             StepTime::Max { seconds } => Some(seconds),
-        }
-    }
-
-    /// A stable name: `unbounded`, `auto` or `max`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            StepTime::Unbounded => "unbounded",
-            StepTime::Auto { .. } => "auto",
-            StepTime::Max { .. } => "max",
+            // `Unbounded` (and a budget this scheduler does not apply, which `validate` refuses).
+            _ => None,
         }
     }
 }
@@ -106,11 +72,11 @@ mod tests {
 
     #[test]
     fn limits() {
-        assert_eq!(StepTime::Unbounded.limit_s(&COST, 16), None);
-        assert_eq!(StepTime::Max { seconds: 0.1 }.limit_s(&COST, 16), Some(0.1));
-        let auto = StepTime::Auto { factor: 2.5 }.limit_s(&COST, 16).unwrap();
+        assert_eq!(COST.limit_s(StepTime::Unbounded, 16), None);
+        assert_eq!(COST.limit_s(StepTime::Max { seconds: 0.1 }, 16), Some(0.1));
+        let auto = COST.limit_s(StepTime::Auto { factor: 2.5 }, 16).unwrap();
         assert!((auto - 0.095).abs() < 1e-12, "{auto}");
         // Nothing decoding: nothing to protect.
-        assert_eq!(StepTime::Max { seconds: 0.1 }.limit_s(&COST, 0), None);
+        assert_eq!(COST.limit_s(StepTime::Max { seconds: 0.1 }, 0), None);
     }
 }

@@ -2,7 +2,9 @@
 
 use multilora_prefix_cache::KvConfig;
 
-use crate::{Error, Result, StepTime};
+use multilora_types::StepTime;
+
+use crate::{Error, Result};
 
 /// Default for [`SchedulerConfig::min_prefill_chunk`].
 pub const DEFAULT_MIN_PREFILL_CHUNK: usize = 16;
@@ -175,7 +177,10 @@ impl SchedulerConfig {
             StepTime::Max { seconds } if !(seconds > 0.0 && seconds.is_finite()) => {
                 return fail(format!("the step-time budget must be a positive number of seconds, got {seconds}"));
             }
-            _ => {}
+            StepTime::Unbounded | StepTime::Auto { .. } | StepTime::Max { .. } => {}
+            // `StepTime` is the shared vocabulary's and may grow: a budget this scheduler does not
+            // apply is refused here, so `StepCost::limit_s` never meets one.
+            other => return fail(format!("the step-time budget {:?} is not one this scheduler applies", other.name())),
         }
         if self.min_prefill_chunk == 0 {
             return fail("min_prefill_chunk must be at least 1".into());

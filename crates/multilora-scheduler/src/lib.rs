@@ -10,7 +10,7 @@
 //! > at most `max_loras` distinct adapter generations among running requests; a waiting request
 //! > whose adapter would be one too many is *skipped*, not blocked on, and keeps its place.
 //!
-//! With a [`StepTime`] budget, a step that carries decode rows takes prefill tokens only up to
+//! With a `StepTime` budget (`multilora_types::StepTime`), a step that carries decode rows takes prefill tokens only up to
 //! what fits in that time by the engine's measured [`StepCost`] ([`Scheduler::schedule_with_cost`]):
 //! decode rows first, then every running prefill by at least `min_prefill_chunk` tokens, then
 //! admissions with what is left, so streams never stall behind arriving prompts.
@@ -31,7 +31,7 @@ mod request;
 mod scheduler;
 pub mod sim;
 
-pub use budget::{DEFAULT_STEP_FACTOR, StepCost, StepTime};
+pub use budget::StepCost;
 pub use config::{DEFAULT_MAX_SKIPPED_STEPS, DEFAULT_MIN_PREFILL_CHUNK, Policy, SchedulerConfig};
 pub use error::{Error, Result};
 pub use multilora_prefix_cache::{BlockId, KvConfig, KvMetrics, RequestId};

@@ -4,13 +4,13 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use multilora_prefix_cache::{KvManager, RequestId};
-use multilora_types::{AdapterGen, FinishReason, LogitsWanted};
+use multilora_types::{AdapterGen, FinishReason, LogitsWanted, StepTime};
 
 use crate::adapters::AdapterTable;
 use crate::request::{ReqState, Status};
 use crate::{
     Error, FinishedRequest, Policy, Request, RequestResult, Result, ScheduledRequest, SchedulerConfig, SchedulerCounts,
-    SchedulerOutput, StepCost, StepTime,
+    SchedulerOutput, StepCost,
 };
 
 /// Marks a waiting-queue entry admitted during the scan, removed when the scan ends.
@@ -255,7 +255,7 @@ impl Scheduler {
         self.schedule_inner(None)
     }
 
-    /// [`Scheduler::schedule`] under the configured [`crate::StepTime`] budget, with `cost` the
+    /// [`Scheduler::schedule`] under the configured [`StepTime`] budget, with `cost` the
     /// engine's measured cost of a step. When the budget is bounded and the step has decode rows:
     /// every decode row first (never dropped for prefill), then every running prefill by
     /// `min(remaining, max(prefill budget left, min_prefill_chunk))` tokens, so each admitted
@@ -280,7 +280,7 @@ impl Scheduler {
             Some(cost) if self.config.step_time != StepTime::Unbounded => {
                 self.schedule_running(Pass::Decodes, &mut budget, &mut prefill, &mut out);
                 let rows = out.scheduled.len();
-                if let Some(limit) = self.config.step_time.limit_s(cost, rows) {
+                if let Some(limit) = cost.limit_s(self.config.step_time, rows) {
                     let fits = cost.prefill_tokens_within(limit, rows);
                     prefill = Some(fits.max(self.config.min_prefill_chunk));
                     out.prefill_budget = prefill;

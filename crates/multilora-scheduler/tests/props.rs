@@ -6,9 +6,8 @@ mod common;
 use std::collections::{HashMap, HashSet};
 
 use common::lora;
-use multilora_scheduler::{
-    KvConfig, Policy, Request, RequestId, RequestResult, Scheduler, SchedulerConfig, StepCost, StepTime,
-};
+use multilora_scheduler::{KvConfig, Policy, Request, RequestId, RequestResult, Scheduler, SchedulerConfig, StepCost};
+use multilora_types::StepTime;
 use proptest::prelude::*;
 
 const MAX_MODEL_LEN: usize = 24;

@@ -8,7 +8,8 @@
 mod common;
 
 use common::{Trace, check};
-use multilora_scheduler::{KvConfig, Request, SchedulerConfig, StepCost, StepTime};
+use multilora_scheduler::{KvConfig, Request, SchedulerConfig, StepCost};
+use multilora_types::StepTime;
 
 /// 10 ms a step, 1 ms a decode row, 0.5 ms a prefill token.
 const COST: StepCost = StepCost { fixed_s: 0.010, per_decode_row_s: 0.001, per_prefill_token_s: 0.0005 };

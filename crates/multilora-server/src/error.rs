@@ -114,17 +114,7 @@ impl Error {
                 | EngineError::AdapterTargets { .. } => StatusCode::BAD_REQUEST,
                 EngineError::RuntimeUpdatesDisabled => StatusCode::FORBIDDEN,
                 EngineError::Shutdown | EngineError::EngineFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
-                EngineError::LoraOff { .. }
-                | EngineError::MaxModelLen { .. }
-                | EngineError::GpuMemoryUtilization { .. }
-                | EngineError::Limits(_)
-                | EngineError::Store { .. }
-                | EngineError::Scheduler { .. }
-                | EngineError::Model(_)
-                | EngineError::Tokenizer { .. }
-                | EngineError::Step { .. }
-                | EngineError::Spawn { .. }
-                | EngineError::AdapterEvicted { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+                EngineError::Step { .. } | EngineError::AdapterEvicted { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             },
             Error::File { .. } | Error::ModelTemplate { .. } | Error::Metrics(_) | Error::Blocking(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR

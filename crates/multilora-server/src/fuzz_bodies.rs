@@ -5,7 +5,7 @@
 //! `BOLERO_RANDOM_TEST_TIME_MS=30000 cargo test -p multilora-server --lib fuzz -- --nocapture`
 //! runs it for 30 s (CI) and prints how many inputs it ran.
 
-#[path = "../../multilora-adapter/tests/common/mutate.rs"]
+#[path = "../../../tests/support/mutate.rs"]
 mod mutate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -130,6 +130,16 @@ pub enum Error {
         /// Why it failed.
         source: Box<Error>,
     },
+    /// A resolver other than the store's own failed for `name` (an embedder's: its error is
+    /// kept as the source).
+    #[error("adapter {name:?}: the resolver failed: {source}")]
+    Resolver {
+        /// The adapter name asked for.
+        name: String,
+        /// The resolver's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The store is shutting down; the load was abandoned.
     #[error("adapter {name:?}: the store is shutting down")]
     Shutdown {
@@ -155,6 +165,7 @@ impl Error {
             Error::Config { .. } | Error::LoaderThread { .. } => "config",
             Error::Adapter(e) => e.kind(),
             Error::LoaderPanicked { .. } => "loader_panicked",
+            Error::Resolver { .. } => "resolver",
             Error::Shutdown { .. } => "shutdown",
             Error::Startup { source, .. } => source.kind(),
         }

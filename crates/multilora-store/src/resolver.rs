@@ -34,16 +34,21 @@ impl DirectoryResolver {
     pub fn root(&self) -> &Path {
         &self.root
     }
-}
 
-impl Resolver for DirectoryResolver {
-    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>> {
+    /// `<root>/<name>` once every link is resolved, when it holds an `adapter_config.json` and
+    /// lies inside `root`: what [`Resolver::resolve`] answers, as a directory.
+    pub fn resolve_dir(&self, name: &str) -> Result<Option<PathBuf>> {
         let dir = self.root.join(name);
         if !dir.join(CONFIG_FILE).is_file() {
             return Ok(None);
         }
-        let dir = confine_path(name, &dir, std::slice::from_ref(&self.root))?;
-        Ok(Some(AdapterSource::Local(dir)))
+        confine_path(name, &dir, std::slice::from_ref(&self.root)).map(Some)
+    }
+}
+
+impl Resolver for DirectoryResolver {
+    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>> {
+        Ok(self.resolve_dir(name)?.map(AdapterSource::Local))
     }
 }
 

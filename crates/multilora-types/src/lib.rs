@@ -8,6 +8,7 @@
 //!   index buffers spell it `-1`.
 //! - [`ModuleKind`] and [`LoraLimits`]: what can be adapted, and the LoRA limits checked once
 //!   where they are built ("LoRA off" is a value, [`LoraLimits::off`]).
+//! - [`StepTime`]: the step-time budget the engine is built with and the scheduler applies.
 //! - [`FinishReason`], [`LogitsWanted`] and [`Histogram`].
 //! - [`SplitMix64`]: the one seeded generator, whose streams seeded outputs and tests rely on.
 //!
@@ -20,6 +21,7 @@ mod module;
 mod request;
 mod rng;
 mod slot;
+mod step_time;
 
 pub use adapter::{AdapterGen, AdapterId, Fingerprint};
 pub use histogram::Histogram;
@@ -28,3 +30,4 @@ pub use module::ModuleKind;
 pub use request::{FinishReason, LogitsWanted};
 pub use rng::SplitMix64;
 pub use slot::SlotId;
+pub use step_time::{DEFAULT_STEP_FACTOR, StepTime};

@@ -9,16 +9,20 @@ use std::sync::mpsc::Sender;
 
 use candle_core::{DType, Device};
 use multilora_adapter::HubConfig;
-use multilora_adapter::{AdapterSource, GenerationConfig, LoadOptions};
-use multilora_models::{Checkpoint, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
-use multilora_scheduler::{DEFAULT_STEP_FACTOR, KvConfig, Scheduler, SchedulerConfig, StepTime};
-use multilora_store::{Resolver, Store, StoreBuilder, StoreConfig};
-use multilora_types::{DEFAULT_MAX_LORA_RANK, LoraLimits, ModuleKind};
+use multilora_adapter::{AdapterSource, LoadOptions};
+use multilora_models::{Checkpoint, GenerationConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
+use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig};
+use multilora_store::{Store, StoreBuilder, StoreConfig};
+use multilora_types::{DEFAULT_MAX_LORA_RANK, DEFAULT_STEP_FACTOR, LoraLimits, ModuleKind, StepTime};
 
 use crate::command::{Command, EventCount};
 use crate::config::EngineConfig;
-use crate::error::{EngineError, Result};
+use crate::error::BuildError;
 use crate::handle::Engine;
+use crate::resolver::{Resolver, StoreResolver};
+
+/// What the start-up steps return.
+type Result<T> = std::result::Result<T, BuildError>;
 
 /// Default KV budget on the CPU: 256 MiB. A CPU host has no device memory to measure, so the
 /// default is a fixed budget; on a GPU the budget comes from [`DEFAULT_GPU_MEMORY_UTILIZATION`].
@@ -223,9 +227,9 @@ impl EngineBuilder {
     /// Adds a resolver for adapter names nobody registered (vLLM's `LoRAResolver`), asked in the
     /// order added; used only with `allow_runtime_lora_updating`. A request for such a name waits
     /// in the engine (deferred) while the resolved adapter loads. See
-    /// [`multilora_store::DirectoryResolver`] for the built-in one.
+    /// [`crate::DirectoryResolver`] for the built-in one.
     pub fn lora_resolver(mut self, resolver: impl Resolver + 'static) -> EngineBuilder {
-        self.resolvers.0.push(Box::new(move |b: StoreBuilder| b.resolver(resolver)));
+        self.resolvers.0.push(Box::new(move |b: StoreBuilder| b.resolver(StoreResolver(resolver))));
         self
     }
 
@@ -235,8 +239,8 @@ impl EngineBuilder {
     fn context_length(&self, cfg: &ModelConfig) -> Result<usize> {
         let limit = cfg.max_model_len();
         match self.max_model_len {
-            Some(0) => Err(EngineError::MaxModelLen { requested: 0, limit }),
-            Some(n) if n > limit => Err(EngineError::MaxModelLen { requested: n, limit }),
+            Some(0) => Err(BuildError::MaxModelLen { requested: 0, limit }),
+            Some(n) if n > limit => Err(BuildError::MaxModelLen { requested: n, limit }),
             Some(n) => Ok(n),
             None => Ok(limit),
         }
@@ -244,22 +248,23 @@ impl EngineBuilder {
 
     /// Loads the model, tokenizer and startup adapters, sizes the KV cache, and starts the loop:
     /// read config → LoRA limits from the startup adapters' shapes → model → tokenizer → store →
-    /// KV budget → scheduler → loop.
-    pub fn build(mut self) -> Result<Engine> {
+    /// KV budget → scheduler → loop. A failure is a [`BuildError`] (start-up), never a
+    /// request's `EngineError`.
+    pub fn build(mut self) -> std::result::Result<Engine, BuildError> {
         self.check()?;
-        let mut source = ModelSource::parse(&self.model)?;
+        let mut source = ModelSource::parse(&self.model).map_err(BuildError::model)?;
         if let Some(file) = &self.gguf_file {
-            source = source.with_gguf_file(file)?;
+            source = source.with_gguf_file(file).map_err(BuildError::model)?;
         }
         let hub = HubConfig::from_env();
         let checkpoint = self.open(&source, &hub)?;
-        let cfg = checkpoint.config()?;
+        let cfg = checkpoint.config().map_err(BuildError::model)?;
         let model_limit = self.context_length(&cfg)?;
         // A GGUF file carries no generation defaults; a Hugging Face folder may.
         let generation = match &checkpoint {
             Checkpoint::Safetensors(files) if self.generation_config => {
                 GenerationConfig::from_file(&files.dir.join("generation_config.json"))
-                    .map_err(multilora_models::Error::from)?
+                    .map_err(|e| BuildError::model(e.into()))?
             }
             _ => GenerationConfig::default(),
         };
@@ -279,7 +284,7 @@ impl EngineBuilder {
             .lora_dtype(lora_dtype)
             .hub(hub.clone())
             .quantized(quantized);
-        let model = Model::load_checkpoint(&checkpoint, &opts)?;
+        let model = Model::load_checkpoint(&checkpoint, &opts).map_err(BuildError::model)?;
         let weights = weights_description(&checkpoint, &model, quantized);
         let text = crate::text::load(&checkpoint, self.tokenizer.as_deref())?;
         let served = self.served_model_name.clone().unwrap_or_else(|| self.model.clone());
@@ -296,9 +301,9 @@ impl EngineBuilder {
         let (kv_budget, budget_from, max_model_len) = self.kv_budget(&model, slot_bytes, model_limit)?;
         let kv_cfg = KvCacheConfig::for_budget(model.config(), dtype, self.block_size, kv_budget);
         let scheduler = self.build_scheduler(&lora, max_model_len, kv_cfg.num_blocks).map_err(|e| {
-            EngineError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
+            BuildError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
         })?;
-        let kv = model.new_kv_cache(kv_cfg)?;
+        let kv = model.new_kv_cache(kv_cfg).map_err(BuildError::model)?;
         tracing::info!(
             model = %self.model,
             device = ?self.device.location(),
@@ -348,11 +353,11 @@ impl EngineBuilder {
     /// The checks that need no file: startup adapters with LoRA off, a utilization outside (0, 1].
     fn check(&self) -> Result<()> {
         if self.max_loras == 0 && !self.loras.is_empty() {
-            return Err(EngineError::LoraOff { adapters: self.loras.len() });
+            return Err(BuildError::LoraOff { adapters: self.loras.len() });
         }
         let value = self.gpu_memory_utilization;
         if !(value > 0.0 && value <= 1.0) {
-            return Err(EngineError::GpuMemoryUtilization { value });
+            return Err(BuildError::GpuMemoryUtilization { value });
         }
         Ok(())
     }
@@ -360,7 +365,7 @@ impl EngineBuilder {
     /// The checkpoint, opened (fetched for a hub id, with the tokenizer files of a Hugging Face
     /// repo).
     fn open(&self, source: &ModelSource, hub: &HubConfig) -> Result<Checkpoint> {
-        let checkpoint = source.open(hub)?;
+        let checkpoint = source.open(hub).map_err(BuildError::model)?;
         if let (ModelSource::Hub { repo, revision, .. }, Checkpoint::Safetensors(_)) = (source, &checkpoint) {
             // The tokenizer files and the generation defaults sit next to config.json in the
             // snapshot; fetch them too (a repo without one of them is not an error).
@@ -412,12 +417,12 @@ impl EngineBuilder {
             store = add(store);
         }
         for (name, src) in &self.loras {
-            let parsed = AdapterSource::parse(src).map_err(|e| EngineError::adapter_format(name, e))?;
+            let parsed = AdapterSource::parse(src).map_err(|e| BuildError::adapter_format(name, e))?;
             store = store.startup(name.clone(), parsed);
         }
         store.build().map_err(|e| match e {
-            multilora_store::Error::Startup { name, source } => EngineError::from_store(&name, *source),
-            other => EngineError::Store { source: Arc::new(other) },
+            multilora_store::Error::Startup { name, source } => BuildError::adapter(&name, *source),
+            other => BuildError::Store { source: Arc::new(other) },
         })
     }
 
@@ -470,7 +475,7 @@ impl EngineBuilder {
         let full = (limit.div_ceil(self.block_size) * self.block_size) as u64 * per_token;
         let (budget, from) = if let Some(bytes) = self.kv_cache_bytes {
             (bytes.saturating_sub(slot_bytes), format!("kv_cache_bytes {bytes} minus {slot_bytes} of lora slots"))
-        } else if let Some(mem) = multilora_models::device_memory(model.device())? {
+        } else if let Some(mem) = multilora_models::device_memory(model.device()).map_err(BuildError::model)? {
             let used = mem.total - mem.free;
             let activations = multilora_models::step_activation_bytes(
                 model.config(),
@@ -526,7 +531,7 @@ impl EngineBuilder {
         for (name, src) in &self.loras {
             let summary = AdapterSource::parse(src)
                 .and_then(|source| multilora_adapter::read_source_config(name, &source, &shapes, &opts))
-                .map_err(|e| EngineError::adapter_format(name, e))?;
+                .map_err(|e| BuildError::adapter_format(name, e))?;
             rank = rank.max(summary.max_rank());
             for id in summary.modules.keys() {
                 if !kinds.contains(&id.kind) {

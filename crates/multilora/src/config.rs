@@ -4,12 +4,11 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
-use multilora_adapter::GenerationConfig;
+use multilora_models::GenerationConfig;
 
 use crate::request::SamplingParams;
 use crate::text::ChatTemplateSource;
-use multilora_scheduler::StepTime;
-use multilora_types::LoraLimits;
+use multilora_types::{LoraLimits, StepTime};
 
 /// The resolved configuration an engine runs with.
 #[derive(Clone, Debug)]
@@ -66,8 +65,8 @@ pub struct EngineConfig {
     /// EOS ids: `config.json`'s, then `generation_config.json`'s.
     pub eos_token_ids: Vec<u32>,
     /// The checkpoint's `generation_config.json` (empty when it has none, or when the builder's
-    /// `generation_config` is off).
-    pub generation: GenerationConfig,
+    /// `generation_config` is off): what [`EngineConfig::default_params`] starts from.
+    pub(crate) generation: GenerationConfig,
 }
 
 impl EngineConfig {

@@ -1,19 +1,23 @@
-//! `EngineError`: why one request, or one engine call, failed; `kind()` is a stable label. Every
-//! variant that wraps another crate's failure keeps it as its `source()` (behind an `Arc`, since
-//! one error may go to several requests' streams).
+//! The engine's two errors, each with a stable `kind()`: [`BuildError`], why an engine could not
+//! be built (start-up), and [`EngineError`], why one request or one call on a running engine
+//! failed. Every variant that wraps another crate's failure keeps it as its `source()`, as an
+//! opaque [`SharedError`] (an `Arc`, since one request error may reach several streams), so no
+//! type of a crate below the engine is part of its API.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use multilora_types::{LimitsError, ModuleKind};
 
-/// The crate's result type.
+/// The crate's result type (request-time errors; [`crate::EngineBuilder::build`] returns a
+/// [`BuildError`]).
 pub type Result<T> = std::result::Result<T, EngineError>;
 
-/// Any error, shared: the source of a failed step or start-up call.
+/// Any error, shared: the source of a failed step, load or start-up call.
 pub type SharedError = Arc<dyn std::error::Error + Send + Sync>;
 
-/// Errors of the engine. Each fails only the request or call that got it; the engine goes on.
+/// Errors of a running engine. Each fails only the request or call that got it; the engine goes
+/// on.
 ///
 /// Exhaustive on purpose: a new variant is a compile error in every `match` over it, the
 /// server's mapping to HTTP statuses among them, instead of a silent 500.
@@ -39,14 +43,14 @@ pub enum EngineError {
         /// The engine's context length.
         max_model_len: usize,
     },
-    /// The adapter could not be loaded, validated or activated.
-    #[error("{}", adapter_message(name, source))]
+    /// The adapter could not be resolved, loaded, validated or activated.
+    #[error("{}", adapter_message(name, source.as_ref()))]
     Adapter {
         /// The adapter.
         name: String,
-        /// The store's error (its `kind()` says why: `truncated`, `shape_mismatch`, …).
+        /// Why ([`EngineError::cause_kind`] labels it: `truncated`, `shape_mismatch`, …).
         #[source]
-        source: Arc<multilora_store::Error>,
+        source: SharedError,
     },
     /// A runtime adapter targets modules that have no slot buffers.
     #[error(
@@ -62,7 +66,99 @@ pub enum EngineError {
     /// Runtime adapter updates are off (`allow_runtime_lora_updating`).
     #[error("runtime lora updating is disabled (set allow_runtime_lora_updating)")]
     RuntimeUpdatesDisabled,
-    /// Startup adapters were given with `max_loras` 0.
+    /// The engine has shut down.
+    #[error("the engine has shut down")]
+    Shutdown,
+    /// A step failed (the forward pass or the scheduler's update): its requests fail, the
+    /// engine goes on.
+    #[error("internal error: {stage}: {source}")]
+    Step {
+        /// Which part of the step.
+        stage: &'static str,
+        /// Why.
+        #[source]
+        source: SharedError,
+    },
+    /// The engine loop panicked: the requests it was running failed with this, and every new
+    /// one is refused with it. The process should be restarted (`multilora serve` exits).
+    #[error("the engine failed and no longer serves requests: {reason}")]
+    EngineFailed {
+        /// The panic's message.
+        reason: String,
+    },
+    /// An adapter left host memory while one of its requests ran (the store's pins rule it out).
+    #[error("internal error: adapter {name:?} left host memory mid-request")]
+    AdapterEvicted {
+        /// The adapter.
+        name: String,
+    },
+}
+
+impl EngineError {
+    /// A stable snake_case label for metrics and API error bodies.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EngineError::ModelNotFound { .. } => "model_not_found",
+            EngineError::InvalidRequest { .. } => "invalid_request",
+            EngineError::PromptTooLong { .. } => "prompt_too_long",
+            EngineError::Adapter { .. } | EngineError::AdapterTargets { .. } => "adapter_error",
+            EngineError::RuntimeUpdatesDisabled => "runtime_updates_disabled",
+            EngineError::Shutdown => "shutdown",
+            EngineError::EngineFailed { .. } => "engine_failed",
+            EngineError::Step { .. } | EngineError::AdapterEvicted { .. } => "internal",
+        }
+    }
+
+    /// For adapter errors, the underlying reason's label (`truncated`, `shape_mismatch`,
+    /// `not_a_target`, `resolver`, …).
+    pub fn cause_kind(&self) -> Option<&'static str> {
+        match self {
+            EngineError::Adapter { source, .. } => Some(store_kind(source.as_ref())),
+            EngineError::AdapterTargets { .. } => Some("not_a_target"),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn invalid(reason: impl Into<String>) -> EngineError {
+        EngineError::InvalidRequest { reason: reason.into() }
+    }
+
+    /// A step's failure at `stage`, for each of its requests.
+    pub(crate) fn step(stage: &'static str, source: &SharedError) -> EngineError {
+        EngineError::Step { stage, source: Arc::clone(source) }
+    }
+
+    /// Maps a store error about adapter `name` onto the engine's kinds.
+    pub(crate) fn from_store(name: &str, e: multilora_store::Error) -> EngineError {
+        EngineError::from_store_arc(name, &Arc::new(e))
+    }
+
+    /// [`EngineError::from_store`] for an error shared by several requests (a failed load).
+    pub(crate) fn from_store_arc(name: &str, e: &Arc<multilora_store::Error>) -> EngineError {
+        use multilora_store::Error as S;
+        match &**e {
+            S::UnknownAdapter { .. } => EngineError::ModelNotFound { name: name.to_string() },
+            S::RuntimeUpdatesDisabled { .. } => EngineError::RuntimeUpdatesDisabled,
+            S::InvalidName { .. }
+            | S::AlreadyRegistered { .. }
+            | S::PathOutsideRoots { .. }
+            | S::HubDisabled { .. } => EngineError::InvalidRequest { reason: e.to_string() },
+            S::Shutdown { .. } => EngineError::Shutdown,
+            S::UntargetedModules { modules, .. } => {
+                EngineError::AdapterTargets { name: name.to_string(), modules: modules.clone() }
+            }
+            _ => EngineError::Adapter { name: name.to_string(), source: Arc::clone(e) as SharedError },
+        }
+    }
+}
+
+/// Why an engine could not be built ([`crate::EngineBuilder::build`]): a knob that cannot work,
+/// a model, tokenizer or start-up adapter that cannot be served, or threads that could not be
+/// started. Nothing was left running.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// Start-up adapters were given with `max_loras` 0.
     #[error("invalid engine config: {adapters} lora adapters given but max_loras is 0 (lora is off)")]
     LoraOff {
         /// How many were given.
@@ -93,7 +189,7 @@ pub enum EngineError {
     Store {
         /// Why.
         #[source]
-        source: Arc<multilora_store::Error>,
+        source: SharedError,
     },
     /// The scheduler refused its configuration (a KV cache too small for one sequence, …).
     #[error("invalid engine config: {source} (kv cache of {kv_bytes} bytes: {budget_from})")]
@@ -104,12 +200,13 @@ pub enum EngineError {
         budget_from: String,
         /// Why.
         #[source]
-        source: Arc<multilora_scheduler::Error>,
+        source: SharedError,
     },
-    /// Loading the model failed.
+    /// The model could not be opened or loaded (its `config.json`, `generation_config.json`,
+    /// weights, or the KV cache sized for it).
     #[error("model: {0}")]
-    Model(#[source] Arc<multilora_models::Error>),
-    /// The model's `tokenizer.json` could not be read.
+    Model(#[source] SharedError),
+    /// The model's tokenizer or chat template files could not be read.
     #[error("model: {}: {source}", path.display())]
     Tokenizer {
         /// The file.
@@ -118,16 +215,12 @@ pub enum EngineError {
         #[source]
         source: SharedError,
     },
-    /// The engine has shut down.
-    #[error("the engine has shut down")]
-    Shutdown,
-    /// A step failed (the forward pass or the scheduler's update): its requests fail, the
-    /// engine goes on.
-    #[error("internal error: {stage}: {source}")]
-    Step {
-        /// Which part of the step.
-        stage: &'static str,
-        /// Why.
+    /// A start-up adapter could not be read, validated or loaded.
+    #[error("{}", adapter_message(name, source.as_ref()))]
+    Adapter {
+        /// The adapter.
+        name: String,
+        /// Why ([`BuildError::cause_kind`] labels it: `rank_too_large`, `truncated`, …).
         #[source]
         source: SharedError,
     },
@@ -140,99 +233,57 @@ pub enum EngineError {
         #[source]
         source: SharedError,
     },
-    /// The engine loop panicked: the requests it was running failed with this, and every new
-    /// one is refused with it. The process should be restarted (`multilora serve` exits).
-    #[error("the engine failed and no longer serves requests: {reason}")]
-    EngineFailed {
-        /// The panic's message.
-        reason: String,
-    },
-    /// An adapter left host memory while one of its requests ran (the store's pins rule it out).
-    #[error("internal error: adapter {name:?} left host memory mid-request")]
-    AdapterEvicted {
-        /// The adapter.
-        name: String,
-    },
 }
 
-impl EngineError {
-    /// A stable snake_case label for metrics and API error bodies.
+impl BuildError {
+    /// A stable snake_case label: `invalid_config`, `model_error`, `adapter_error` or `internal`.
     pub fn kind(&self) -> &'static str {
         match self {
-            EngineError::ModelNotFound { .. } => "model_not_found",
-            EngineError::InvalidRequest { .. } => "invalid_request",
-            EngineError::PromptTooLong { .. } => "prompt_too_long",
-            EngineError::Adapter { .. } | EngineError::AdapterTargets { .. } => "adapter_error",
-            EngineError::RuntimeUpdatesDisabled => "runtime_updates_disabled",
-            EngineError::LoraOff { .. }
-            | EngineError::MaxModelLen { .. }
-            | EngineError::GpuMemoryUtilization { .. }
-            | EngineError::Limits(_)
-            | EngineError::Store { .. }
-            | EngineError::Scheduler { .. } => "invalid_config",
-            EngineError::Model(_) | EngineError::Tokenizer { .. } => "model_error",
-            EngineError::Shutdown => "shutdown",
-            EngineError::EngineFailed { .. } => "engine_failed",
-            EngineError::Step { .. } | EngineError::Spawn { .. } | EngineError::AdapterEvicted { .. } => "internal",
+            BuildError::LoraOff { .. }
+            | BuildError::MaxModelLen { .. }
+            | BuildError::GpuMemoryUtilization { .. }
+            | BuildError::Limits(_)
+            | BuildError::Store { .. }
+            | BuildError::Scheduler { .. } => "invalid_config",
+            BuildError::Model(_) | BuildError::Tokenizer { .. } => "model_error",
+            BuildError::Adapter { .. } => "adapter_error",
+            BuildError::Spawn { .. } => "internal",
         }
     }
 
-    /// For adapter errors, the underlying reason's label (`truncated`, `shape_mismatch`,
-    /// `not_a_target`, …).
+    /// For a start-up adapter's error, the underlying reason's label (`rank_too_large`,
+    /// `truncated`, `not_a_target`, …).
     pub fn cause_kind(&self) -> Option<&'static str> {
         match self {
-            EngineError::Adapter { source, .. } => Some(source.kind()),
-            EngineError::AdapterTargets { .. } => Some("not_a_target"),
+            BuildError::Adapter { source, .. } => Some(store_kind(source.as_ref())),
             _ => None,
         }
     }
 
-    pub(crate) fn invalid(reason: impl Into<String>) -> EngineError {
-        EngineError::InvalidRequest { reason: reason.into() }
+    /// The model crate's error (opening, reading or sizing the model).
+    pub(crate) fn model(e: multilora_models::Error) -> BuildError {
+        BuildError::Model(Arc::new(e))
     }
 
-    /// A step's failure at `stage`, for each of its requests.
-    pub(crate) fn step(stage: &'static str, source: &SharedError) -> EngineError {
-        EngineError::Step { stage, source: Arc::clone(source) }
+    /// An adapter format error about start-up adapter `name` (its source or its config).
+    pub(crate) fn adapter_format(name: &str, e: multilora_adapter::Error) -> BuildError {
+        BuildError::adapter(name, multilora_store::Error::Adapter(e))
     }
 
-    /// An adapter format error about `name` (a startup adapter's config or source).
-    pub(crate) fn adapter_format(name: &str, e: multilora_adapter::Error) -> EngineError {
-        EngineError::Adapter { name: name.to_string(), source: Arc::new(multilora_store::Error::Adapter(e)) }
-    }
-
-    /// Maps a store error about adapter `name` onto the engine's kinds.
-    pub(crate) fn from_store(name: &str, e: multilora_store::Error) -> EngineError {
-        EngineError::from_store_arc(name, &Arc::new(e))
-    }
-
-    /// [`EngineError::from_store`] for an error shared by several requests (a failed load).
-    pub(crate) fn from_store_arc(name: &str, e: &Arc<multilora_store::Error>) -> EngineError {
-        use multilora_store::Error as S;
-        match &**e {
-            S::UnknownAdapter { .. } => EngineError::ModelNotFound { name: name.to_string() },
-            S::RuntimeUpdatesDisabled { .. } => EngineError::RuntimeUpdatesDisabled,
-            S::InvalidName { .. }
-            | S::AlreadyRegistered { .. }
-            | S::PathOutsideRoots { .. }
-            | S::HubDisabled { .. } => EngineError::InvalidRequest { reason: e.to_string() },
-            S::Shutdown { .. } => EngineError::Shutdown,
-            S::UntargetedModules { modules, .. } => {
-                EngineError::AdapterTargets { name: name.to_string(), modules: modules.clone() }
-            }
-            _ => EngineError::Adapter { name: name.to_string(), source: Arc::clone(e) },
-        }
+    /// The store's error about start-up adapter `name`.
+    pub(crate) fn adapter(name: &str, e: multilora_store::Error) -> BuildError {
+        BuildError::Adapter { name: name.to_string(), source: Arc::new(e) }
     }
 }
 
-impl From<multilora_models::Error> for EngineError {
-    fn from(e: multilora_models::Error) -> EngineError {
-        EngineError::Model(Arc::new(e))
-    }
+/// The label of an adapter error's source: the store's `kind()` (the adapter crate's own for a
+/// format error), which is what the engine puts there.
+fn store_kind(source: &(dyn std::error::Error + Send + Sync + 'static)) -> &'static str {
+    source.downcast_ref::<multilora_store::Error>().map_or("adapter", multilora_store::Error::kind)
 }
 
-/// The store's message, prefixed with the adapter's name unless it already leads with it.
-fn adapter_message(name: &str, source: &multilora_store::Error) -> String {
+/// The source's message, prefixed with the adapter's name unless it already leads with it.
+fn adapter_message(name: &str, source: &(dyn std::error::Error + Send + Sync)) -> String {
     let message = source.to_string();
     let prefix = format!("adapter {name:?}");
     if message.starts_with(&prefix) { message } else { format!("{prefix}: {message}") }

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use crate::command::{Command, EventCount, Submission};
 use crate::config::EngineConfig;
 use crate::engine_loop::EngineLoop;
-use crate::error::{EngineError, Result};
+use crate::error::{BuildError, EngineError, Result};
 use crate::health::{EngineHealth, LoopState, Published};
 use crate::metrics::MetricsSnapshot;
 use crate::request::{Completion, Event, FinishReason, GenerateRequest, Prompt, TokenLogprob, Usage};
@@ -92,7 +92,7 @@ impl Engine {
         store: Store,
         tokenizer: Option<Tokenizer>,
         (tx, rx, events): (Sender<Command>, Receiver<Command>, EventCount),
-    ) -> Result<Engine> {
+    ) -> std::result::Result<Engine, BuildError> {
         let store = Arc::new(store);
         let tokenizer = tokenizer.map(Arc::new);
         let published = Published::new();
@@ -101,7 +101,7 @@ impl Engine {
             .num_threads(rayon::current_num_threads())
             .thread_name(|i| format!("multilora-compute-{i}"))
             .build()
-            .map_err(|e| EngineError::Spawn { what: "the engine's compute threads", source: Arc::new(e) })?;
+            .map_err(|e| BuildError::Spawn { what: "the engine's compute threads", source: Arc::new(e) })?;
         let lp = EngineLoop::new(
             config.clone(),
             model,
@@ -116,7 +116,7 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("multilora-engine".into())
             .spawn(move || lp.run())
-            .map_err(|e| EngineError::Spawn { what: "the engine thread", source: Arc::new(e) })?;
+            .map_err(|e| BuildError::Spawn { what: "the engine thread", source: Arc::new(e) })?;
         #[cfg(feature = "failpoints")]
         crate::failpoints::from_env();
         let shared = Shared { tx, store, tokenizer, config, next_id: AtomicU64::new(1), published };

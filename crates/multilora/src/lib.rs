@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use multilora::{Engine, Event, GenerateRequest, SamplingParams};
-//! # fn main() -> Result<(), multilora::EngineError> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/peft-tiny");
 //! let engine = Engine::builder(format!("{fixtures}/base"))
 //!     .lora("sql", format!("{fixtures}/adapters/qv_r8"))
@@ -64,6 +64,7 @@ mod handle;
 mod health;
 mod metrics;
 mod request;
+mod resolver;
 mod sampling;
 mod step_cost;
 mod stop;
@@ -72,26 +73,24 @@ mod text;
 pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, MAX_DEFAULT_KV_CACHE_BYTES};
 pub use candle_core::{DType, Device};
 pub use config::EngineConfig;
-pub use error::{EngineError, Result, SharedError};
+pub use error::{BuildError, EngineError, Result, SharedError};
 pub use handle::{Engine, EngineHandle, METRICS_WAIT, ModelInfo, RequestStream, Tier};
 pub use health::{EngineHealth, LoopState};
 pub use metrics::{
     AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
     STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
 };
-/// What an embedder's [`Resolver`] returns: an adapter's source, or the store's error.
-pub use multilora_adapter::AdapterSource;
 /// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
-pub use multilora_adapter::{GenerationConfig, ModelShapes, SyntheticAdapter};
+pub use multilora_adapter::{ModelShapes, SyntheticAdapter};
 pub use multilora_models::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
-/// The step-time budget (`EngineBuilder::step_time`) and the step cost model it is applied with.
-pub use multilora_scheduler::{DEFAULT_STEP_FACTOR, StepCost, StepTime};
-pub use multilora_store::{DirectoryResolver, Resolver, Result as ResolverResult};
 pub use multilora_types::ModuleKind;
+/// The step-time budget (`EngineBuilder::step_time`).
+pub use multilora_types::{DEFAULT_STEP_FACTOR, StepTime};
 /// The LoRA limits an engine runs with ([`EngineConfig::lora`]) and why a set is refused.
 pub use multilora_types::{LimitsError, LoraLimits};
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, TokenLogprob, Usage,
 };
+pub use resolver::{AdapterSource, DirectoryResolver, ResolveError, Resolver};
 pub use text::ChatTemplateSource;

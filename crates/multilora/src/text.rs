@@ -19,7 +19,10 @@ use multilora_models::{Checkpoint, GgufFile};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-use crate::error::{EngineError, Result};
+use crate::error::BuildError;
+
+/// What reading the text side returns: an error is the engine's start-up error.
+type Result<T> = std::result::Result<T, BuildError>;
 
 /// The model's chat template and the special tokens it may name.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,7 +70,7 @@ pub(crate) fn load(checkpoint: &Checkpoint, tokenizer_dir: Option<&Path>) -> Res
 }
 
 fn from_gguf(g: &GgufFile) -> Result<ModelText> {
-    let refused = |reason: String| EngineError::Tokenizer {
+    let refused = |reason: String| BuildError::Tokenizer {
         path: g.path().to_path_buf(),
         source: Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(format!(
             "its tokenizer metadata: {reason}"
@@ -91,7 +94,7 @@ fn from_dir(dir: &Path) -> Result<ModelText> {
     let tokenizer = if path.is_file() {
         Some(
             Tokenizer::from_file(&path)
-                .map_err(|e| EngineError::Tokenizer { path: path.clone(), source: Arc::from(e) })?,
+                .map_err(|e| BuildError::Tokenizer { path: path.clone(), source: Arc::from(e) })?,
         )
     } else {
         tracing::warn!(path = %path.display(), "no tokenizer.json: only token-id prompts are accepted");
@@ -151,6 +154,6 @@ fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&text).map_err(|e| file_error(path, e))
 }
 
-fn file_error(path: &Path, e: impl std::error::Error + Send + Sync + 'static) -> EngineError {
-    EngineError::Tokenizer { path: path.to_path_buf(), source: Arc::new(e) }
+fn file_error(path: &Path, e: impl std::error::Error + Send + Sync + 'static) -> BuildError {
+    BuildError::Tokenizer { path: path.to_path_buf(), source: Arc::new(e) }
 }

@@ -200,7 +200,7 @@ struct Gated {
 }
 
 impl multilora::Resolver for Gated {
-    fn resolve(&self, name: &str) -> multilora::ResolverResult<Option<multilora::AdapterSource>> {
+    fn resolve(&self, name: &str) -> std::result::Result<Option<multilora::AdapterSource>, multilora::ResolveError> {
         if name == "rslora_r4" {
             let _ = self.gate.lock().map(|g| g.recv());
         }

@@ -13,7 +13,8 @@ pub fn fixtures() -> PathBuf {
 
 /// The fixture base model's shapes, with the digest of its real embedding.
 pub fn base_shapes() -> ModelShapes {
-    let shapes = multilora_adapter::ModelConfig::from_file(&fixtures().join("base/config.json")).unwrap().shapes();
+    // The fixture's config.json: 4 layers, hidden 128, intermediate 352, vocab 512, 4 heads, 2 kv heads.
+    let shapes = ModelShapes::llama(4, 128, 352, 512, 4, 2);
     let weights = candle_core::safetensors::load(fixtures().join("base/model.safetensors"), &Device::Cpu).unwrap();
     let embed: &Tensor = &weights["model.embed_tokens.weight"];
     multilora_adapter::with_embedding_digest(shapes, embed).unwrap()

@@ -42,7 +42,7 @@ pub fn lora_shrink_slow(x: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping
 
 /// Reference expand: `y` plus every slice's delta at its column offset, as a new tensor.
 pub fn lora_expand_slow(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Tensor> {
-    check_output("lora_expand_slow", y, s, slices, mapping, false)?;
+    check_output("lora_expand_slow", y, s, slices, mapping, false, true)?;
     let (idx, mask) = gather_index(mapping)?;
     let mut deltas = Vec::with_capacity(slices.len());
     for (t, sl) in s.iter().zip(slices) {

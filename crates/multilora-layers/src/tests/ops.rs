@@ -5,8 +5,8 @@ use multilora_adapter::ModuleId;
 use multilora_types::ModuleKind;
 
 use super::{Rng, bits, rel_err, slot_map, test_device};
-use crate::ops::expand::expand_tensor_ops;
-use crate::ops::shrink::shrink_tensor_ops;
+use crate::ops::expand::Expand;
+use crate::ops::shrink::Shrink;
 use crate::{LoraSlots, lora_expand, lora_expand_slow, lora_shrink, lora_shrink_slow};
 
 /// Random slots whose padding past each slot's rank is zero, as a real slot write leaves it.
@@ -83,8 +83,8 @@ fn check_case(rng: &mut Rng, c: &Case, dev: &Device) -> anyhow::Result<()> {
         }
         // The device-generic tensor-op path (what any device without kernels runs) agrees as well.
         let xs = mapping.gather_lora_rows(&x)?.ok_or_else(|| anyhow::anyhow!("no lora rows"))?;
-        let s_ops = shrink_tensor_ops(&xs, &refs, &mapping)?;
-        let y_ops = expand_tensor_ops(&y0, &s_ops, &refs, &mapping)?;
+        let s_ops = Shrink::new("test", &x, &refs, &mapping)?.tensor_ops_fwd(&xs)?;
+        let y_ops = Expand::new("test", &y0, &s_ops, &refs, &mapping)?.tensor_ops_fwd(&y0, &s_ops)?;
         let err = rel_err(&y_ops, &y_slow)?;
         anyhow::ensure!(err <= tol, "{what}: tensor-op path relative error {err:e}");
     } else {

@@ -25,7 +25,8 @@ pub fn fixture(rel: &str) -> AdapterSource {
 
 /// The fixtures' base model shapes.
 pub fn fixture_shapes() -> ModelShapes {
-    multilora_adapter::ModelConfig::from_file(&fixtures().join("base/config.json")).unwrap().shapes()
+    // The fixture's config.json: 4 layers, hidden 128, intermediate 352, vocab 512, 4 heads, 2 kv heads.
+    ModelShapes::llama(4, 128, 352, 512, 4, 2)
 }
 
 /// Small shapes for synthetic adapters.

@@ -1,20 +1,50 @@
-//! CPU expand: each segment's `[n, out_i]` product (candle's CPU GEMM on strided views of the slot
-//! buffer, at the true rank) is added straight into its rows of `y` by a small in-place op, so the
-//! output is never copied and no packed delta is built. The segments' GEMMs are each too small for
-//! `gemm` to split over cores, so they run side by side on the rayon pool.
+//! CPU expand ([`Expand`]'s `cpu_fwd`): each segment's `[n, out_i]` product (candle's CPU GEMM on
+//! strided views of the slot buffer, at the true rank) is added straight into its rows of `y` by a
+//! small in-place op, so the output is never copied and no packed delta is built. The segments'
+//! GEMMs are each too small for `gemm` to split over cores, so they run side by side on the rayon
+//! pool.
+//!
+//! The layer's path ([`crate::lora_apply`]) runs `cpu_fused_fwd`: the shrink folded into the
+//! expand, each (slice, segment) task computing both products, so the rank-width intermediate
+//! never leaves the task.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, WithDType};
 
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::Expand;
 use crate::error::Result;
 use crate::mapping::LoraMapping;
 use crate::ops::gemm::{Elem, matmul_into, matmul_t_into};
 use crate::ops::run_tasks;
 use crate::slots::LoraSlots;
-use half::{bf16, f16};
-use rayon::prelude::*;
 
-pub(super) fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
+impl Expand<'_> {
+    /// The CPU forward: `y` (contiguous) plus every slice's delta from the shrink outputs `s`, in
+    /// place.
+    pub(super) fn cpu_fwd(&self, y: &Tensor, s: &[Tensor]) -> Result<()> {
+        expand_in_place(y, s, self.slices, self.mapping)
+    }
+
+    /// The layer's CPU forward, the shrink of `x: [rows, in]` folded in: `y` (contiguous) plus
+    /// every LoRA row's `x · Aᵀ · Bᵀ`, in place. The crate's kernel straight on the slot buffers
+    /// when `x`, `y` and the slots allow it ([`shrink_expand_fused`]), candle's GEMMs per task
+    /// otherwise.
+    pub(crate) fn cpu_fused_fwd(&self, x: &Tensor, y: &Tensor) -> Result<()> {
+        let (slices, mapping) = (self.slices, self.mapping);
+        if shrink_expand_fused(x, y, slices, mapping)? {
+            return Ok(());
+        }
+        if let Some(xs) = mapping.gather_lora_rows(x)? {
+            shrink_expand_in_place(&xs.to_dtype(DType::F32)?, y, slices, mapping)?;
+        }
+        Ok(())
+    }
+}
+
+fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
     let lora_rows = mapping.lora_rows();
     // (shrink output, slots, slot, packed start, len, column offset) for every (slice, segment).
     let mut tasks = Vec::new();
@@ -45,12 +75,7 @@ pub(super) fn expand_in_place(y: &Tensor, s: &[Tensor], slices: &[&LoraSlots], m
 /// task computes `x_seg · Aᵀ` and at once `· Bᵀ`, adding into `y`, so the whole LoRA part is one
 /// parallel phase and the rank-width intermediate never leaves the task. `xs` are the gathered
 /// LoRA rows (`[lora_rows, in]`, f32).
-pub(crate) fn shrink_expand_in_place(
-    xs: &Tensor,
-    y: &Tensor,
-    slices: &[&LoraSlots],
-    mapping: &LoraMapping,
-) -> Result<()> {
+fn shrink_expand_in_place(xs: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
     let lora_rows = mapping.lora_rows();
     let in_features = xs.dim(1)?;
     let mut tasks = Vec::new();
@@ -86,12 +111,7 @@ pub(crate) fn shrink_expand_in_place(
 /// scratch block it adds into its rows. No candle op runs per segment, and no delta as large as
 /// the output is allocated and added in a second pass. Returns `false`, doing nothing, when `x`
 /// or `y` is not f32 or the slots are not all of one of those dtypes.
-pub(crate) fn shrink_expand_fused(
-    x: &Tensor,
-    y: &Tensor,
-    slices: &[&LoraSlots],
-    mapping: &LoraMapping,
-) -> Result<bool> {
+fn shrink_expand_fused(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
     let Some(first) = slices.first() else { return Ok(true) };
     let dt = first.a().dtype();
     let same = slices.iter().all(|s| s.a().dtype() == dt && s.b().dtype() == dt);

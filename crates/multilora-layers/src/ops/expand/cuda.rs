@@ -1,43 +1,96 @@
-//! CUDA expand (feature `cuda`): a candle in-place op whose `cuda_fwd` launches `lora_expand` of
-//! `multilora-kernels` on the layer output, reading either the shared shrink buffer of the fused
-//! path (`[k_split, n_lora, s_width]`, partials summed by the kernel) or one reduced
-//! `[n_lora, ≥ r_i]` tensor per slice (the public `lora_expand`).
+//! CUDA expand (feature `cuda`): [`Expand`]'s `cuda_fwd`, one host plan and one launch of
+//! `lora_expand` of `multilora-kernels` per group of segments on the layer output, reading either
+//! one reduced `[n_lora, ≥ r_i]` tensor per slice (the public `lora_expand`) or the shared shrink
+//! buffer `[k_split, n_lora, s_width]` (partials summed by the kernel) of the layer's fused path
+//! (`cuda_fused_fwd`: [`Shrink`]'s shrink with the plan's K split, then this expand) and of the
+//! embedding. The launch is a candle in-place op (`ExpandKernel`), so candle holds the locks on
+//! the tensors it reads and writes.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CudaStorage, InplaceOp1, Layout, Tensor};
+use candle_core::{CudaStorage, DType, InplaceOp1, Layout, Tensor};
 use multilora_kernels::params::MAX_SLICES;
 use multilora_kernels::{Module, kernel};
 
+use super::Expand;
+use crate::error::Result;
 use crate::mapping::LoraMapping;
 use crate::ops::cuda::{Locked, kernel_dtype, launch, write_ptr};
 use crate::ops::plan::{ExpandPtrs, SegmentedPlan};
+use crate::ops::shrink::Shrink;
 use crate::ops::shrink::cuda::mapping_meta;
 use crate::slots::LoraSlots;
 
+impl Expand<'_> {
+    /// The CUDA forward: `y` plus every slice's delta from the reduced shrink outputs `s`, `y`
+    /// updated in place (made contiguous first if it is not).
+    pub(super) fn cuda_fwd(&self, y: Tensor, s: &[Tensor]) -> Result<Tensor> {
+        let plan = SegmentedPlan::for_layer(self.mapping, self.slices, Some(1))?;
+        if !plan.has_work() {
+            return Ok(y);
+        }
+        let y = if y.is_contiguous() { y } else { y.contiguous()? };
+        let s: Vec<Tensor> = s
+            .iter()
+            .map(|t| {
+                let t = t.to_dtype(DType::F32)?;
+                Ok(if t.stride().get(1) == Some(&1) { t } else { t.contiguous()? })
+            })
+            .collect::<Result<_>>()?;
+        self.launch(&y, &plan, ShrinkRows::PerSlice(&s))?;
+        Ok(y)
+    }
+
+    /// The layer's CUDA forward, `shrink`'s shrink of `x` first: `y` (the fresh base output) plus
+    /// `Σ_i expand_i(shrink_i(x))`, the shrink splitting K as the step needs and the expand
+    /// summing the partials, `y` updated in place.
+    pub(crate) fn cuda_fused_fwd(&self, shrink: &Shrink<'_>, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        let plan = SegmentedPlan::for_layer(self.mapping, self.slices, None)?;
+        if !plan.has_work() {
+            return Ok(y);
+        }
+        let s = shrink.cuda_shared(x, &plan)?;
+        let y = if y.is_contiguous() { y } else { y.contiguous()? };
+        self.launch(&y, &plan, ShrinkRows::Shared(&s))?;
+        Ok(y)
+    }
+
+    /// `y += expand(s)` in place over `plan`, from the shared buffer `s` (the embedding's gather).
+    pub(crate) fn cuda_shared_fwd(&self, y: Tensor, plan: &SegmentedPlan, s: &Tensor) -> Result<Tensor> {
+        let y = if y.is_contiguous() { y } else { y.contiguous()? };
+        self.launch(&y, plan, ShrinkRows::Shared(s))?;
+        Ok(y)
+    }
+
+    fn launch(&self, y: &Tensor, plan: &SegmentedPlan, s: ShrinkRows<'_>) -> Result<()> {
+        let kernel = ExpandKernel { plan, slices: self.slices, mapping: self.mapping, s };
+        Ok(y.inplace_op1(&kernel)?)
+    }
+}
+
 /// Where the expand reads its shrink rows from.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum ShrinkRows<'a> {
+enum ShrinkRows<'a> {
     /// The fused path's shared buffer.
     Shared(&'a Tensor),
     /// One row-major tensor per slice (inner stride 1).
     PerSlice(&'a [Tensor]),
 }
 
-/// `y += expand(s)` in place for every slice of a layer.
-pub(crate) struct ExpandOp<'a> {
-    pub(crate) plan: &'a SegmentedPlan,
-    pub(crate) slices: &'a [&'a LoraSlots],
-    pub(crate) mapping: &'a LoraMapping,
-    pub(crate) s: ShrinkRows<'a>,
+/// The launch of [`Expand::cuda_fwd`]: `y += expand(s)` in place for every slice of a layer.
+struct ExpandKernel<'a> {
+    plan: &'a SegmentedPlan,
+    slices: &'a [&'a LoraSlots],
+    mapping: &'a LoraMapping,
+    s: ShrinkRows<'a>,
 }
 
-impl InplaceOp1 for ExpandOp<'_> {
+impl InplaceOp1 for ExpandKernel<'_> {
     fn name(&self) -> &'static str {
         "multilora-lora-expand"
     }
 
     fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("multilora-lora-expand is the CUDA op; the CPU runs ops/expand/cpu.rs")
+        candle_core::bail!("multilora-lora-expand is the CUDA launch; the CPU runs Expand::cpu_fwd")
     }
 
     fn cuda_fwd(&self, y: &mut CudaStorage, yl: &Layout) -> candle_core::Result<()> {

@@ -1,23 +1,47 @@
-//! CUDA shrink (feature `cuda`): candle custom ops whose `cuda_fwd` launches `lora_shrink` (the
-//! linears) or `lora_embed_shrink` (the embedding's gather) of `multilora-kernels` with the host
-//! plan's parameters, into one zeroed f32 buffer `[k_split, n_lora, s_width]` shared by the slices
-//! (slice `i` at column `plan.s_offsets[i]`).
+//! CUDA shrink (feature `cuda`): [`Shrink`]'s `cuda_fwd`, one host plan and one launch of
+//! `lora_shrink` of `multilora-kernels` per group of segments, into one zeroed f32 buffer
+//! `[k_split, n_lora, s_width]` shared by the slices (slice `i` at column `plan.s_offsets[i]`);
+//! and the embedding's gather (`lora_embed_shrink`), into the same kind of buffer. The launches
+//! are candle custom ops (`ShrinkKernel`, `EmbedShrinkKernel`), so candle holds the locks on the
+//! tensors they read and write.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CudaStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CudaStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use multilora_kernels::params::{EmbedShrinkParams, MAX_SEGS};
 use multilora_kernels::{Module, kernel};
 
+use super::Shrink;
+use crate::error::Result;
 use crate::mapping::LoraMapping;
 use crate::ops::cuda::{Locked, kernel_dtype, launch, read_ptr, write_ptr};
 use crate::ops::plan::{Launch, SegmentedPlan, ShrinkPtrs};
 use crate::slots::LoraSlots;
 
-/// `x → s` for every slice of a layer.
-pub(crate) struct ShrinkOp<'a> {
-    pub(crate) plan: &'a SegmentedPlan,
-    pub(crate) slices: &'a [&'a LoraSlots],
-    pub(crate) mapping: &'a LoraMapping,
+impl Shrink<'_> {
+    /// The CUDA forward: one `[lora_rows, r_i]` f32 tensor per slice, views of one buffer.
+    pub(super) fn cuda_fwd(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let plan = SegmentedPlan::for_layer(self.mapping, self.slices, Some(1))?;
+        let n = self.mapping.num_lora_rows();
+        if !plan.has_work() {
+            return self.slices.iter().map(|_| Ok(Tensor::zeros((n, 0), DType::F32, x.device())?)).collect();
+        }
+        let s = self.cuda_shared(x, &plan)?.squeeze(0)?;
+        (0..self.slices.len()).map(|i| Ok(s.narrow(1, plan.s_offsets[i], plan.active[i])?)).collect()
+    }
+
+    /// The shrink into `plan`'s shared buffer `[k_split, n_lora, s_width]` (partial sums over the
+    /// K split, which the expand adds up): what the layer's fused path expands from.
+    pub(crate) fn cuda_shared(&self, x: &Tensor, plan: &SegmentedPlan) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        Ok(x.apply_op1_no_bwd(&ShrinkKernel { plan, slices: self.slices, mapping: self.mapping })?)
+    }
+}
+
+/// The launch of [`Shrink::cuda_fwd`]: `x → s` for every slice of a layer.
+struct ShrinkKernel<'a> {
+    plan: &'a SegmentedPlan,
+    slices: &'a [&'a LoraSlots],
+    mapping: &'a LoraMapping,
 }
 
 /// The mapping's device row index and tiles.
@@ -28,7 +52,7 @@ pub(crate) fn mapping_meta(mapping: &LoraMapping) -> candle_core::Result<(&Tenso
     }
 }
 
-impl CustomOp1 for ShrinkOp<'_> {
+impl CustomOp1 for ShrinkKernel<'_> {
     fn name(&self) -> &'static str {
         "multilora-lora-shrink"
     }
@@ -38,7 +62,7 @@ impl CustomOp1 for ShrinkOp<'_> {
         _: &candle_core::CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("multilora-lora-shrink is the CUDA op; the CPU runs ops/shrink/cpu.rs")
+        candle_core::bail!("multilora-lora-shrink is the CUDA launch; the CPU runs Shrink::cpu_fwd")
     }
 
     fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
@@ -74,14 +98,26 @@ impl CustomOp1 for ShrinkOp<'_> {
     }
 }
 
-/// The embedding's shrink: `ids → s`, a gather from the transposed A slots.
-pub(crate) struct EmbedShrinkOp<'a> {
-    pub(crate) plan: &'a SegmentedPlan,
-    pub(crate) slots: &'a LoraSlots,
-    pub(crate) mapping: &'a LoraMapping,
+/// The embedding's shrink on CUDA: `ids → s` (`[1, n_lora, s_width]`, f32), a gather from the
+/// transposed A slots, for the expand to add.
+pub(crate) fn embed_shrink(
+    ids: &Tensor,
+    slots: &LoraSlots,
+    mapping: &LoraMapping,
+    plan: &SegmentedPlan,
+) -> Result<Tensor> {
+    let ids = ids.contiguous()?;
+    Ok(ids.apply_op1_no_bwd(&EmbedShrinkKernel { plan, slots, mapping })?.unsqueeze(0)?)
 }
 
-impl CustomOp1 for EmbedShrinkOp<'_> {
+/// The launch of [`embed_shrink`].
+struct EmbedShrinkKernel<'a> {
+    plan: &'a SegmentedPlan,
+    slots: &'a LoraSlots,
+    mapping: &'a LoraMapping,
+}
+
+impl CustomOp1 for EmbedShrinkKernel<'_> {
     fn name(&self) -> &'static str {
         "multilora-lora-embed-shrink"
     }
@@ -91,7 +127,7 @@ impl CustomOp1 for EmbedShrinkOp<'_> {
         _: &candle_core::CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("multilora-lora-embed-shrink is the CUDA op; the CPU gathers with tensor ops")
+        candle_core::bail!("multilora-lora-embed-shrink is the CUDA launch; the CPU gathers with tensor ops")
     }
 
     fn cuda_fwd(&self, ids: &CudaStorage, il: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {

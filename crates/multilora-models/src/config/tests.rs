@@ -1,6 +1,7 @@
 //! The config table: the fixture's `config.json` and the variants real checkpoints use, each read
 //! once and checked field by field, with the shapes adapters are validated against.
 
+use multilora_types::ModuleKind;
 use serde_json::{Value, json};
 
 use super::*;
@@ -45,6 +46,10 @@ fn the_fixture_reads_as_transformers_wrote_it() {
     assert_eq!((s.num_layers, s.hidden_size, s.head_dim, s.num_kv_heads, s.vocab_size), (4, 128, 32, 2, 512));
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny/base/config.json");
     assert_eq!(ModelConfig::from_file(&path).unwrap(), c, "file and value read the same");
+    assert_eq!(s.in_out(ModuleKind::KProj), (128, 64));
+    assert_eq!(s.in_out(ModuleKind::EmbedTokens), (512, 128));
+    assert_eq!(s.modules().len(), 4 * 7 + 2);
+    assert!(ModelConfig::from_json(&json!({"hidden_size": 1})).is_err());
 }
 
 /// Each variant: what changes, and what must be read.

@@ -1,8 +1,9 @@
 //! Loads PEFT adapters against a base model's `config.json` and describes each one — ranks,
 //! scaling, modules, memory, fingerprint — or says exactly why it is refused.
 //!
-//! `cargo run -p multilora-adapter --example describe` describes every adapter of the fixtures;
-//! `-- --base DIR ADAPTER_DIR_OR_HUB_ID...` describes others.
+//! `cargo run -p multilora-models --example describe_adapters` describes every adapter of the
+//! fixtures; `-- --base DIR ADAPTER_DIR_OR_HUB_ID...` describes others. It lives beside the
+//! model because the base's `config.json` is read here, by `ModelConfig`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -30,7 +31,7 @@ fn main() -> Result<()> {
         }
     }
 
-    let mut shapes = multilora_adapter::ModelConfig::from_file(&base.join("config.json"))?.shapes();
+    let mut shapes = multilora_models::ModelConfig::from_file(&base.join("config.json"))?.shapes();
     // The embedding digest lets adapters that carry a saved embedding (LoRA on embed_tokens) be
     // checked; without the weights file they are refused, and the output says so.
     let weights_path = base.join("model.safetensors");

@@ -1,4 +1,4 @@
-//! The fuzz targets' mutator, shared by the adapter and server crates' targets: the fuzzer's
+//! The fuzz targets' mutator, shared by the adapter, model and server crates' targets: the fuzzer's
 //! input bytes, read four at a time, are edits applied to a valid seed file (overwrite, insert or
 //! delete a byte, splice in a value a parser finds hostile, duplicate a span), so random inputs
 //! reach deep into a parser instead of failing at its first byte.

@@ -1,6 +1,6 @@
 //! `ModelConfig`: a Hugging Face `config.json`, read once by one serde reader for everyone who
-//! needs it — the model (its graph), the adapter shapes ([`ModelConfig::shapes`]) and the
-//! capacity planner — so they cannot disagree about a default.
+//! needs it — the model (its graph), the adapter shapes ([`ModelConfig::shapes`]), the engine
+//! and the capacity planner — so they cannot disagree about a default.
 //!
 //! Llama 2/3, Mistral and Qwen2 share one graph (RMSNorm, RoPE, GQA attention, SiLU MLP); they
 //! differ only in defaults filled in here: Qwen2 has q/k/v biases, Llama 3 scales RoPE
@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use candle_core::DType;
 use serde::Deserialize;
 
-use crate::shapes::ModelShapes;
+use multilora_adapter::ModelShapes;
 
 /// The largest `config.json` read; real ones are a few KiB.
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;

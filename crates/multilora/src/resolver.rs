@@ -1,0 +1,163 @@
+//! Resolvers of adapter names nobody registered (vLLM's `LoRAResolver`), in the engine's own
+//! types: [`Resolver`] answers an [`AdapterSource`] or a [`ResolveError`], [`DirectoryResolver`]
+//! is the built-in one. The store below runs them on its loader threads through `StoreResolver`,
+//! which converts both ways, so an embedder names no crate below the engine.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Where an adapter's files are: what a [`Resolver`] answers for a name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AdapterSource {
+    /// A directory holding `adapter_config.json` and `adapter_model.safetensors`.
+    Local(PathBuf),
+    /// A llama.cpp LoRA file (`convert_lora_to_gguf.py`'s output, named `*.gguf`).
+    Gguf(PathBuf),
+    /// A hub repository at a revision (a branch, a tag or a commit).
+    Hub {
+        /// `org/name`.
+        repo: String,
+        /// The revision.
+        revision: String,
+    },
+}
+
+impl AdapterSource {
+    /// The adapter crate's spelling of the same source.
+    fn into_inner(self) -> multilora_adapter::AdapterSource {
+        match self {
+            AdapterSource::Local(dir) => multilora_adapter::AdapterSource::Local(dir),
+            AdapterSource::Gguf(file) => multilora_adapter::AdapterSource::Gguf(file),
+            AdapterSource::Hub { repo, revision } => multilora_adapter::AdapterSource::Hub { repo, revision },
+        }
+    }
+}
+
+/// Why a resolver could not answer for a name. The request for that name fails with
+/// `adapter_error` (`cause_kind` `resolver`) and this error as its source; a path the built-in
+/// [`DirectoryResolver`] finds outside its root fails it with `invalid_request`, as any runtime
+/// source outside the allowed roots does.
+#[derive(Debug)]
+pub struct ResolveError(Repr);
+
+#[derive(Debug)]
+enum Repr {
+    /// The store's own refusal, from [`DirectoryResolver`]: handed back to it as it is.
+    Store(multilora_store::Error),
+    /// An embedder's resolver's error.
+    Other(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl ResolveError {
+    /// A resolver's failure: any error, or a message.
+    pub fn new(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> ResolveError {
+        ResolveError(Repr::Other(error.into()))
+    }
+
+    /// The store's error for `name`.
+    fn into_store(self, name: &str) -> multilora_store::Error {
+        match self.0 {
+            Repr::Store(e) => e,
+            Repr::Other(source) => multilora_store::Error::Resolver { name: name.to_string(), source },
+        }
+    }
+}
+
+// Transparent: the message and the source are those of the error it holds.
+impl fmt::Display for ResolveError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            Repr::Store(e) => e.fmt(f),
+            Repr::Other(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for ResolveError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.0 {
+            Repr::Store(e) => e.source(),
+            Repr::Other(e) => e.source(),
+        }
+    }
+}
+
+/// Maps an adapter name nobody registered to where its files are. Synchronous: it runs on one of
+/// the store's loader threads, never on the engine's, and the engine confines what it answers
+/// to the allowed roots like any runtime source.
+pub trait Resolver: Send + Sync {
+    /// `Ok(None)`: this resolver does not provide `name` (the next one is asked). An error fails
+    /// the requests for `name` with it.
+    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>, ResolveError>;
+}
+
+/// `name` → `<root>/<name>`, when that directory holds an `adapter_config.json` and lies inside
+/// `root` after resolving symlinks. Names are validated before any resolver sees them (no
+/// separators, not `..`), and the result is checked against the allowed roots as well.
+#[derive(Clone, Debug)]
+pub struct DirectoryResolver {
+    inner: multilora_store::DirectoryResolver,
+}
+
+impl DirectoryResolver {
+    /// A resolver over the adapters under `root`.
+    pub fn new(root: impl Into<PathBuf>) -> DirectoryResolver {
+        DirectoryResolver { inner: multilora_store::DirectoryResolver::new(root) }
+    }
+
+    /// The directory it looks in.
+    pub fn root(&self) -> &Path {
+        self.inner.root()
+    }
+}
+
+impl Resolver for DirectoryResolver {
+    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>, ResolveError> {
+        match self.inner.resolve_dir(name) {
+            Ok(dir) => Ok(dir.map(AdapterSource::Local)),
+            Err(e) => Err(ResolveError(Repr::Store(e))),
+        }
+    }
+}
+
+/// An embedder's resolver as the store asks it: the answer converted to the adapter crate's
+/// source, the error to the store's.
+pub(crate) struct StoreResolver<R>(pub(crate) R);
+
+impl<R: Resolver> multilora_store::Resolver for StoreResolver<R> {
+    fn resolve(&self, name: &str) -> multilora_store::Result<Option<multilora_adapter::AdapterSource>> {
+        match self.0.resolve(name) {
+            Ok(source) => Ok(source.map(AdapterSource::into_inner)),
+            Err(e) => Err(e.into_store(name)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_and_errors_convert_for_the_store() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(tmp.path().join("sql")).unwrap();
+        std::fs::write(tmp.path().join("sql/adapter_config.json"), "{}").unwrap();
+        let store = StoreResolver(DirectoryResolver::new(tmp.path()));
+        let dir = tmp.path().join("sql").canonicalize().unwrap();
+        let got = multilora_store::Resolver::resolve(&store, "sql").unwrap();
+        assert_eq!(got, Some(multilora_adapter::AdapterSource::Local(dir)));
+        assert_eq!(multilora_store::Resolver::resolve(&store, "absent").unwrap(), None);
+
+        struct Failing;
+        impl Resolver for Failing {
+            fn resolve(&self, _: &str) -> Result<Option<AdapterSource>, ResolveError> {
+                Err(ResolveError::new("registry unreachable"))
+            }
+        }
+        let err = multilora_store::Resolver::resolve(&StoreResolver(Failing), "sql").unwrap_err();
+        assert_eq!(err.kind(), "resolver");
+        assert_eq!(err.to_string(), "adapter \"sql\": the resolver failed: registry unreachable");
+        assert_eq!(std::error::Error::source(&err).map(|s| s.to_string()).as_deref(), Some("registry unreachable"));
+    }
+}
