@@ -37,6 +37,33 @@ impl LoraModule {
         Ok(LoraModule { a, b_t: transposed(b)?, rank, alpha, scaling })
     }
 
+    /// The module held in `dtype`: `A`, and `B` with `scaling` folded in (in f32), both
+    /// converted and then checked to be finite there (a large scale, or values past f16's
+    /// range, overflow), `B` transposed.
+    pub(crate) fn held(
+        a: &Tensor,
+        b: &Tensor,
+        (rank, alpha, scaling): (usize, f64, f64),
+        dtype: DType,
+    ) -> std::result::Result<LoraModule, Unheld> {
+        let finite = |t: &Tensor| -> candle_core::Result<bool> {
+            Ok(t.to_dtype(DType::F32)?.abs()?.max_all()?.to_scalar::<f32>()?.is_finite())
+        };
+        let a = a.to_dtype(dtype).map_err(|e| Unheld::Candle("convert lora_A", e))?;
+        if !finite(&a).map_err(|e| Unheld::Candle("check lora_A", e))? {
+            return Err(Unheld::A);
+        }
+        let b = b
+            .to_dtype(DType::F32)
+            .and_then(|b| b.affine(scaling, 0.0))
+            .and_then(|b| b.to_dtype(dtype))
+            .map_err(|e| Unheld::Candle("fold scaling into lora_B", e))?;
+        if !scaling.is_finite() || !finite(&b).map_err(|e| Unheld::Candle("check lora_B", e))? {
+            return Err(Unheld::B);
+        }
+        LoraModule::new(a, &b, rank, alpha, scaling).map_err(|e| Unheld::Candle("transpose lora_B", e))
+    }
+
     /// `B` as PEFT lays it out, `[out_features, rank]`: a transposed view of `b_t`.
     pub fn b(&self) -> candle_core::Result<Tensor> {
         self.b_t.t()
@@ -48,6 +75,17 @@ impl LoraModule {
         let (_, o) = self.b_t.dims2().unwrap_or((0, 0));
         (i, o)
     }
+}
+
+/// Why [`LoraModule::held`] could not hold a module.
+#[derive(Debug)]
+pub(crate) enum Unheld {
+    /// `A` is not finite in the dtype.
+    A,
+    /// `B · scaling` is not finite in the dtype (or the scale itself is not).
+    B,
+    /// A tensor op failed: what it was doing, and its error.
+    Candle(&'static str, candle_core::Error),
 }
 
 /// `b: [rows, cols]` → a contiguous `[cols, rows]` copy: for f32, bf16 and f16 on the CPU a

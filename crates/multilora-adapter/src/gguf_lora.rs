@@ -20,7 +20,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 use multilora_types::{Fingerprint, MAX_LORA_RANK_CEILING, ModuleKind};
 
-use crate::adapter::{LoraAdapter, LoraModule};
+use crate::adapter::{LoraAdapter, LoraModule, Unheld};
 use crate::config::AdapterConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{ggml_type_name, module_of, scan_tensor_types, unpermute_rows};
@@ -103,13 +103,14 @@ pub fn load_gguf_lora(name: &str, path: &Path, shapes: &ModelShapes, opts: &Load
                 hasher.update(&v.to_le_bytes());
             }
         }
-        let a = a.to_dtype(opts.dtype).map_err(|e| candle("convert lora_a".into(), e))?;
-        let b = b
-            .affine(s.scaling, 0.0)
-            .and_then(|b| b.to_dtype(opts.dtype))
-            .map_err(|e| candle("fold scaling into lora_b".into(), e))?;
-        let module =
-            LoraModule::new(a, &b, s.rank, s.alpha, s.scaling).map_err(|e| candle("transpose lora_b".into(), e))?;
+        let module = LoraModule::held(&a, &b, (s.rank, s.alpha, s.scaling), opts.dtype).map_err(|u| {
+            let non_finite = |tensor| Error::NonFinite { adapter: name.into(), path: path.into(), tensor };
+            match u {
+                Unheld::A => non_finite(format!("{} in {:?}", p.a, opts.dtype)),
+                Unheld::B => non_finite(format!("{} scaled by {:e} in {:?}", p.b, s.scaling, opts.dtype)),
+                Unheld::Candle(op, e) => candle(op.to_string(), e),
+            }
+        })?;
         modules.insert(*id, module);
     }
     let fingerprint = Fingerprint(*hasher.finalize().as_bytes());

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use multilora_types::{Fingerprint, MAX_LORA_RANK_CEILING, ModuleKind};
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 
-use crate::adapter::{LoraAdapter, LoraModule};
+use crate::adapter::{LoraAdapter, LoraModule, Unheld};
 use crate::config::{AdapterConfig, Matcher, Refusal};
 use crate::error::{Error, Result};
 use crate::module::ModuleId;
@@ -255,28 +255,17 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
         hasher.update(&plan.scaling.to_le_bytes());
         let a = ctx.tensor(&st, &a_name, &[plan.rank, in_f], &mut hasher)?;
         let b = ctx.tensor(&st, &b_name, &[out_f, plan.rank], &mut hasher)?;
-        let a = a.to_dtype(opts.dtype).map_err(|e| ctx.candle("convert lora_A", e))?;
-        let b = b
-            .to_dtype(DType::F32)
-            .and_then(|b| b.affine(plan.scaling, 0.0))
-            .and_then(|b| b.to_dtype(opts.dtype))
-            .map_err(|e| ctx.candle("fold scaling into lora_B", e))?;
-        // The scale can overflow what the tensor held finitely (`lora_alpha: 1e300`): checked
-        // after folding, in the dtype the adapter is held in.
-        let folded_finite = b
-            .to_dtype(DType::F32)
-            .and_then(|b| b.abs()?.max_all()?.to_scalar::<f32>())
-            .map_err(|e| ctx.candle("check the folded lora_B", e))?
-            .is_finite();
-        if !folded_finite || !plan.scaling.is_finite() {
-            return Err(Error::NonFinite {
-                adapter: name.into(),
-                path: path.clone(),
-                tensor: format!("{b_name} scaled by {:e} (alpha {:e} / rank {})", plan.scaling, plan.alpha, plan.rank),
-            });
-        }
-        let module = LoraModule::new(a, &b, plan.rank, plan.alpha, plan.scaling)
-            .map_err(|e| ctx.candle("transpose lora_B", e))?;
+        let module = LoraModule::held(&a, &b, (plan.rank, plan.alpha, plan.scaling), opts.dtype).map_err(|u| {
+            let non_finite = |tensor| Error::NonFinite { adapter: name.into(), path: path.clone(), tensor };
+            match u {
+                Unheld::A => non_finite(format!("{a_name} in {:?}", opts.dtype)),
+                Unheld::B => non_finite(format!(
+                    "{b_name} scaled by {:e} (alpha {:e} / rank {}) in {:?}",
+                    plan.scaling, plan.alpha, plan.rank, opts.dtype
+                )),
+                Unheld::Candle(op, e) => ctx.candle(op, e),
+            }
+        })?;
         modules.insert(*id, module);
     }
     if let Some(key) = saved_embedding {

@@ -75,6 +75,15 @@ pub(crate) struct EngineArgs {
     /// dequantized to it). On the CPU the activations are f32 whatever it is.
     #[arg(long, default_value = "auto", value_parser = parse_dtype)]
     pub(crate) dtype: Dtype,
+    /// Dtype of the adapters' slots (vLLM's `--lora-dtype`), spelled as `--dtype`: `auto` is the
+    /// model dtype, f16 for a GGUF file kept quantized on the CPU (llama.cpp's LoRA files).
+    #[arg(long, default_value = "auto", value_parser = parse_dtype)]
+    pub(crate) lora_dtype: Dtype,
+    /// Dtype of the KV cache (vLLM's `--kv-cache-dtype`, here the CPU's float types), spelled as
+    /// `--dtype`: `auto` is the model dtype, f16 for a GGUF file kept quantized on the CPU
+    /// (llama.cpp's default cache).
+    #[arg(long, default_value = "auto", value_parser = parse_dtype)]
+    pub(crate) kv_cache_dtype: Dtype,
     /// vLLM's `--generation-config`: `auto` (default) reads the checkpoint's
     /// `generation_config.json` (EOS ids; default temperature, top_p, top_k, min_p,
     /// repetition_penalty, max_new_tokens for requests that set none); `vllm` ignores it.
@@ -170,6 +179,12 @@ impl EngineArgs {
             .device(parse_device(&self.device).map_err(Failure::input)?);
         if let Some(d) = self.dtype.0 {
             b = b.dtype(d);
+        }
+        if let Some(d) = self.lora_dtype.0 {
+            b = b.lora_dtype(d);
+        }
+        if let Some(d) = self.kv_cache_dtype.0 {
+            b = b.kv_cache_dtype(d);
         }
         if let Some(f) = &self.gguf_file {
             b = b.gguf_file(f);

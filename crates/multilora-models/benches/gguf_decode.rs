@@ -1,7 +1,8 @@
 //! One decode step of a real GGUF model, its weights kept quantized (SmolLM2-135M-Instruct, the
 //! Q4_1 file `scripts/fetch-smollm2.sh` fetches, found through `MULTILORA_SMOLLM2_GGUF`), at batch
 //! 1, 16 and 64 with 64 tokens of context each: the base alone, and 8 adapters of rank 16 on all
-//! seven projections (f32 slots, rows spread over them). After criterion, a summary measured in
+//! seven projections (rows spread over them), slots and KV cache in the model's defaults for the
+//! file (f16, as llama.cpp's; `MULTILORA_BENCH_F32=1` for f32 ones). After criterion, a summary measured in
 //! the same run prints tokens/s, the LoRA/base ratio, and each step against its floor: the larger
 //! of its memory time (the quantized weights' bytes, the tied `lm_head` among them, plus the A and
 //! B of the adapters its rows use, at the read bandwidth of all threads) and its compute time (its
@@ -35,7 +36,7 @@ struct Setup {
     cache: KvCache,
     /// Bytes of the weights one step reads (every projection and the tied `lm_head`, quantized).
     weight_bytes: f64,
-    /// Bytes of one adapter's A and B over the seven projections of every layer (f32).
+    /// Bytes of one adapter's A and B over the seven projections of every layer (slot dtype).
     adapter_bytes: f64,
     /// Multiply-adds of one row through every projection and `lm_head`, and through one adapter.
     base_macs: f64,
@@ -44,7 +45,10 @@ struct Setup {
 
 fn setup(path: PathBuf) -> Setup {
     let limits = LoraLimits::new(ADAPTERS, RANK, &ModuleKind::PROJECTIONS).expect("limits");
-    let opts = ModelOptions::default().lora(limits);
+    let mut opts = ModelOptions::default().lora(limits);
+    if std::env::var_os("MULTILORA_BENCH_F32").is_some() {
+        opts = opts.lora_dtype(DType::F32).kv_dtype(DType::F32);
+    }
     let mut model = Model::load(&ModelSource::Gguf(path), &opts).expect("the GGUF model");
     let cfg = model.config().clone();
     let (h, i, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_size(), cfg.kv_size());
@@ -60,7 +64,7 @@ fn setup(path: PathBuf) -> Setup {
             &format!("a{slot}"),
             &d,
             model.shapes(),
-            &LoadOptions::new(DType::F32).max_lora_rank(RANK),
+            &LoadOptions::new(model.lora_dtype()).max_lora_rank(RANK),
         )
         .expect("load");
         model.write_slot(SlotId::new(slot), &a).expect("slot");
@@ -70,7 +74,7 @@ fn setup(path: PathBuf) -> Setup {
     let cache = model.new_kv_cache(KvCacheConfig::new(per_seq * 64, BLOCK)).expect("cache");
     Setup {
         weight_bytes: model.weight_bytes() as f64,
-        adapter_bytes: (RANK * per_layer_in_out * cfg.num_layers * 4) as f64,
+        adapter_bytes: (RANK * per_layer_in_out * cfg.num_layers * model.lora_dtype().size_in_bytes()) as f64,
         base_macs: (per_layer_macs * cfg.num_layers + cfg.vocab_size * h) as f64,
         lora_macs: (RANK * per_layer_in_out * cfg.num_layers) as f64,
         model,

@@ -36,8 +36,14 @@ pub struct ModelOptions {
     /// slot buffers (adapters targeting anything else are refused at `write_slot`);
     /// [`LoraLimits::off`] builds no LoRA buffers at all.
     pub lora: LoraLimits,
-    /// Dtype of the slot buffers; the model dtype when `None`.
+    /// Dtype of the slot buffers; when `None`, the model dtype, or f16 for a GGUF file kept
+    /// quantized on the CPU (llama.cpp's LoRA files are f16).
     pub lora_dtype: Option<DType>,
+    /// Dtype of the KV cache; when `None`, the model dtype, or f16 for a GGUF file kept quantized
+    /// on the CPU (llama.cpp's default cache). On the CPU any of f32, bf16 and f16 (keys and
+    /// values are rounded to it as they are written, widened as they are read); on CUDA only the
+    /// model dtype.
+    pub kv_dtype: Option<DType>,
     /// The hub cache used for repo ids.
     pub hub: HubConfig,
     /// GGUF weights stored quantized stay quantized (the default: resident ≈ the file, products
@@ -53,6 +59,7 @@ impl Default for ModelOptions {
             device: Device::Cpu,
             lora: LoraLimits::default(),
             lora_dtype: None,
+            kv_dtype: None,
             hub: HubConfig::from_env(),
             quantized: true,
         }
@@ -81,6 +88,12 @@ impl ModelOptions {
     /// Sets `lora_dtype`.
     pub fn lora_dtype(mut self, dtype: DType) -> ModelOptions {
         self.lora_dtype = Some(dtype);
+        self
+    }
+
+    /// Sets `kv_dtype`.
+    pub fn kv_dtype(mut self, dtype: DType) -> ModelOptions {
+        self.kv_dtype = Some(dtype);
         self
     }
 
@@ -115,6 +128,7 @@ pub struct Model {
     /// Activations: `dtype` on CUDA, f32 on the CPU.
     act_dtype: DType,
     lora_dtype: DType,
+    kv_dtype: DType,
     device: Device,
     lora: LoraLimits,
     embed: LoraEmbedding,
@@ -165,17 +179,26 @@ impl Model {
     fn build(cfg: ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<Model> {
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (wdt, act) = (opts.dtype, activation_dtype(opts));
+        // llama.cpp's defaults for a GGUF file kept quantized on the CPU: an f16 cache and f16
+        // LoRA weights (half the bytes a step reads and the cache holds).
+        let half = if w.is_gguf() && opts.quantized && opts.device.is_cpu() { DType::F16 } else { wdt };
+        let (kv_dtype, lora_dtype) = (opts.kv_dtype.unwrap_or(half), opts.lora_dtype.unwrap_or(half));
+        let cpu_kv = matches!(kv_dtype, DType::F32 | DType::BF16 | DType::F16);
+        if (opts.device.is_cpu() && !cpu_kv) || (!opts.device.is_cpu() && kv_dtype != wdt) {
+            return Err(Error::KvCache {
+                reason: format!(
+                    "a {kv_dtype:?} cache for a {wdt:?} model on {:?}: the CPU holds it in f32, bf16 or f16, CUDA \
+                     in the model dtype",
+                    opts.device.location()
+                ),
+            });
+        }
         // The projections' weights in the served dtype, or quantized blocks (norms and biases in
         // the activations' dtype).
         let mat = |name: &str, shape: &[usize]| w.linear(name, shape, wdt, opts.quantized);
         let (qs, kvs) = (cfg.q_size(), cfg.kv_size());
         let lora = &opts.lora;
-        let slot_cfg = SlotConfig::new(
-            lora.max_loras(),
-            lora.max_lora_rank(),
-            opts.lora_dtype.unwrap_or(opts.dtype),
-            &opts.device,
-        );
+        let slot_cfg = SlotConfig::new(lora.max_loras(), lora.max_lora_rank(), lora_dtype, &opts.device);
         let lora_for = |kinds: &[ModuleKind]| kinds.iter().any(|&k| lora.targets(k)).then_some(&slot_cfg);
         let (embed_w, shapes) = embedding(&cfg, w, opts)?;
         let embed =
@@ -261,7 +284,8 @@ impl Model {
             cfg,
             dtype: wdt,
             act_dtype: act,
-            lora_dtype: opts.lora_dtype.unwrap_or(opts.dtype),
+            lora_dtype,
+            kv_dtype,
             device: opts.device.clone(),
             lora: opts.lora.clone(),
             embed,
@@ -308,9 +332,19 @@ impl Model {
         self.lora.target_modules()
     }
 
-    /// Bytes of K and V per token over all layers, in the model dtype.
+    /// The dtype of the slot buffers.
+    pub fn lora_dtype(&self) -> DType {
+        self.lora_dtype
+    }
+
+    /// The dtype of the KV cache.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+
+    /// Bytes of K and V per token over all layers, in the KV cache's dtype.
     pub fn kv_bytes_per_token(&self) -> u64 {
-        kv_bytes_per_token(&self.cfg, self.dtype)
+        kv_bytes_per_token(&self.cfg, self.kv_dtype)
     }
 
     /// Bytes held by all LoRA slot buffers (every slot, at `max_lora_rank`).
@@ -367,7 +401,7 @@ impl Model {
              f32 activations and accumulation, decode attention in place over a {:?} KV cache",
             bases.join("; "),
             self.lora_dtype,
-            self.dtype
+            self.kv_dtype
         )
     }
 
@@ -392,7 +426,7 @@ impl Model {
 
     /// A zeroed KV cache for this model.
     pub fn new_kv_cache(&self, config: KvCacheConfig) -> Result<KvCache> {
-        KvCache::new(&self.cfg, config, self.dtype, &self.device)
+        KvCache::new(&self.cfg, config, self.kv_dtype, &self.device)
     }
 
     /// Runs one step: writes the new tokens' K/V into their blocks and returns f32 logits
@@ -407,7 +441,7 @@ impl Model {
 
     /// [`Model::forward`]'s body.
     fn step(&self, batch: &Batch, cache: &mut KvCache) -> Result<Tensor> {
-        cache.check(&self.cfg, self.dtype)?;
+        cache.check(&self.cfg, self.kv_dtype)?;
         let kc = cache.config();
         let lim = Limits {
             vocab: self.cfg.vocab_size,
@@ -447,13 +481,23 @@ impl Model {
             let h = candle_nn::ops::rms_norm(&x, &layer.post_norm, eps)?;
             let gu = layer.gate_up.forward(&h, map)?;
             let inter = self.cfg.intermediate_size;
-            let g = gu.narrow(1, 0, inter)?;
-            let gate = match self.cfg.hidden_act {
-                HiddenAct::Silu => candle_nn::ops::silu(&g)?,
-                HiddenAct::Gelu => g.gelu_erf()?,
-                HiddenAct::GeluTanh => g.gelu()?,
+            // SiLU in one pass on the CPU; otherwise the activation, then the product.
+            let fused = match self.cfg.hidden_act {
+                HiddenAct::Silu => multilora_layers::silu_mul(&gu, inter)?,
+                _ => None,
             };
-            let act = (gate * gu.narrow(1, inter, inter)?)?;
+            let act = match fused {
+                Some(act) => act,
+                None => {
+                    let g = gu.narrow(1, 0, inter)?;
+                    let gate = match self.cfg.hidden_act {
+                        HiddenAct::Silu => candle_nn::ops::silu(&g)?,
+                        HiddenAct::Gelu => g.gelu_erf()?,
+                        HiddenAct::GeluTanh => g.gelu()?,
+                    };
+                    (gate * gu.narrow(1, inter, inter)?)?
+                }
+            };
             x = (x + layer.down.forward(&act, map)?)?;
         }
         if batch.num_logit_rows() == 0 {

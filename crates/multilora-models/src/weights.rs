@@ -363,6 +363,11 @@ impl Weights {
         Weights { source: Source::Gguf(file, Box::new(cfg.clone())), dir, dtype, device: device.clone() }
     }
 
+    /// Whether the tensors come from a GGUF file.
+    pub(crate) fn is_gguf(&self) -> bool {
+        matches!(self.source, Source::Gguf(..))
+    }
+
     pub(crate) fn contains(&self, name: &str) -> bool {
         match &self.source {
             Source::Files(st) => st.shape(name).is_some(),

@@ -55,6 +55,7 @@ impl Engine {
 /// | `kv_cache_bytes` | CPU: 256 MiB, slots counted against it; GPU: from `gpu_memory_utilization` | 0.9 of device memory | no device memory to measure on CPU |
 /// | `gpu_memory_utilization` | 0.9 | 0.9 | |
 /// | `dtype` | `auto`: the checkpoint's `torch_dtype` (f32 when it names none) | `auto` | a bf16 checkpoint is served in its own bytes; the CPU kernels read bf16 / f16 and accumulate in f32 |
+/// | `lora_dtype`, `kv_cache_dtype` | the model dtype; f16 for a GGUF model kept quantized on the CPU | the model dtype | llama.cpp's defaults for GGUF (an f16 KV cache, f16 LoRA files): half the bytes a step reads and the cache holds |
 /// | `max_num_seqs` | 256 | 256 | |
 /// | `max_num_batched_tokens` | 8192 | 2048–8192 | a hard cap; the step-time budget bounds steps that carry decodes |
 /// | `step_time` | auto: 2.5× the step's decode rows alone | a token budget only | streams never stall behind arriving prompts |
@@ -71,6 +72,7 @@ pub struct EngineBuilder {
     max_lora_rank: Option<usize>,
     lora_target_modules: Option<Vec<ModuleKind>>,
     lora_dtype: Option<DType>,
+    kv_cache_dtype: Option<DType>,
     dtype: Option<DType>,
     device: Device,
     max_model_len: Option<usize>,
@@ -120,6 +122,7 @@ impl EngineBuilder {
             max_lora_rank: None,
             lora_target_modules: None,
             lora_dtype: None,
+            kv_cache_dtype: None,
             dtype: None,
             device: Device::Cpu,
             max_model_len: None,
@@ -152,8 +155,12 @@ impl EngineBuilder {
         max_cpu_loras: usize => max_cpu_loras = Some);
     setter!(/// Rank of every slot (default: the largest startup adapter rank, else 16).
         max_lora_rank: usize => max_lora_rank = Some);
-    setter!(/// Dtype of adapters and slots (default: the model dtype).
+    setter!(/// Dtype of adapters and slots (default: the model dtype; f16 for a GGUF model kept
+        /// quantized on the CPU).
         lora_dtype: DType => lora_dtype = Some);
+    setter!(/// Dtype of the KV cache (default: the model dtype; f16 for a GGUF model kept quantized
+        /// on the CPU). On the CPU f32, bf16 or f16; on CUDA the model dtype.
+        kv_cache_dtype: DType => kv_cache_dtype = Some);
     setter!(/// Model dtype: weights and KV cache (default `auto`: the checkpoint's own `torch_dtype`,
         /// f32 when it names none). On the CPU the activations are f32 whatever it is.
         dtype: DType => dtype = Some);
@@ -276,15 +283,14 @@ impl EngineBuilder {
         }
         let lora = self.lora_limits(&cfg)?;
         let (dtype, quantized) = self.resolve_dtype(&cfg, &checkpoint);
-        let lora_dtype = self.lora_dtype.unwrap_or(dtype);
-        let opts = ModelOptions::default()
-            .dtype(dtype)
-            .device(self.device.clone())
-            .lora(lora.clone())
-            .lora_dtype(lora_dtype)
-            .hub(hub.clone())
-            .quantized(quantized);
+        let mut opts =
+            ModelOptions::default().dtype(dtype).device(self.device.clone()).lora(lora.clone()).hub(hub.clone());
+        // Unset, the model picks them (f16 for a GGUF file kept quantized on the CPU).
+        opts.quantized = quantized;
+        opts.lora_dtype = self.lora_dtype;
+        opts.kv_dtype = self.kv_cache_dtype;
         let model = Model::load_checkpoint(&checkpoint, &opts).map_err(BuildError::model)?;
+        let (lora_dtype, kv_cache_dtype) = (model.lora_dtype(), model.kv_dtype());
         let weights = weights_description(&checkpoint, &model, quantized);
         let text = crate::text::load(&checkpoint, self.tokenizer.as_deref())?;
         let served = self.served_model_name.clone().unwrap_or_else(|| self.model.clone());
@@ -299,7 +305,7 @@ impl EngineBuilder {
 
         let slot_bytes = model.lora_slot_bytes();
         let (kv_budget, budget_from, max_model_len) = self.kv_budget(&model, slot_bytes, model_limit)?;
-        let kv_cfg = KvCacheConfig::for_budget(model.config(), dtype, self.block_size, kv_budget);
+        let kv_cfg = KvCacheConfig::for_budget(model.config(), kv_cache_dtype, self.block_size, kv_budget);
         let scheduler = self.build_scheduler(&lora, max_model_len, kv_cfg.num_blocks).map_err(|e| {
             BuildError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
         })?;
@@ -332,6 +338,7 @@ impl EngineBuilder {
             lora,
             max_cpu_loras,
             lora_dtype,
+            kv_cache_dtype,
             dtype,
             kernels: model.kernels(),
             max_model_len,
@@ -450,8 +457,8 @@ impl EngineBuilder {
 
     /// The served dtype, and whether GGUF weights stay quantized. `auto` (no dtype given) is the
     /// checkpoint's own: `torch_dtype` (f32 when `config.json` names none), or for a GGUF file
-    /// its quantized tensors as they are (norms and KV cache in f32). A dtype given for a GGUF
-    /// file dequantizes every weight to it (`f32` is the reference path).
+    /// its quantized tensors as they are (norms in f32; see `build` for its KV cache and slots). A
+    /// dtype given for a GGUF file dequantizes every weight to it (`f32` is the reference path).
     fn resolve_dtype(&self, cfg: &ModelConfig, checkpoint: &Checkpoint) -> (DType, bool) {
         match (self.dtype, checkpoint.gguf()) {
             (Some(dt), Some(_)) => (dt, false),

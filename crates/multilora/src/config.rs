@@ -35,9 +35,11 @@ pub struct EngineConfig {
     pub max_cpu_loras: usize,
     /// Dtype of adapters and slots.
     pub lora_dtype: DType,
-    /// The dtype the model is served in (weights and KV cache; on the CPU the activations are
-    /// f32 whatever it is). A GGUF model kept quantized holds its projections in their GGUF
-    /// types ([`EngineConfig::weights`]) and the rest (norms, KV cache) in this dtype.
+    /// Dtype of the KV cache.
+    pub kv_cache_dtype: DType,
+    /// The dtype the model is served in (weights; on the CPU the activations are f32 whatever
+    /// it is). A GGUF model kept quantized holds its projections in their GGUF types
+    /// ([`EngineConfig::weights`]) and its norms in this dtype.
     pub dtype: DType,
     /// Which kernel each path of a step runs, with the instruction set picked at run time (the
     /// start-up log's `kernels`).

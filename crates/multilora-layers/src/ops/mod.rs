@@ -18,8 +18,9 @@ pub(crate) mod plan;
 pub(crate) mod quant;
 pub(crate) mod shrink;
 pub(crate) mod slow;
+pub(crate) mod swiglu;
 
-use candle_core::Tensor;
+use candle_core::{Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -127,6 +128,14 @@ pub(crate) fn check_output(
         }
     }
     Ok(())
+}
+
+/// The contiguous values of a CPU tensor of element `E` from its layout's start, if it is one.
+pub(crate) fn cpu_values<'a, E: gemm::Elem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
+    match storage {
+        Storage::Cpu(cpu) if layout.is_contiguous() => E::slice(cpu)?.get(layout.start_offset()..),
+        _ => None,
+    }
 }
 
 /// Below this many multiply-adds in one op call, threads cost more than they save.

@@ -1,6 +1,7 @@
 //! In-crate tests: one body per check, run on the CPU and, with feature `cuda`, on the first GPU.
 //! They live inside the crate so the device-generic op path can be checked on the CPU too.
 
+mod attention_cpu;
 mod emulated;
 mod gemm;
 mod layers;
@@ -8,6 +9,7 @@ mod ops;
 mod pool;
 mod quant;
 mod quant_kernels;
+mod swiglu;
 
 use std::collections::BTreeMap;
 

@@ -12,6 +12,7 @@
 //! [`paged_decode_attention_slow`] gathers each sequence's rows with tensor ops, on any device,
 //! and is the oracle the kernel is checked against.
 
+pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 

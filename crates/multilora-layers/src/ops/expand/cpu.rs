@@ -9,7 +9,7 @@
 //! never leaves the task.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor, WithDType};
 
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -18,7 +18,7 @@ use super::Expand;
 use crate::error::Result;
 use crate::mapping::LoraMapping;
 use crate::ops::gemm::{Elem, matmul_into, matmul_t_into};
-use crate::ops::run_tasks;
+use crate::ops::{cpu_values, run_tasks};
 use crate::slots::LoraSlots;
 
 impl Expand<'_> {
@@ -282,14 +282,6 @@ impl<E: Elem> InplaceOp1 for AddDeltas<'_, E> {
             jobs.into_par_iter().for_each(|(t, mine)| self.run(t, mine));
         }
         Ok(())
-    }
-}
-
-/// The contiguous values of a CPU tensor of element `E` from its layout's start, if it is one.
-fn cpu_values<'a, E: Elem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
-    match storage {
-        Storage::Cpu(cpu) if layout.is_contiguous() => E::slice(cpu)?.get(layout.start_offset()..),
-        _ => None,
     }
 }
 

@@ -33,8 +33,12 @@ use rayon::prelude::*;
 use super::Isa;
 
 mod elem;
+mod exp;
 mod prepacked;
 pub use elem::{Elem, ElemKind};
+#[cfg(test)]
+pub(crate) use exp::exp;
+pub(crate) use exp::{exp_sum, silu_mul};
 pub(super) use prepacked::{PANEL, fill_prepacked, outer};
 
 /// A rectangle of the output: rows `m0..m1`, columns `n0..n1`.

@@ -32,7 +32,10 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use kernel::Rect;
+#[cfg(test)]
+pub(crate) use kernel::exp;
 pub use kernel::{Elem, ElemKind};
+pub(crate) use kernel::{exp_sum, silu_mul};
 
 /// Which vector instructions the CPU linear kernel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -330,7 +333,24 @@ pub(crate) fn matmul_into<E: Elem>(
     y: &mut [f32],
     ldy: usize,
 ) {
-    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy);
+    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy, false);
+}
+
+/// [`matmul_into`] adding into `y` instead of writing it: each output's chain of FMAs starts from
+/// its value in `y` (a product cut along `k` into runs is the same chain as one uncut).
+///
+/// # Panics
+/// When a row reaches outside its slice.
+pub(crate) fn matmul_add_into<E: Elem>(
+    x: &[f32],
+    ldx: usize,
+    wt: &[E],
+    ldw: usize,
+    mnk: (usize, usize, usize),
+    y: &mut [f32],
+    ldy: usize,
+) {
+    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy, true);
 }
 
 /// The candle op around the kernel: lhs `x`, rhs `W`, both contiguous f32.

@@ -233,6 +233,7 @@ unsafe fn rect_avx2<E: Elem>(x: &[f32], ldx: usize, panels: &[E], k: usize, out:
 /// with `wt` stored `k`-major (`[k, n]`, rows `ldw` apart): the LoRA expand over a slot's `Bᵀ`.
 /// Row tiles as for a packed weight, `2·LANES` columns at a time read straight from `wt` (no
 /// prefetch: `k` is a rank, the block is small), the last `n mod 2·LANES` columns one at a time.
+/// With `accumulate`, each output's chain starts from its value in `y` instead of zero.
 ///
 /// # Panics
 /// When a row reaches outside its slice.
@@ -243,6 +244,7 @@ pub(in crate::ops::gemm) fn outer<E: Elem>(
     (m, n, k): (usize, usize, usize),
     y: &mut [f32],
     ldy: usize,
+    accumulate: bool,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -254,7 +256,7 @@ pub(in crate::ops::gemm) fn outer<E: Elem>(
         && (m - 1) * ldy + n <= y.len();
     assert!(fits, "gemm: outer product [{m}, {k}] x [{k}, {n}] outside its operands");
     let isa = if isa.available() { isa } else { Isa::Portable };
-    let args = (x.as_ptr(), ldx, wt.as_ptr(), ldw, (m, n, k), y.as_mut_ptr(), ldy);
+    let args = (x.as_ptr(), ldx, wt.as_ptr(), ldw, (m, n, k), y.as_mut_ptr(), ldy, accumulate);
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F was detected; the operands were checked to hold every row and column.
@@ -268,12 +270,13 @@ pub(in crate::ops::gemm) fn outer<E: Elem>(
 }
 
 /// The operands of [`outer`] as checked pointers.
-type OuterArgs<E> = (*const f32, usize, *const E, usize, (usize, usize, usize), *mut f32, usize);
+/// The last one: whether the products are added into `y` rather than written.
+type OuterArgs<E> = (*const f32, usize, *const E, usize, (usize, usize, usize), *mut f32, usize, bool);
 
 /// # Safety
 /// As [`outer`] checks, and `S`'s instruction set available.
 #[inline(always)]
-unsafe fn outer_rows<S: Simd, E: Elem>((x, ldx, wt, ldw, (m, n, k), y, ldy): OuterArgs<E>) {
+unsafe fn outer_rows<S: Simd, E: Elem>((x, ldx, wt, ldw, (m, n, k), y, ldy, add): OuterArgs<E>) {
     let nr = 2 * S::LANES;
     let full = n / nr * nr;
     let mut i = 0;
@@ -281,13 +284,14 @@ unsafe fn outer_rows<S: Simd, E: Elem>((x, ldx, wt, ldw, (m, n, k), y, ldy): Out
         let h = height::<S>(m - i);
         for c in (0..full).step_by(nr) {
             // SAFETY: rows `i..i + h <= m`, columns `c..c + nr <= n`, checked by `outer`.
-            unsafe { tile_h::<S, E, false>(h, x.add(i * ldx), ldx, wt.add(c), ldw, k, y.add(i * ldy + c), ldy, false) };
+            unsafe { tile_h::<S, E, false>(h, x.add(i * ldx), ldx, wt.add(c), ldw, k, y.add(i * ldy + c), ldy, add) };
         }
         i += h;
     }
     for i in 0..m {
         for j in full..n {
-            let mut acc = 0f32;
+            // SAFETY: `i < m`, `j < n`, checked by `outer`.
+            let mut acc = if add { unsafe { *y.add(i * ldy + j) } } else { 0f32 };
             for p in 0..k {
                 // SAFETY: `i < m`, `p < k`, `j < n`, checked by `outer`.
                 acc += unsafe { *x.add(i * ldx + p) * (*wt.add(p * ldw + j)).to_f32() };

@@ -1,0 +1,41 @@
+//! The gated MLP's activation on the CPU: `silu(gate) · up` from a fused `[rows, 2 · inter]`
+//! gate/up output (gate first), in one pass over it with the dispatched exponential (candle's
+//! `silu` and the product are two passes and a scalar `expf` per value).
+
+use candle_core::{DType, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::ops::cpu_values;
+use crate::ops::gemm::{Isa, silu_mul as kernel};
+
+/// Values below which one thread does the whole activation.
+const PARALLEL_VALUES: usize = 1 << 16;
+
+/// `silu(gu[:, ..inter]) · gu[:, inter..]` → `[rows, inter]`, for an f32 `gu: [rows, 2 · inter]`
+/// on the CPU; `None` for any other (the caller then uses tensor ops).
+///
+/// # Errors
+/// When `gu` is not `[rows, 2 · inter]`.
+pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
+    let (rows, width) = gu.dims2().map_err(|_| Error::shape("silu_mul", "gate_up", gu.dims(), &[0, 2 * inter]))?;
+    if width != 2 * inter {
+        return Err(Error::shape("silu_mul", "gate_up", gu.dims(), &[rows, 2 * inter]));
+    }
+    if gu.dtype() != DType::F32 || !gu.device().is_cpu() {
+        return Ok(None);
+    }
+    let gu = gu.contiguous()?;
+    let (guard, layout) = gu.storage_and_layout();
+    let Some(v) = cpu_values::<f32>(&guard, layout).and_then(|v| v.get(..rows * width)) else { return Ok(None) };
+    let mut out = vec![0f32; rows * inter];
+    let isa = Isa::best();
+    let row = |(o, x): (&mut [f32], &[f32])| kernel(isa, &x[..inter], &x[inter..], o);
+    if rows * inter >= PARALLEL_VALUES && inter > 0 {
+        out.par_chunks_mut(inter).zip(v.par_chunks(width)).for_each(row);
+    } else if inter > 0 {
+        out.chunks_mut(inter).zip(v.chunks(width)).for_each(row);
+    }
+    drop(guard);
+    Ok(Some(Tensor::from_vec(out, (rows, inter), gu.device())?))
+}

@@ -1,0 +1,119 @@
+//! The CPU decode attention ([`decode_attention_rows`]) against the gathered oracle
+//! ([`paged_decode_attention_slow`]), and its exponential against f64's, on every instruction set
+//! this CPU has.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{Rng, bits, rel_err};
+use crate::ops::gemm::{Isa, exp, exp_sum};
+use crate::{PagedDecodeDims, decode_attention_rows, paged_decode_attention_slow};
+
+/// GQA groups of 1, 3 and 4, head sizes with and without a vector tail, blocks of 16 and 5
+/// tokens, contexts from 1 to past four blocks through shuffled block tables; f32, bf16 and f16
+/// caches. Each row is then run alone and must give the same bits as in the batch.
+#[test]
+fn decode_rows_match_the_oracle_and_are_batch_invariant() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(7);
+    let cases = [
+        (5, 9, 3, 64, 16, DType::F32),
+        (3, 4, 4, 40, 5, DType::F32),
+        (4, 8, 2, 64, 16, DType::BF16),
+        (2, 4, 1, 24, 16, DType::F16),
+        (6, 2, 2, 128, 5, DType::F32),
+    ];
+    for (n, heads, kv_heads, hd, bs, dtype) in cases {
+        let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
+        let num_blocks = 24;
+        let lens: Vec<u32> = (0..n).map(|i| if i == 0 { 1 } else { rng.range(2, 70) as u32 }).collect();
+        let max_blocks = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(1);
+        let mut tables = Vec::with_capacity(n * max_blocks);
+        for _ in 0..n {
+            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+            for i in (1..pool.len()).rev() {
+                pool.swap(i, rng.range(0, i));
+            }
+            tables.extend_from_slice(&pool[..max_blocks]);
+        }
+        let rows: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(s, &len)| {
+                let t = &tables[s * max_blocks..];
+                (0..len).map(|p| t[(p as usize) / bs] * bs as u32 + p % bs as u32).collect()
+            })
+            .collect();
+        let q = rng.tensor(&[n, heads, hd], 0.5, DType::F32, &dev)?;
+        let k = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, &dev)?;
+        let v = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, &dev)?;
+        let bt = Tensor::from_vec(tables.clone(), (n, max_blocks), &dev)?;
+        let cl = Tensor::from_vec(lens.clone(), n, &dev)?;
+        let want = paged_decode_attention_slow(
+            &q.to_dtype(DType::F32)?,
+            &k.to_dtype(DType::F32)?,
+            &v.to_dtype(DType::F32)?,
+            &bt,
+            &cl,
+            d,
+        )?;
+        let got = decode_attention_rows(&q, &k, &v, &rows, d)?.expect("f32 queries over a CPU cache");
+        let err = rel_err(&got, &want)?;
+        anyhow::ensure!(err <= 1e-6, "n {n} heads {heads}/{kv_heads} d {hd} bs {bs} {dtype:?}: relative error {err:e}");
+        for (i, r) in rows.iter().enumerate() {
+            let alone = decode_attention_rows(&q.narrow(0, i, 1)?, &k, &v, std::slice::from_ref(r), d)?.expect("cpu");
+            anyhow::ensure!(bits(&alone)? == bits(&got.narrow(0, i, 1)?)?, "row {i} differs alone ({dtype:?})");
+        }
+    }
+    Ok(())
+}
+
+/// A cache row past the end, an empty context and a query of the wrong shape are errors; a
+/// query that is not f32 is left to the general path.
+#[test]
+fn decode_rows_refuse_bad_operands() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let d = PagedDecodeDims { heads: 4, kv_heads: 2, head_dim: 8, block_size: 4 };
+    let q = Tensor::zeros((1, 4, 8), DType::F32, &dev)?;
+    let c = Tensor::zeros((8, 16), DType::F32, &dev)?;
+    assert!(decode_attention_rows(&q, &c, &c, &[vec![0, 8]], d).is_err(), "a row past the cache");
+    assert!(decode_attention_rows(&q, &c, &c, &[vec![]], d).is_err(), "an empty context");
+    assert!(decode_attention_rows(&q, &c, &c, &[vec![0], vec![1]], d).is_err(), "two rows for one query");
+    let wide = Tensor::zeros((8, 12), DType::F32, &dev)?;
+    assert!(decode_attention_rows(&q, &wide, &wide, &[vec![0]], d).is_err(), "a cache of the wrong width");
+    let half = q.to_dtype(DType::BF16)?;
+    assert!(decode_attention_rows(&half, &c, &c, &[vec![0]], d)?.is_none(), "bf16 queries");
+    Ok(())
+}
+
+/// The exponential within 2 ulp of f64's over the softmax's range, 0 below it and for NaN; the
+/// sums the same bits on every instruction set.
+#[test]
+fn exp_is_accurate_and_the_same_on_every_isa() -> anyhow::Result<()> {
+    let mut worst = 0f64;
+    for i in 0..=200_000 {
+        let x = -87.3 * i as f32 / 200_000.0;
+        let want = (x as f64).exp();
+        let got = exp(x) as f64;
+        let ulp = (want as f32).next_up() as f64 - want as f32 as f64;
+        worst = worst.max((got - want).abs() / ulp);
+    }
+    anyhow::ensure!(worst <= 2.0, "exp: {worst} ulp from f64's");
+    assert_eq!(exp(-88.0), 0.0);
+    assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+    assert_eq!(exp(f32::NAN), 0.0);
+    assert_eq!(exp(0.0), 1.0);
+    let mut rng = Rng::new(3);
+    for len in [1, 15, 16, 17, 64, 100] {
+        let s: Vec<f32> = (0..len).map(|_| rng.unit() * 30.0).collect();
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut portable = s.clone();
+        let sum = exp_sum(Isa::Portable, &mut portable, max);
+        for isa in Isa::all_available() {
+            let mut got = s.clone();
+            let got_sum = exp_sum(isa, &mut got, max);
+            let same = got.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits());
+            anyhow::ensure!(same && got_sum.to_bits() == sum.to_bits(), "{isa:?} differs at {len}");
+        }
+    }
+    Ok(())
+}
