@@ -152,6 +152,42 @@ fn sigterm_drains_in_flight_streams_refuses_new_requests_and_exits_zero() {
     assert_eq!(exit.code(), Some(0), "{exit:?}");
 }
 
+/// `multilora serve` with `args` that must stop it before it loads anything: exit 2 and its one
+/// `error:` line.
+fn refused(args: &[&str], env: &[(&str, &str)]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_multilora"))
+        .args(["serve", "--model", fixtures().join("base").to_str().expect("utf-8"), "--port", "0"])
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        .output()
+        .expect("run multilora serve");
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn resolver_flags_are_refused_rather_than_ignored() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    // Resolvers are asked only with runtime updating on (vLLM's rule): without it, a flag or its
+    // environment variable stops the start instead of doing nothing.
+    let err = refused(&["--lora-resolver-dir", dir], &[]);
+    assert!(err.contains("--lora-resolver-dir") && err.contains("--allow-runtime-lora-updating"), "{err}");
+    let err = refused(&[], &[("VLLM_LORA_RESOLVER_CACHE_DIR", dir)]);
+    assert!(err.contains("VLLM_LORA_RESOLVER_CACHE_DIR"), "{err}");
+    let err = refused(&["--lora-resolver-hub-repos", "acme/sql-lora"], &[]);
+    assert!(err.contains("--allow-runtime-lora-updating"), "{err}");
+    // Bad values name the flag and the value.
+    let missing = tmp.path().join("missing");
+    let err = refused(&["--allow-runtime-lora-updating", "--lora-resolver-dir", missing.to_str().unwrap()], &[]);
+    assert!(err.contains("--lora-resolver-dir") && err.contains("not a directory"), "{err}");
+    for (repos, why) in [("sql-lora", "org/name"), ("a/x,b/x", "also the name of")] {
+        let err = refused(&["--allow-runtime-lora-updating", "--lora-resolver-hub-repos", repos], &[]);
+        assert!(err.contains("--lora-resolver-hub-repos") && err.contains(why), "{repos}: {err}");
+    }
+}
+
 /// `smg` when it can run here; `None` (skipped, with a message) elsewhere, a failure when CI
 /// requires it.
 fn smg() -> Option<PathBuf> {
