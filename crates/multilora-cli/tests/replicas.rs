@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use common::{Serve, Stream, body, fixtures, get, post, serve_model, status};
 
 /// Each engine step sleeps this long (`FAILPOINTS=engine-step=sleep(ms)`).
-const STEP_SLEEP: (&str, &str) = ("FAILPOINTS", "engine-step=sleep(3)");
+const STEP_SLEEP: (&str, &str) = ("FAILPOINTS", "engine-step=sleep(5)");
 
 /// A chat template for the fixture model, which has none.
 fn chat_template(dir: &Path) -> PathBuf {

@@ -384,7 +384,8 @@ impl Store {
         let (mut out, mut errors) = (Vec::new(), Vec::new());
         for resolver in &self.shared.resolvers {
             match resolver.offered() {
-                Ok(list) => out.extend(list),
+                // An embedder's resolver may list more than the built-in ones would.
+                Ok(list) => out.extend(list.into_iter().take(crate::resolver::MAX_OFFERED)),
                 Err(e) => errors.push(e),
             }
         }
