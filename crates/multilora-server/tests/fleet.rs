@@ -3,7 +3,7 @@
 //! directory refused; a broken adapter failing alone, and served once fixed), the resolvable
 //! adapters listed in `/v1/models` before anyone asked for them, the metrics an endpoint picker
 //! reads, parsed the way the Gateway API Inference Extension's model-server protocol parses
-//! them, and the drain that lets a router move away.
+//! them, the hub resolver's allow-list, and the drain that lets a router move away.
 
 mod common;
 
@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use common::{BASE, Server, copy_dir, path, sse_events, value};
 use futures_util::future::join_all;
-use multilora::{DirectoryResolver, Engine, EngineBuilder};
+use multilora::{DirectoryResolver, Engine, EngineBuilder, HubResolver};
 use multilora_server::{Drain, ServerConfig};
 use serde_json::{Value, json};
 
@@ -113,6 +113,29 @@ async fn the_directory_resolver_loads_on_first_use_once_and_refuses_escapes() ->
     let (status, body) = server.post("/v1/completions", &completion("broken")).await?;
     assert_eq!(status, 200, "{body}");
     server.wait_idle().await?;
+    server.stop().await
+}
+
+/// The hub resolver answers its allow-list only, and lists it before any request; nothing here
+/// reaches the hub (no listed name is requested).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hub_resolver_offers_its_allow_list_and_nothing_else() -> Result<()> {
+    let hub = HubResolver::new(["acme/hub-sql", "acme/hub-chat@v2"])?;
+    let mut builder = Engine::builder(path("base"))
+        .served_model_name(BASE)
+        .kv_cache_bytes(16 << 20)
+        .allow_runtime_lora_updating(true);
+    for repo in hub.repos() {
+        builder = builder.allowed_lora_hub_repo(repo);
+    }
+    let server = Server::start(builder.lora_resolver(hub), ServerConfig::default()).await?;
+    let card = model_card(&server, "hub-chat").await?.context("hub-chat listed")?;
+    assert_eq!((&card["root"], &card["multilora"]["discovered"]), (&json!("acme/hub-chat@v2"), &json!(true)));
+    assert!(model_card(&server, "hub-sql").await?.is_some());
+    for name in ["acme", "hub", "other-lora"] {
+        let (status, body) = server.post("/v1/completions", &completion(name)).await?;
+        assert_eq!((status, &body["error"]["code"]), (404, &json!("model_not_found")), "{name}: {body}");
+    }
     server.stop().await
 }
 
