@@ -1,7 +1,9 @@
 //! `multilora serve`: the OpenAI-compatible server (crate `multilora-server`) over an engine built
-//! from vLLM-named flags, until SIGINT or SIGTERM; exits 0 after a graceful shutdown. If the
-//! engine fails (its loop panicked) the server shuts down as on a signal (in-flight requests have
-//! already failed) and exits 1, so a supervisor restarts it.
+//! from vLLM-named flags, until SIGINT or SIGTERM; then it drains (`/health` and new requests
+//! answer 503 while admitted requests finish, within `--shutdown-grace-secs`) and exits 0. If
+//! the engine fails (its loop panicked) the server shuts down at once (in-flight requests have
+//! already failed) and exits 1, so a supervisor restarts it. Unknown adapter names are resolved,
+//! with runtime updating on, from `--lora-resolver-dir` and `--lora-resolver-hub-repos`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,8 +11,8 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use clap::Args;
-use multilora::LoopState;
-use multilora_server::{ChatTemplate, ServeOptions, ServerConfig};
+use multilora::{DirectoryResolver, EngineBuilder, HubResolver, LoopState};
+use multilora_server::{ChatTemplate, Drain, ServeOptions, ServerConfig};
 
 use crate::Failure;
 use crate::engine_args::EngineArgs;
@@ -45,7 +47,18 @@ pub(crate) struct ServeArgs {
     /// Requests waiting beyond --max-num-seqs before new ones get 429.
     #[arg(long, default_value_t = multilora_server::DEFAULT_MAX_WAITING_REQUESTS)]
     pub(crate) max_waiting_requests: usize,
-    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    /// Resolve an unknown model name that is a subdirectory of DIR holding a PEFT adapter,
+    /// loaded on first use (vLLM's filesystem resolver; also VLLM_LORA_RESOLVER_CACHE_DIR). Needs
+    /// runtime lora updating; DIR becomes an allowed root.
+    #[arg(long, env = "VLLM_LORA_RESOLVER_CACHE_DIR", value_name = "DIR")]
+    pub(crate) lora_resolver_dir: Option<PathBuf>,
+    /// Resolve adapter names from these hub repositories only, `org/name[@revision]` each
+    /// (comma-separated or repeated; also VLLM_LORA_RESOLVER_HF_REPO_LIST): a request names one
+    /// by the repository's name. Needs runtime lora updating.
+    #[arg(long, env = "VLLM_LORA_RESOLVER_HF_REPO_LIST", value_delimiter = ',', value_name = "REPOS")]
+    pub(crate) lora_resolver_hub_repos: Vec<String>,
+    /// Seconds the drain after SIGINT/SIGTERM may last: `/health` and new requests answer 503
+    /// while admitted requests finish; those still running then are cancelled.
     #[arg(long, default_value_t = 30)]
     pub(crate) shutdown_grace_secs: u64,
     /// Require the API key on /metrics too.
@@ -92,6 +105,61 @@ fn env_allows_updates() -> bool {
         .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
 }
 
+/// The resolvers the flags ask for, added to `b` with what they may load allowed; refused
+/// without runtime updating (vLLM asks resolvers only then), so a flag never does nothing.
+fn resolvers(a: &ServeArgs, updates: bool) -> Result<impl FnOnce(EngineBuilder) -> EngineBuilder, Failure> {
+    let dir = a.lora_resolver_dir.clone().filter(|d| !d.as_os_str().is_empty());
+    let hub = match a.lora_resolver_hub_repos.iter().filter(|r| !r.trim().is_empty()).collect::<Vec<_>>() {
+        repos if repos.is_empty() => None,
+        repos => Some(HubResolver::new(repos).map_err(|e| Failure::input(anyhow!("--lora-resolver-hub-repos: {e}")))?),
+    };
+    if (dir.is_some() || hub.is_some()) && !updates {
+        return Err(Failure::input(anyhow!(
+            "--lora-resolver-dir / --lora-resolver-hub-repos (or VLLM_LORA_RESOLVER_CACHE_DIR / \
+             VLLM_LORA_RESOLVER_HF_REPO_LIST) need --allow-runtime-lora-updating (or \
+             VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+        )));
+    }
+    if let Some(d) = &dir
+        && !d.is_dir()
+    {
+        return Err(Failure::input(anyhow!("--lora-resolver-dir {}: not a directory", d.display())));
+    }
+    Ok(move |mut b: EngineBuilder| {
+        if let Some(d) = dir {
+            b = b.allowed_lora_root(d.clone()).lora_resolver(DirectoryResolver::new(d));
+        }
+        if let Some(h) = hub {
+            for repo in h.repos() {
+                b = b.allowed_lora_hub_repo(repo);
+            }
+            b = b.lora_resolver(h);
+        }
+        b
+    })
+}
+
+/// Waits for SIGINT / SIGTERM, then drains `drain` for at most `grace`; or returns at once when
+/// the engine fails.
+async fn stop(engine: multilora::EngineHandle, drain: Drain, grace: Duration) {
+    tokio::select! {
+        () = multilora_server::shutdown_signal() => {}
+        () = engine_failed(engine) => {
+            tracing::error!("the engine failed: shutting the server down");
+            return;
+        }
+    }
+    drain.start();
+    tracing::info!(
+        in_flight = drain.in_flight(),
+        grace_s = grace.as_secs_f64(),
+        "draining: /health and new requests answer 503 while admitted requests finish"
+    );
+    if tokio::time::timeout(grace, drain.finished()).await.is_err() {
+        tracing::warn!(in_flight = drain.in_flight(), "grace period over: cancelling the requests still in flight");
+    }
+}
+
 /// Runs `serve`.
 pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
@@ -102,22 +170,25 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         })
         .map_err(|()| Failure::input(anyhow!("--host {:?} is not an address", a.host)))?;
     let updates = a.allow_runtime_lora_updating || env_allows_updates();
-    if updates && a.allowed_lora_roots.is_empty() {
+    if updates && a.allowed_lora_roots.is_empty() && a.lora_resolver_dir.is_none() {
         tracing::warn!(
             "runtime lora updating is on but --allowed-lora-roots is empty: every local path will be refused"
         );
     }
     let roots = a.allowed_lora_roots.clone();
+    let add_resolvers = resolvers(&a, updates)?;
     let engine = a.engine.build(|mut b| {
         b = b.allow_runtime_lora_updating(updates);
         for r in roots {
             b = b.allowed_lora_root(r);
         }
-        b
+        add_resolvers(b)
     })?;
     let header_read_timeout = seconds("header-read-timeout", a.header_read_timeout)?;
     let stall = seconds("health-stall-timeout", a.health_stall_timeout)?;
+    let drain = Drain::new();
     let mut config = ServerConfig::default()
+        .drain(drain.clone())
         .max_waiting_requests(a.max_waiting_requests)
         .max_choices_per_request(a.max_choices_per_request)
         .max_concurrent_requests(a.max_concurrent_requests)
@@ -138,8 +209,9 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         .thread_name("multilora-http")
         .build()
         .context("starting the async runtime")?;
+    // The drain takes the grace period; what is left after it is closing idle connections.
     let options = ServeOptions::default()
-        .grace(Duration::from_secs(a.shutdown_grace_secs))
+        .grace(Duration::from_secs(1))
         .header_read_timeout(header_read_timeout)
         .max_connections(a.max_connections);
     let handle = engine.handle();
@@ -148,13 +220,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         let local = listener.local_addr().context("reading the bound address")?;
         tracing::info!(address = %local, "serving");
         eprintln!("multilora serving {} on http://{local}", engine.config().served_model_name);
-        let failed = engine_failed(handle.clone());
-        let stop = async move {
-            tokio::select! {
-                () = multilora_server::shutdown_signal() => {}
-                () = failed => tracing::error!("the engine failed: shutting the server down"),
-            }
-        };
+        let stop = stop(handle.clone(), drain, Duration::from_secs(a.shutdown_grace_secs));
         multilora_server::serve_with(listener, app, stop, options).await.context("serving")
     })?;
     runtime.shutdown_timeout(Duration::from_secs(1));

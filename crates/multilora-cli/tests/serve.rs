@@ -10,23 +10,13 @@
 #[path = "../../../tests/support/smollm2.rs"]
 mod smollm2;
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStderr, Command, Stdio};
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny")
-}
-
-/// A `multilora serve` process on a free port, and the address it printed.
-struct Serve {
-    child: Child,
-    url: String,
-    /// Every line it wrote to stderr so far.
-    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    _stderr: std::thread::JoinHandle<()>,
-}
+use common::{Serve, fixtures, get, post, serve_model};
 
 fn serve(extra: &[&str]) -> Serve {
     serve_with_env(extra, &[])
@@ -40,62 +30,6 @@ fn serve_with_env(extra: &[&str], env: &[(&str, &str)]) -> Serve {
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     serve_model(&f.join("base"), &args, env)
-}
-
-/// `multilora serve --model <model> --port 0 --api-key test-key <args>`, its stderr echoed and
-/// kept (`lines`).
-fn serve_model(model: &Path, args: &[String], env: &[(&str, &str)]) -> Serve {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_multilora"))
-        .args(["serve", "--model", model.to_str().expect("utf-8 path"), "--port", "0", "--api-key", "test-key"])
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .envs(env.iter().copied())
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start multilora serve");
-    let stderr = child.stderr.take().expect("stderr piped");
-    let (tx, rx) = std::sync::mpsc::channel();
-    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let kept = lines.clone();
-    let reader = std::thread::spawn(move || forward(stderr, tx, kept));
-    let line = rx.recv_timeout(Duration::from_secs(60)).expect("multilora serve printed its address");
-    let url = line.rsplit(' ').next().expect("an address").to_string();
-    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
-    Serve { child, url, lines, _stderr: reader }
-}
-
-/// Sends the "serving ... on URL" line to `tx`, keeps every line in `kept`, and echoes them for
-/// the test log.
-fn forward(
-    stderr: ChildStderr,
-    tx: std::sync::mpsc::Sender<String>,
-    kept: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-) {
-    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-        eprintln!("[serve] {line}");
-        if line.starts_with("multilora serving") {
-            let _ = tx.send(line.clone());
-        }
-        kept.lock().expect("lines").push(line);
-    }
-}
-
-impl Serve {
-    /// SIGTERM, then the exit status (within 30 s).
-    fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().to_string();
-        let killed = Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
-        assert!(killed.success());
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                return status;
-            }
-            assert!(start.elapsed() < Duration::from_secs(30), "no exit 30 s after SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
 }
 
 /// Whether the Python client can run here; fails when CI requires it.
@@ -241,35 +175,6 @@ fn a_bf16_checkpoint_is_served_in_bf16_within_its_own_bytes() {
         eprintln!("SKIPPED the resident-memory check: no /proc/<pid>/status on this system");
     }
     assert_eq!(server.terminate().code(), Some(0));
-}
-
-/// A raw HTTP/1.1 GET: the whole response.
-fn get(url: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let addr = url.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer test-key\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
-/// A raw HTTP/1.1 POST (no client library needed): the whole response, headers included.
-fn post(url: &str, path: &str, body: &str) -> String {
-    use std::io::{Read, Write};
-    let addr = url.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer test-key\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 /// The field `name=VALUE` of a log line, as a number.

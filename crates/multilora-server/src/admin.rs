@@ -16,9 +16,13 @@ use crate::protocol::{LoadLoraRequest, UnloadLoraRequest, parse_body};
 use crate::state::AppState;
 
 /// `GET /health`: 200 while the engine loop runs and has shown a sign of life within the stall
-/// timeout; else 503 with the reason (failed, shut down, or not alive for how long). Read from
-/// what the loop publishes, so it answers at once even when the loop is stuck.
+/// timeout, and the server is not draining; else 503 with the reason (draining, failed, shut
+/// down, or not alive for how long). Read from what the loop publishes, so it answers at once
+/// even when the loop is stuck.
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
+    if state.drain.is_draining() {
+        return Error::Draining.into_response();
+    }
     let h = state.engine.health();
     let timeout = state.config.health_stall_timeout;
     if h.is_healthy(timeout) {
@@ -49,7 +53,7 @@ pub(crate) fn tier_name(t: Tier) -> &'static str {
 }
 
 /// PyTorch's name of a dtype, as `config.json` and vLLM spell it.
-fn torch_name(dt: multilora::DType) -> &'static str {
+pub(crate) fn torch_name(dt: multilora::DType) -> &'static str {
     match dt {
         multilora::DType::BF16 => "bfloat16",
         multilora::DType::F16 => "float16",
@@ -61,16 +65,21 @@ fn torch_name(dt: multilora::DType) -> &'static str {
 
 /// `GET /v1/models`: the base model, then every adapter (vLLM's model cards, plus this engine's
 /// rank, fingerprint, tier and the dtype it is served in under `multilora`; an adapter also
-/// names its slots' dtype).
+/// names its slots' dtype), then the adapters the resolvers offer that no request loaded yet
+/// (tier `disk`, `"discovered": true`), which vLLM does not list: a router that routes by this
+/// list can then send them here.
 pub(crate) async fn models(State(state): State<AppState>) -> Result<Json<Value>> {
     let engine = state.engine.clone();
-    let list = blocking(move || Ok(engine.models())).await?;
+    let (mut list, discovered) = blocking(move || Ok((engine.models(), engine.discoverable_adapters()))).await?;
+    let first_discovered = list.len();
+    list.extend(discovered);
     let cfg = state.engine.config();
     let (max_model_len, dtype, lora_dtype) = (cfg.max_model_len, torch_name(cfg.dtype), torch_name(cfg.lora_dtype));
     let data: Vec<Value> = list
         .iter()
-        .map(|m| {
-            json!({
+        .enumerate()
+        .map(|(i, m)| {
+            let mut card = json!({
                 "id": m.id,
                 "object": "model",
                 "created": state.started,
@@ -85,7 +94,11 @@ pub(crate) async fn models(State(state): State<AppState>) -> Result<Json<Value>>
                 } else {
                     json!({"rank": m.rank, "fingerprint": m.fingerprint, "tier": tier_name(m.tier), "dtype": dtype})
                 },
-            })
+            });
+            if i >= first_discovered {
+                card["multilora"]["discovered"] = Value::Bool(true);
+            }
+            card
         })
         .collect();
     Ok(Json(json!({"object": "list", "data": data})))

@@ -1,5 +1,6 @@
 //! `ServerConfig`: what the HTTP layer adds to the engine's own configuration.
 
+use crate::drain::Drain;
 use crate::template::ChatTemplate;
 
 use std::time::Duration;
@@ -42,6 +43,9 @@ pub struct ServerConfig {
     /// Honour a chat request's own `chat_template` (vLLM's `--trust-request-chat-template`; off
     /// by default: a template is code the server runs). Off, such a request is a 400.
     pub trust_request_chat_template: bool,
+    /// The drain the routes follow: started, `/health` and new generation requests answer 503
+    /// while admitted requests finish. A new one by default; give your own to start it.
+    pub drain: Drain,
 }
 
 impl Default for ServerConfig {
@@ -56,6 +60,7 @@ impl Default for ServerConfig {
             max_waiting_requests: DEFAULT_MAX_WAITING_REQUESTS,
             owned_by: "multilora".to_string(),
             trust_request_chat_template: false,
+            drain: Drain::new(),
         }
     }
 }
@@ -100,6 +105,12 @@ impl ServerConfig {
     /// When `/health` turns 503 for an engine loop that shows no sign of life (default 30 s).
     pub fn health_stall_timeout(mut self, timeout: Duration) -> ServerConfig {
         self.health_stall_timeout = timeout;
+        self
+    }
+
+    /// The drain the routes follow (see [`Drain`]).
+    pub fn drain(mut self, drain: Drain) -> ServerConfig {
+        self.drain = drain;
         self
     }
 

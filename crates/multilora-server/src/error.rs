@@ -41,6 +41,10 @@ pub enum Error {
         /// The concurrency limit.
         limit: usize,
     },
+    /// The server is draining (shutting down): it finishes what it admitted and takes nothing
+    /// new, so a router sends the request elsewhere.
+    #[error("the server is draining (shutting down) and takes no new requests; send it to another replica")]
+    Draining,
     /// A handler panicked (a bug); the server goes on.
     #[error("internal error: the request's handler panicked: {message}")]
     Panicked {
@@ -103,7 +107,7 @@ impl Error {
             Error::BadRequest { .. } | Error::NoChatTemplate { .. } | Error::Template(_) => StatusCode::BAD_REQUEST,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
             Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Busy { .. } | Error::Draining => StatusCode::SERVICE_UNAVAILABLE,
             Error::Panicked { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             // Exhaustive (no `_`): a new engine error is a compile error here, not a silent 500.
             Error::Engine(e) => match e {
@@ -129,6 +133,7 @@ impl Error {
             Error::Unauthorized => "invalid_api_key",
             Error::Overloaded { .. } => "rate_limit_exceeded",
             Error::Busy { .. } => "server_busy",
+            Error::Draining => "server_draining",
             Error::Panicked { .. } => "internal",
             Error::NoChatTemplate { .. } => "no_chat_template",
             Error::Template(_) => "chat_template_error",

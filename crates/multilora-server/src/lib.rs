@@ -35,6 +35,10 @@
 //!   [`serve_with`] drops clients that do not send their request head within a timeout.
 //! - `/health` and `/metrics` read what the engine loop publishes, never waiting on it: a
 //!   failed, stopped or stalled loop is a 503 and `multilora_engine_up 0`.
+//! - Leaving a fleet: once the [`Drain`] of [`ServerConfig::drain`] is started, `/health` and new
+//!   generation requests answer 503 (`server_draining`) while admitted ones finish, so a router
+//!   moves away; `/v1/models` also lists the adapters the engine's resolvers offer, so a router
+//!   that routes by it sends adapters nobody loaded yet.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -42,6 +46,7 @@ mod admin;
 mod chat;
 mod completions;
 mod config;
+mod drain;
 mod error;
 #[cfg(test)]
 mod fuzz_bodies;
@@ -70,6 +75,7 @@ pub use config::{
     DEFAULT_HEALTH_STALL_TIMEOUT, DEFAULT_MAX_CHOICES_PER_REQUEST, DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_WAITING_REQUESTS, ServerConfig,
 };
+pub use drain::Drain;
 pub use error::{Error, Result};
 pub use serve::{DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ServeOptions, serve, serve_with};
 pub use template::{ChatTemplate, MAX_REQUEST_TEMPLATE_BYTES};

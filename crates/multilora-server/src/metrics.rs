@@ -16,7 +16,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, NoLabelSe
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::admin::{blocking, tier_name};
+use crate::admin::{blocking, tier_name, torch_name};
 use crate::error::{Error, Result};
 use crate::state::AppState;
 
@@ -29,9 +29,17 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Result<Response> {
     let health = state.engine.health();
     let up = health.is_healthy(state.config.health_stall_timeout);
     let metrics = state.engine.published_metrics();
-    let model_name = state.engine.config().served_model_name.clone();
+    let cfg = state.engine.config();
+    let model_name = cfg.served_model_name.clone();
     let heartbeat_age = health.since_heartbeat.as_secs_f64();
-    let text = render(Snapshot { metrics, models, model_name, up, heartbeat_age }).map_err(Error::Metrics)?;
+    let cache = CacheConfig {
+        block_size: cfg.block_size,
+        num_gpu_blocks: cfg.num_kv_blocks,
+        cache_dtype: torch_name(cfg.dtype),
+        enable_prefix_caching: cfg.enable_prefix_caching,
+    };
+    let snapshot = Snapshot { metrics, models, model_name, up, heartbeat_age, cache };
+    let text = render(snapshot).map_err(Error::Metrics)?;
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response())
 }
 
@@ -53,6 +61,18 @@ struct Snapshot {
     up: bool,
     /// Seconds since its last sign of life.
     heartbeat_age: f64,
+    /// What `vllm:cache_config_info` carries.
+    cache: CacheConfig,
+}
+
+/// The KV cache's configuration, in vLLM's `CacheConfig` terms.
+#[derive(Debug)]
+struct CacheConfig {
+    block_size: usize,
+    /// The KV pool's blocks, on whatever device the engine runs on (vLLM's name says GPU).
+    num_gpu_blocks: usize,
+    cache_dtype: &'static str,
+    enable_prefix_caching: bool,
 }
 
 type Labels = Vec<(String, String)>;
@@ -132,6 +152,16 @@ impl Collector for Snapshot {
             "Seconds since the engine loop last showed a sign of life.",
             &[(model.clone(), self.heartbeat_age)],
         )?;
+        // vLLM's info gauge (value 1) of its cache config, whose `block_size` and
+        // `num_gpu_blocks` labels the llm-d / GIE endpoint picker reads; Python spells booleans.
+        let c = &self.cache;
+        let cache_info: Labels = vec![
+            ("block_size".into(), c.block_size.to_string()),
+            ("cache_dtype".into(), c.cache_dtype.to_string()),
+            ("enable_prefix_caching".into(), if c.enable_prefix_caching { "True" } else { "False" }.to_string()),
+            ("num_gpu_blocks".into(), c.num_gpu_blocks.to_string()),
+        ];
+        gauge(&mut e, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", &[(cache_info, 1u64)])?;
         if !self.up {
             // Only what stays true of a dead loop: the cumulative counts.
             let finished: Vec<(Labels, u64)> = m
@@ -145,13 +175,16 @@ impl Collector for Snapshot {
             return counter(&mut e, "multilora_request_errors", "Failed requests by error kind.", &errors);
         }
         let with = |k: &str, v: &str| with_label(&model, k, v);
+        // vLLM sets this gauge to the current time whenever it records the lists, and an endpoint
+        // picker takes the series with the latest value: here, when the loop last published them.
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let updated = now - self.heartbeat_age;
         let info = vec![
             ("max_lora".to_string(), m.max_lora.to_string()),
             ("running_lora_adapters".to_string(), esc(&m.running_adapters.join(","))),
             ("waiting_lora_adapters".to_string(), esc(&m.waiting_adapters.join(","))),
         ];
-        gauge(&mut e, "vllm:lora_requests_info", "Running stats on lora requests.", &[(info, now)])?;
+        gauge(&mut e, "vllm:lora_requests_info", "Running stats on lora requests.", &[(info, updated)])?;
         gauge(
             &mut e,
             "vllm:num_requests_running",

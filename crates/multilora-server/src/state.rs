@@ -8,6 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use multilora::EngineHandle;
 
 use crate::config::ServerConfig;
+use crate::drain::Drain;
 use crate::error::{Error, Result};
 use crate::template::ChatTemplate;
 
@@ -17,6 +18,8 @@ pub(crate) struct AppState {
     pub(crate) engine: EngineHandle,
     pub(crate) config: Arc<ServerConfig>,
     pub(crate) chat_template: Option<ChatTemplate>,
+    /// The server's drain; its counter is the admission counter.
+    pub(crate) drain: Drain,
     in_flight: Arc<AtomicUsize>,
     next_id: Arc<AtomicU64>,
     /// Seconds since the epoch at start: `created` of `/v1/models` entries.
@@ -25,11 +28,13 @@ pub(crate) struct AppState {
 
 impl AppState {
     pub(crate) fn new(engine: EngineHandle, config: ServerConfig, chat_template: Option<ChatTemplate>) -> AppState {
+        let drain = config.drain.clone();
         AppState {
             engine,
             config: Arc::new(config),
             chat_template,
-            in_flight: Arc::new(AtomicUsize::new(0)),
+            in_flight: drain.counter(),
+            drain,
             next_id: Arc::new(AtomicU64::new(1)),
             started: unix_now(),
         }
@@ -41,8 +46,9 @@ impl AppState {
         self.engine.config().max_num_seqs.saturating_add(self.config.max_waiting_requests)
     }
 
-    /// Admits `n` engine requests, or answers 400 (more than one HTTP request may ask for) or
-    /// 429 (too many in flight). Called with the count alone, before any request is built.
+    /// Admits `n` engine requests, or answers 400 (more than one HTTP request may ask for), 503
+    /// (the server is draining) or 429 (too many in flight). Called with the count alone, before
+    /// any request is built.
     pub(crate) fn admit(&self, n: usize) -> Result<Admission> {
         let cap = self.config.max_choices_per_request;
         if n > cap {
@@ -54,6 +60,11 @@ impl AppState {
         let limit = self.limit();
         let before = self.in_flight.fetch_add(n, Ordering::AcqRel);
         let admission = Admission { counter: Arc::clone(&self.in_flight), n };
+        // Counted first, then the flag: a drain that saw no request in flight after it started
+        // cannot miss one admitted here.
+        if self.drain.is_draining() {
+            return Err(Error::Draining);
+        }
         if before + n > limit {
             return Err(Error::Overloaded { in_flight: before, limit });
         }

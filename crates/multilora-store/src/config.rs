@@ -32,6 +32,9 @@ pub struct StoreConfig {
     pub allowed_roots: Vec<PathBuf>,
     /// Allows hub sources at run time (startup adapters may always come from the hub).
     pub allow_hub_at_runtime: bool,
+    /// Hub repositories (`org/name`) allowed at run time even with `allow_hub_at_runtime` off:
+    /// a hub resolver's allow-list.
+    pub allowed_hub_repos: Vec<String>,
     /// Loader threads (at least 1).
     pub loader_threads: usize,
     /// How long `resolve` answers a failed load with its error before loading again; doubled per
@@ -52,6 +55,7 @@ impl Default for StoreConfig {
             allow_runtime_updates: false,
             allowed_roots: Vec::new(),
             allow_hub_at_runtime: false,
+            allowed_hub_repos: Vec::new(),
             loader_threads: 1,
             load_retry_backoff: Duration::from_secs(1),
         }
@@ -97,6 +101,12 @@ impl StoreConfig {
     /// Turns hub sources at run time on or off.
     pub fn allow_hub_at_runtime(mut self, allow: bool) -> StoreConfig {
         self.allow_hub_at_runtime = allow;
+        self
+    }
+
+    /// Allows one hub repository (`org/name`, any revision) at run time.
+    pub fn allowed_hub_repo(mut self, repo: impl Into<String>) -> StoreConfig {
+        self.allowed_hub_repos.push(repo.into());
         self
     }
 

@@ -140,6 +140,15 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A resolver's directory could not be listed.
+    #[error("the adapter directory {}: {source}", root.display())]
+    ResolverIo {
+        /// The directory.
+        root: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The store is shutting down; the load was abandoned.
     #[error("adapter {name:?}: the store is shutting down")]
     Shutdown {
@@ -166,6 +175,7 @@ impl Error {
             Error::Adapter(e) => e.kind(),
             Error::LoaderPanicked { .. } => "loader_panicked",
             Error::Resolver { .. } => "resolver",
+            Error::ResolverIo { .. } => "resolver_io",
             Error::Shutdown { .. } => "shutdown",
             Error::Startup { source, .. } => source.kind(),
         }

@@ -1,12 +1,20 @@
 //! Resolvers: asked in order, on a loader thread, for the source of an adapter name nobody
-//! registered. Two built in: a directory of adapters, and a hub organisation.
+//! registered. Two built in: a directory of adapters, and an allow-list of hub repositories.
+//! Each can also list what it offers ([`Resolver::offered`]), so that a server lists adapters a
+//! router may send it before any request loaded them.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use multilora_adapter::{AdapterSource, CONFIG_FILE};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::registry::validate_name;
 use crate::security::confine_path;
+
+/// The most names one resolver lists: a directory holding more is listed in part (sorted by
+/// name), and every name in it still resolves on request.
+pub const MAX_OFFERED: usize = 4096;
 
 /// Maps an unknown adapter name to a source. Synchronous: it runs on a loader thread, never on
 /// the engine's. The store confines what it returns like any runtime source.
@@ -14,6 +22,13 @@ pub trait Resolver: Send + Sync {
     /// `Ok(None)`: this resolver does not provide `name` (the next one is asked). An error fails
     /// the request for `name` with it.
     fn resolve(&self, name: &str) -> Result<Option<AdapterSource>>;
+
+    /// The names this resolver would answer for, with their sources, as far as it can tell
+    /// without loading anything (at most [`MAX_OFFERED`]). A resolver over an open-ended space of
+    /// names (a lookup service) offers none up front, which is what this default says.
+    fn offered(&self) -> Result<Vec<(String, AdapterSource)>> {
+        Ok(Vec::new())
+    }
 }
 
 /// `name` → `<root>/<name>`, when that directory holds an `adapter_config.json` and lies inside
@@ -44,39 +59,102 @@ impl DirectoryResolver {
         }
         confine_path(name, &dir, std::slice::from_ref(&self.root)).map(Some)
     }
+
+    /// The subdirectories of `root` that [`DirectoryResolver::resolve_dir`] answers for, sorted
+    /// by name, at most [`MAX_OFFERED`]: names that are not valid adapter names (hidden ones
+    /// included) and links out of the root are left out, as a request for them is refused.
+    pub fn list(&self) -> Result<Vec<(String, PathBuf)>> {
+        let entries =
+            std::fs::read_dir(&self.root).map_err(|source| Error::ResolverIo { root: self.root.clone(), source })?;
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| !n.starts_with('.') && validate_name(n, "").is_ok())
+            .collect();
+        names.sort_unstable();
+        let mut out = Vec::new();
+        for name in names {
+            if out.len() == MAX_OFFERED {
+                break;
+            }
+            if let Ok(Some(dir)) = self.resolve_dir(&name) {
+                out.push((name, dir));
+            }
+        }
+        Ok(out)
+    }
 }
 
 impl Resolver for DirectoryResolver {
     fn resolve(&self, name: &str) -> Result<Option<AdapterSource>> {
         Ok(self.resolve_dir(name)?.map(AdapterSource::Local))
     }
+
+    fn offered(&self) -> Result<Vec<(String, AdapterSource)>> {
+        Ok(self.list()?.into_iter().map(|(name, dir)| (name, AdapterSource::Local(dir))).collect())
+    }
 }
 
-/// `name` → hub repo `<org>/<name>` at `main`. Off unless the engine adds it, and the store
-/// refuses its answers unless hub loading at run time is enabled.
+/// An allow-list of hub repositories, each served under its repository name: `acme/sql-lora`
+/// answers the name `sql-lora` (a name cannot hold a `/`, since names also name directories),
+/// at the revision given (`org/name@rev`) or `main`. Nothing outside the list is ever asked of
+/// the hub; the store loads these repositories at run time because they are on the list
+/// ([`crate::StoreConfig::allowed_hub_repo`]), not because hub sources are allowed in general.
 #[derive(Clone, Debug)]
 pub struct HubResolver {
-    org: String,
+    /// Name → (repo, revision).
+    repos: BTreeMap<String, (String, String)>,
 }
 
 impl HubResolver {
-    /// A resolver into the hub organisation (or user) `org`.
-    pub fn new(org: impl Into<String>) -> HubResolver {
-        HubResolver { org: org.into() }
+    /// A resolver over `repos` (`org/name` or `org/name@revision` each). Refused: a repo id that
+    /// is not `org/name`, and two repos with the same name (a request could not say which).
+    pub fn new<S: AsRef<str>>(repos: impl IntoIterator<Item = S>) -> Result<HubResolver> {
+        let mut map = BTreeMap::new();
+        for spec in repos {
+            let spec = spec.as_ref().trim();
+            let bad = |reason: &str| Error::Config { reason: format!("hub resolver repo {spec:?}: {reason}") };
+            let (repo, revision) = match spec.split_once('@') {
+                Some((repo, rev)) if !rev.is_empty() => (repo, rev),
+                Some(_) => return Err(bad("an empty revision after '@'")),
+                None => (spec, "main"),
+            };
+            let (org, name) = repo.split_once('/').ok_or_else(|| bad("not an `org/name` repo id"))?;
+            let part_ok = |p: &str| {
+                !p.is_empty()
+                    && !p.starts_with(['.', '-'])
+                    && !p.contains("..")
+                    && p.len() <= 96
+                    && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            };
+            if !part_ok(org) || !part_ok(name) {
+                return Err(bad("not an `org/name` repo id"));
+            }
+            if let Some((other, _)) = map.get(name) {
+                return Err(bad(&format!("its name {name:?} is also the name of {other:?}")));
+            }
+            map.insert(name.to_string(), (repo.to_string(), revision.to_string()));
+        }
+        Ok(HubResolver { repos: map })
+    }
+
+    /// The repository ids on the list (without revisions).
+    pub fn repos(&self) -> impl Iterator<Item = &str> {
+        self.repos.values().map(|(repo, _)| repo.as_str())
+    }
+
+    fn source(&self, name: &str) -> Option<AdapterSource> {
+        let (repo, revision) = self.repos.get(name)?;
+        Some(AdapterSource::Hub { repo: repo.clone(), revision: revision.clone() })
     }
 }
 
 impl Resolver for HubResolver {
     fn resolve(&self, name: &str) -> Result<Option<AdapterSource>> {
-        // Only names that are valid hub repo names map; anything else is not this resolver's.
-        let valid = !name.starts_with(['.', '-'])
-            && !name.contains("..")
-            && name.len() <= 96
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-        if !valid {
-            return Ok(None);
-        }
-        Ok(Some(AdapterSource::Hub { repo: format!("{}/{name}", self.org), revision: "main".to_string() }))
+        Ok(self.source(name))
+    }
+
+    fn offered(&self) -> Result<Vec<(String, AdapterSource)>> {
+        Ok(self.repos.keys().filter_map(|name| Some((name.clone(), self.source(name)?))).take(MAX_OFFERED).collect())
     }
 }
 
@@ -112,14 +190,53 @@ mod tests {
     }
 
     #[test]
-    fn hub_resolver_maps_valid_names_only() {
-        let resolver = HubResolver::new("acme");
+    fn directory_resolver_lists_what_it_resolves() {
+        let tmp = tempfile::tempdir().unwrap();
+        for name in ["sql", "chat", ".hidden"] {
+            std::fs::create_dir_all(tmp.path().join(name)).unwrap();
+            std::fs::write(tmp.path().join(name).join(CONFIG_FILE), "{}").unwrap();
+        }
+        std::fs::create_dir_all(tmp.path().join("empty")).unwrap();
+        std::fs::write(tmp.path().join("file"), "x").unwrap();
+        let resolver = DirectoryResolver::new(tmp.path());
+        let names: Vec<String> = resolver.list().unwrap().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["chat", "sql"]);
+        let offered = resolver.offered().unwrap();
+        assert_eq!(
+            offered[1],
+            ("sql".to_string(), AdapterSource::Local(tmp.path().join("sql").canonicalize().unwrap()))
+        );
+        let missing = DirectoryResolver::new(tmp.path().join("nope")).list().unwrap_err();
+        assert_eq!(missing.kind(), "resolver_io");
+        assert!(missing.to_string().contains("nope"), "{missing}");
+    }
+
+    #[test]
+    fn hub_resolver_answers_its_allow_list_only() {
+        let resolver = HubResolver::new(["acme/sql-lora", "acme/chat@v2"]).unwrap();
         assert_eq!(
             resolver.resolve("sql-lora").unwrap(),
             Some(AdapterSource::Hub { repo: "acme/sql-lora".into(), revision: "main".into() })
         );
-        for name in ["..x", "a b", ".hidden", "日本"] {
+        assert_eq!(
+            resolver.resolve("chat").unwrap(),
+            Some(AdapterSource::Hub { repo: "acme/chat".into(), revision: "v2".into() })
+        );
+        for name in ["acme", "other", "sql", "..", "acme/sql-lora"] {
             assert_eq!(resolver.resolve(name).unwrap(), None, "{name}");
+        }
+        let names: Vec<String> = resolver.offered().unwrap().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["chat", "sql-lora"]);
+        assert_eq!(resolver.repos().collect::<Vec<_>>(), ["acme/chat", "acme/sql-lora"]);
+        for (bad, why) in [
+            (vec!["sql-lora"], "org/name"),
+            (vec!["acme/../x"], "org/name"),
+            (vec!["acme/x@"], "empty revision"),
+            (vec!["a/x", "b/x"], "also the name of"),
+        ] {
+            let err = HubResolver::new(bad.clone()).unwrap_err();
+            assert_eq!(err.kind(), "config");
+            assert!(err.to_string().contains(why), "{bad:?}: {err}");
         }
     }
 }

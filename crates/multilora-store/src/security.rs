@@ -1,6 +1,6 @@
 //! Confinement of runtime sources: local directories, and the adapter files in them, and GGUF
 //! LoRA files must lie inside the allowed roots once `..` and symlinks are resolved, and hub repos are allowed only
-//! when hub loading at run time is on. A path outside the roots gets one answer whether it is a
+//! when hub loading at run time is on or when they are on the allow-list (a hub resolver's). A path outside the roots gets one answer whether it is a
 //! directory, a file or nothing, and the answer does not name the roots: a source string is read
 //! ([`parse_runtime_source`]) without touching the file system outside them. Adapters the
 //! operator names at start never pass through here: they are trusted.
@@ -19,6 +19,7 @@ pub(crate) fn confine(name: &str, source: &AdapterSource, config: &StoreConfig) 
         AdapterSource::Local(path) => confine_path(name, path, &config.allowed_roots).map(AdapterSource::Local),
         AdapterSource::Gguf(path) => confine_path(name, path, &config.allowed_roots).map(AdapterSource::Gguf),
         AdapterSource::Hub { .. } if config.allow_hub_at_runtime => Ok(source.clone()),
+        AdapterSource::Hub { repo, .. } if config.allowed_hub_repos.iter().any(|r| r == repo) => Ok(source.clone()),
         AdapterSource::Hub { repo, .. } => Err(Error::HubDisabled { name: name.to_string(), repo: repo.clone() }),
         // A kind of source added later is refused until this function knows how to confine it.
         other => Err(Error::Adapter(multilora_adapter::Error::Source {
@@ -261,6 +262,11 @@ mod tests {
         let hub = AdapterSource::parse("org/sql-lora").unwrap();
         let mut config = StoreConfig::default();
         assert_eq!(confine("sql", &hub, &config).unwrap_err().kind(), "hub_disabled");
+        config.allowed_hub_repos.push("org/other".into());
+        assert_eq!(confine("sql", &hub, &config).unwrap_err().kind(), "hub_disabled");
+        config.allowed_hub_repos.push("org/sql-lora".into());
+        assert_eq!(confine("sql", &hub, &config).unwrap(), hub);
+        config.allowed_hub_repos.clear();
         config.allow_hub_at_runtime = true;
         assert_eq!(confine("sql", &hub, &config).unwrap(), hub);
     }

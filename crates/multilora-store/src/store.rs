@@ -371,6 +371,35 @@ impl Store {
         self.shared.state.lock().registry.infos()
     }
 
+    /// What the resolvers offer that nobody registered yet, first resolver first for a name that
+    /// several offer (the order `resolve` asks them in), with the source each would load: none
+    /// unless runtime updates are on, the only time resolvers are asked. Names `resolve` would
+    /// refuse are left out. Lists a directory, so it runs off any async thread. The errors of
+    /// resolvers whose listing failed come second: every other resolver is still listed.
+    pub fn offered(&self) -> (Vec<(String, AdapterSource)>, Vec<Error>) {
+        let config = &self.shared.config;
+        if !config.allow_runtime_updates {
+            return (Vec::new(), Vec::new());
+        }
+        let (mut out, mut errors) = (Vec::new(), Vec::new());
+        for resolver in &self.shared.resolvers {
+            match resolver.offered() {
+                // An embedder's resolver may list more than the built-in ones would.
+                Ok(list) => out.extend(list.into_iter().take(crate::resolver::MAX_OFFERED)),
+                Err(e) => errors.push(e),
+            }
+        }
+        let registered: std::collections::HashSet<String> =
+            self.shared.state.lock().registry.infos().into_iter().map(|i| i.name).collect();
+        let mut seen = std::collections::HashSet::new();
+        out.retain(|(name, _)| {
+            validate_name(name, &config.base_model_name).is_ok()
+                && !registered.contains(name)
+                && seen.insert(name.clone())
+        });
+        (out, errors)
+    }
+
     /// A running request's pin on `generation`, which must be in host memory or a slot: its slot,
     /// once it has one, is not evicted and its CPU entry stays while the lease lives. Dropping
     /// the last lease of a generation that was superseded or unloaded removes it from both tiers.

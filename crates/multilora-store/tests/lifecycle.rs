@@ -272,8 +272,12 @@ fn resolvers_provide_unknown_names_in_order() -> anyhow::Result<()> {
     let store = Store::builder(config)
         .loader(loader)
         .resolver(DirectoryResolver::new(&root))
-        .resolver(HubResolver::new("acme"))
+        .resolver(HubResolver::new(["acme/elsewhere"])?)
         .build()?;
+    // Both resolvers offer their names before anything is loaded.
+    let (offered, errors) = store.offered();
+    let names: Vec<&str> = offered.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!((names, errors.len()), (vec!["found", "elsewhere"], 0));
     assert!(matches!(store.resolve("found")?, Resolution::Loading(_)));
     started.recv()?;
     assert!(matches!(store.resolve("found")?, Resolution::Loading(_)));
@@ -283,8 +287,12 @@ fn resolvers_provide_unknown_names_in_order() -> anyhow::Result<()> {
     assert!(started.try_recv().is_err(), "loaded once");
     let info = store.info("found").unwrap();
     assert_eq!(info.source, AdapterSource::Local(root.join("found").canonicalize()?));
+    // Registered now: offered no more.
+    let names: Vec<String> = store.offered().0.into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["elsewhere"]);
 
-    // Not in the directory: the hub resolver maps it, and the hub is off at run time.
+    // Not in the directory: the hub resolver maps it, and its repo is not on the store's
+    // allow-list (nor is the hub on at run time).
     store.resolve("elsewhere")?;
     let LoadEvent::Failed { error, .. } = wait_for(&store, "elsewhere") else { panic!() };
     assert_eq!(error.kind(), "hub_disabled");

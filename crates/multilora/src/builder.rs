@@ -86,6 +86,7 @@ pub struct EngineBuilder {
     generation_config: bool,
     allow_runtime_lora_updating: bool,
     allowed_lora_roots: Vec<PathBuf>,
+    allowed_lora_hub_repos: Vec<String>,
     resolvers: Resolvers,
     tokenizer: Option<PathBuf>,
     gguf_file: Option<String>,
@@ -136,6 +137,7 @@ impl EngineBuilder {
             generation_config: true,
             allow_runtime_lora_updating: false,
             allowed_lora_roots: Vec::new(),
+            allowed_lora_hub_repos: Vec::new(),
             resolvers: Resolvers::default(),
             tokenizer: None,
             gguf_file: None,
@@ -228,6 +230,13 @@ impl EngineBuilder {
     /// A directory runtime adapter sources must lie in.
     pub fn allowed_lora_root(mut self, root: impl Into<PathBuf>) -> EngineBuilder {
         self.allowed_lora_roots.push(root.into());
+        self
+    }
+
+    /// A hub repository (`org/name`, any revision) runtime adapters may come from: a
+    /// [`crate::HubResolver`]'s allow-list. Hub sources are otherwise refused at run time.
+    pub fn allowed_lora_hub_repo(mut self, repo: impl Into<String>) -> EngineBuilder {
+        self.allowed_lora_hub_repos.push(repo.into());
         self
     }
 
@@ -411,6 +420,9 @@ impl EngineBuilder {
         let mut store_cfg = store_cfg.allow_runtime_updates(self.allow_runtime_lora_updating);
         for root in &self.allowed_lora_roots {
             store_cfg = store_cfg.allowed_root(root.clone());
+        }
+        for repo in &self.allowed_lora_hub_repos {
+            store_cfg = store_cfg.allowed_hub_repo(repo.clone());
         }
         let (events, count) = (tx.clone(), counter.clone());
         let mut store = Store::builder(store_cfg).events(move |ev| {

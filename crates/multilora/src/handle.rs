@@ -32,7 +32,7 @@ pub enum Tier {
     Device,
     /// In host memory.
     Cpu,
-    /// Registered, not loaded.
+    /// Registered, not loaded; or offered by a resolver and not loaded yet.
     Disk,
 }
 
@@ -329,6 +329,31 @@ impl EngineHandle {
             });
         }
         out
+    }
+
+    /// The adapters the resolvers offer that no request has loaded yet (tier [`Tier::Disk`], no
+    /// rank or fingerprint until loaded), for a model list that shows every name a request may
+    /// use: a router that routes by `/v1/models` then sends this server an adapter it never
+    /// served. Empty unless runtime updating is allowed (resolvers are asked only then). Lists
+    /// directories: call it off async threads. A resolver whose listing fails is logged and
+    /// skipped.
+    pub fn discoverable_adapters(&self) -> Vec<ModelInfo> {
+        let (offered, errors) = self.shared.store.offered();
+        for e in errors {
+            tracing::warn!(error = %e, "a lora resolver could not list its adapters");
+        }
+        let base = &self.shared.config.served_model_name;
+        offered
+            .into_iter()
+            .map(|(id, source)| ModelInfo {
+                id,
+                parent: Some(base.clone()),
+                source: source.to_string(),
+                rank: None,
+                fingerprint: None,
+                tier: Tier::Disk,
+            })
+            .collect()
     }
 
     /// Registers and loads adapter `name` from `source` (vLLM's `/v1/load_lora_adapter`),

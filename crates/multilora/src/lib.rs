@@ -92,5 +92,5 @@ pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, TokenLogprob, Usage,
 };
-pub use resolver::{AdapterSource, DirectoryResolver, ResolveError, Resolver};
+pub use resolver::{AdapterSource, DirectoryResolver, HubResolver, ResolveError, Resolver};
 pub use text::ChatTemplateSource;

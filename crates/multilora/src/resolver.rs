@@ -1,7 +1,9 @@
 //! Resolvers of adapter names nobody registered (vLLM's `LoRAResolver`), in the engine's own
-//! types: [`Resolver`] answers an [`AdapterSource`] or a [`ResolveError`], [`DirectoryResolver`]
-//! is the built-in one. The store below runs them on its loader threads through `StoreResolver`,
-//! which converts both ways, so an embedder names no crate below the engine.
+//! types: [`Resolver`] answers an [`AdapterSource`] or a [`ResolveError`], and lists what it
+//! offers; [`DirectoryResolver`] (vLLM's filesystem resolver) and [`HubResolver`] (an allow-list
+//! of hub repositories) are the built-in ones. The store below runs them on its loader threads
+//! through `StoreResolver`, which converts both ways, so an embedder names no crate below the
+//! engine.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -30,6 +32,17 @@ impl AdapterSource {
             AdapterSource::Local(dir) => multilora_adapter::AdapterSource::Local(dir),
             AdapterSource::Gguf(file) => multilora_adapter::AdapterSource::Gguf(file),
             AdapterSource::Hub { repo, revision } => multilora_adapter::AdapterSource::Hub { repo, revision },
+        }
+    }
+
+    /// The engine's spelling of a source the store's built-in resolvers answer; `None` for a
+    /// kind of source this enum does not have yet (the built-in resolvers answer none).
+    fn from_inner(source: multilora_adapter::AdapterSource) -> Option<AdapterSource> {
+        match source {
+            multilora_adapter::AdapterSource::Gguf(file) => Some(AdapterSource::Gguf(file)),
+            multilora_adapter::AdapterSource::Hub { repo, revision } => Some(AdapterSource::Hub { repo, revision }),
+            multilora_adapter::AdapterSource::Local(dir) => Some(AdapterSource::Local(dir)),
+            _ => None,
         }
     }
 }
@@ -90,6 +103,15 @@ pub trait Resolver: Send + Sync {
     /// `Ok(None)`: this resolver does not provide `name` (the next one is asked). An error fails
     /// the requests for `name` with it.
     fn resolve(&self, name: &str) -> Result<Option<AdapterSource>, ResolveError>;
+
+    /// The names this resolver answers for and their sources, as far as it can tell without
+    /// loading anything: what [`crate::EngineHandle::discoverable_adapters`] lists, so that a
+    /// router that reads a server's model list sends it adapters nobody requested yet. A
+    /// resolver over an open-ended space of names (a lookup service) offers none up front, which
+    /// is what this default says.
+    fn offered(&self) -> Result<Vec<(String, AdapterSource)>, ResolveError> {
+        Ok(Vec::new())
+    }
 }
 
 /// `name` → `<root>/<name>`, when that directory holds an `adapter_config.json` and lies inside
@@ -119,6 +141,61 @@ impl Resolver for DirectoryResolver {
             Err(e) => Err(ResolveError(Repr::Store(e))),
         }
     }
+
+    /// The subdirectories of the root holding an `adapter_config.json`, sorted by name (at most
+    /// 4,096); names a request could not use, and links out of the root, are left out.
+    fn offered(&self) -> Result<Vec<(String, AdapterSource)>, ResolveError> {
+        match self.inner.list() {
+            Ok(list) => Ok(list.into_iter().map(|(name, dir)| (name, AdapterSource::Local(dir))).collect()),
+            Err(e) => Err(ResolveError(Repr::Store(e))),
+        }
+    }
+}
+
+/// An allow-list of hub repositories (vLLM's hub resolver, `VLLM_LORA_RESOLVER_HF_REPO_LIST`),
+/// each served under its repository's name: `acme/sql-lora` answers requests for `sql-lora`, at
+/// the revision given (`org/name@rev`) or `main` (a name here holds no `/`, since names also name
+/// directories). Nothing outside the list is asked of the hub. The engine loads a hub source at
+/// run time only from a repository it was told to allow: pass each of [`HubResolver::repos`] to
+/// [`crate::EngineBuilder::allowed_lora_hub_repo`].
+#[derive(Clone, Debug)]
+pub struct HubResolver {
+    inner: multilora_store::HubResolver,
+}
+
+impl HubResolver {
+    /// A resolver over `repos` (`org/name` or `org/name@revision`). Refused with an error naming
+    /// it: a repo id that is not `org/name`, and two repositories of the same name.
+    pub fn new<S: AsRef<str>>(repos: impl IntoIterator<Item = S>) -> Result<HubResolver, ResolveError> {
+        match multilora_store::HubResolver::new(repos) {
+            Ok(inner) => Ok(HubResolver { inner }),
+            Err(e) => Err(ResolveError(Repr::Store(e))),
+        }
+    }
+
+    /// The repository ids on the list (`org/name`, without revisions).
+    pub fn repos(&self) -> impl Iterator<Item = &str> {
+        self.inner.repos()
+    }
+}
+
+impl Resolver for HubResolver {
+    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>, ResolveError> {
+        match multilora_store::Resolver::resolve(&self.inner, name) {
+            Ok(source) => Ok(source.and_then(AdapterSource::from_inner)),
+            Err(e) => Err(ResolveError(Repr::Store(e))),
+        }
+    }
+
+    /// Every name on the list.
+    fn offered(&self) -> Result<Vec<(String, AdapterSource)>, ResolveError> {
+        match multilora_store::Resolver::offered(&self.inner) {
+            Ok(list) => {
+                Ok(list.into_iter().filter_map(|(name, s)| Some((name, AdapterSource::from_inner(s)?))).collect())
+            }
+            Err(e) => Err(ResolveError(Repr::Store(e))),
+        }
+    }
 }
 
 /// An embedder's resolver as the store asks it: the answer converted to the adapter crate's
@@ -130,6 +207,13 @@ impl<R: Resolver> multilora_store::Resolver for StoreResolver<R> {
         match self.0.resolve(name) {
             Ok(source) => Ok(source.map(AdapterSource::into_inner)),
             Err(e) => Err(e.into_store(name)),
+        }
+    }
+
+    fn offered(&self) -> multilora_store::Result<Vec<(String, multilora_adapter::AdapterSource)>> {
+        match self.0.offered() {
+            Ok(list) => Ok(list.into_iter().map(|(name, s)| (name, s.into_inner())).collect()),
+            Err(e) => Err(e.into_store("(listing)")),
         }
     }
 }
