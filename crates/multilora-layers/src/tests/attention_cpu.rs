@@ -25,16 +25,7 @@ fn decode_rows_match_the_oracle_and_are_batch_invariant() -> anyhow::Result<()> 
     for (n, heads, kv_heads, hd, bs, dtype) in cases {
         let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
         let num_blocks = 24;
-        let lens: Vec<u32> = (0..n).map(|i| if i == 0 { 1 } else { rng.range(2, 70) as u32 }).collect();
-        let max_blocks = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(1);
-        let mut tables = Vec::with_capacity(n * max_blocks);
-        for _ in 0..n {
-            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-            for i in (1..pool.len()).rev() {
-                pool.swap(i, rng.range(0, i));
-            }
-            tables.extend_from_slice(&pool[..max_blocks]);
-        }
+        let (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, 70);
         let rows: Vec<Vec<u32>> = lens
             .iter()
             .enumerate()

@@ -255,18 +255,7 @@ fn emulated_paged_decode_matches_the_slow_reference() -> anyhow::Result<()> {
     for (n, heads, kv_heads, hd, bs, dtype) in cases {
         let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
         let num_blocks = 24;
-        let lens: Vec<u32> = (0..n).map(|i| if i == 0 { 1 } else { rng.range(2, 80) as u32 }).collect();
-        let max_blocks = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(1);
-        // Each sequence's blocks drawn without repetition from a shuffled pool (may overlap
-        // between sequences, as shared prefix blocks do).
-        let mut tables = Vec::with_capacity(n * max_blocks);
-        for _ in 0..n {
-            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-            for i in (1..pool.len()).rev() {
-                pool.swap(i, rng.range(0, i));
-            }
-            tables.extend_from_slice(&pool[..max_blocks]);
-        }
+        let (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, 80);
         let q = rng.tensor(&[n, heads, hd], 0.5, dtype, dev)?;
         let k = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
         let v = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;

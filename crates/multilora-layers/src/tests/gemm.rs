@@ -177,7 +177,7 @@ fn check_outer(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
     let x: Vec<f32> = rng.tensor(&[m * ldx], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
     let wt: Vec<f32> = rng.tensor(&[k.max(1) * ldw], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
     let mut y = vec![f32::NAN; m * ldy];
-    crate::ops::gemm::matmul_into(&x, ldx, &wt, ldw, (m, n, k), &mut y, ldy);
+    crate::ops::gemm::matmul_into(&x, ldx, &wt, ldw, (m, n, k), &mut y, ldy, false);
     for i in 0..m {
         for j in 0..n {
             let want: f64 = (0..k).map(|p| x[i * ldx + p] as f64 * wt[p * ldw + j] as f64).sum();
@@ -239,7 +239,7 @@ fn check_half(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
         let x2 = rng.tensor(&[m, n], 1.0, DType::F32, &Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
         let (mut got, mut want) = (vec![0f32; m * k], vec![0f32; m * k]);
         half_matmul(&x2, n, &wh_v, k, (m, k, n), &mut got, k);
-        crate::ops::gemm::matmul_into(&x2, n, &wf_v, k, (m, k, n), &mut want, k);
+        crate::ops::gemm::matmul_into(&x2, n, &wf_v, k, (m, k, n), &mut want, k, false);
         anyhow::ensure!(got == want, "expand {dt:?} [{m}, {k}, {n}] differs from f32");
     }
     Ok(())
@@ -268,8 +268,8 @@ fn half_matmul_t(x: &[f32], ldx: usize, w: &Half, ldw: usize, mnk: (usize, usize
 
 fn half_matmul(x: &[f32], ldx: usize, w: &Half, ldw: usize, mnk: (usize, usize, usize), y: &mut [f32], ldy: usize) {
     match w {
-        Half::Bf16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy),
-        Half::F16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy),
+        Half::Bf16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy, false),
+        Half::F16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy, false),
     }
 }
 

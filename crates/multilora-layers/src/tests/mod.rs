@@ -48,6 +48,30 @@ impl Rng {
         Ok(Tensor::from_vec(v, shape, dev)?.to_dtype(dtype)?)
     }
 
+    /// Paged contexts for `n` sequences over `num_blocks` blocks of `bs` tokens: lengths (the
+    /// first 1, the others in `2..=max_len`) and block tables `[n, max_blocks]` flattened, each
+    /// sequence's blocks drawn without repetition from a shuffled pool (they may overlap between
+    /// sequences, as shared prefix blocks do); returns `(lens, tables, max_blocks)`.
+    pub(crate) fn paged_contexts(
+        &mut self,
+        n: usize,
+        bs: usize,
+        num_blocks: usize,
+        max_len: usize,
+    ) -> (Vec<u32>, Vec<u32>, usize) {
+        let lens: Vec<u32> = (0..n).map(|i| if i == 0 { 1 } else { self.range(2, max_len) as u32 }).collect();
+        let max_blocks = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(1);
+        let mut tables = Vec::with_capacity(n * max_blocks);
+        for _ in 0..n {
+            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+            for i in (1..pool.len()).rev() {
+                pool.swap(i, self.range(0, i));
+            }
+            tables.extend_from_slice(&pool[..max_blocks]);
+        }
+        (lens, tables, max_blocks)
+    }
+
     /// A random slot list: each row -1 or a slot below `max_loras`.
     pub(crate) fn slots(&mut self, rows: usize, max_loras: usize) -> Vec<i32> {
         (0..rows).map(|_| self.range(0, max_loras) as i32 - 1).collect()

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::PagedDecodeDims;
 use crate::error::{Error, Result};
 use crate::ops::cpu_values;
-use crate::ops::gemm::{Elem, Isa, exp_sum, matmul_add_into, matmul_into, matmul_t_into};
+use crate::ops::gemm::{Elem, Isa, exp_sum, matmul_into, matmul_t_into};
 
 /// `softmax(q · kᵀ) · v` of every decode row over its context: `q: [n, heads, head_dim]` f32 on
 /// the CPU, already scaled by `1/√head_dim`; `k_cache`, `v_cache`: `[rows, kv_heads · head_dim]`
@@ -130,12 +130,7 @@ fn sequence<E: Elem>(
         }
         let oh = &mut o[kvh * group * hd..][..group * hd];
         for (i, (t0, r0, len)) in runs(rows).enumerate() {
-            let (p, vr) = (&scores[t0..], &v[r0 * width + col..]);
-            if i == 0 {
-                matmul_into(p, ctx, vr, width, (group, hd, len), oh, hd);
-            } else {
-                matmul_add_into(p, ctx, vr, width, (group, hd, len), oh, hd);
-            }
+            matmul_into(&scores[t0..], ctx, &v[r0 * width + col..], width, (group, hd, len), oh, hd, i > 0);
         }
     }
 }

@@ -217,7 +217,7 @@ impl<E: Elem> AddDeltas<'_, E> {
             }
             for (j0, chunk) in (0..t.len).step_by(DELTA_ROWS).zip(cells.chunks_mut(DELTA_ROWS)) {
                 let n = chunk.len();
-                matmul_into(&s[j0 * r..], r, bt, out, (n, out, r), d, out);
+                matmul_into(&s[j0 * r..], r, bt, out, (n, out, r), d, out, false);
                 for (cell, delta) in chunk.iter_mut().zip(d.chunks_exact(out)) {
                     // Two plain slices of equal length: the compiler vectorises the add.
                     for (o, &v) in cell.iter_mut().zip(delta) {

@@ -320,7 +320,9 @@ impl CustomOp1 for PackedOp<'_> {
 
 /// `y[i·ldy + j] = Σ_{p<k} x[i·ldx + p] · wt[p·ldw + j]` for `i < m`, `j < n`, on this thread:
 /// `wt` is stored `k`-major (`[k, n]`), as a LoRA slot's `Bᵀ` is, so the product is a sum of
-/// outer products with no horizontal sums (the LoRA expand).
+/// outer products with no horizontal sums (the LoRA expand). With `accumulate`, the products are
+/// added into `y`: each output's chain of FMAs starts from its value there (a product cut along
+/// `k` into runs is the same chain as one uncut).
 ///
 /// # Panics
 /// When a row reaches outside its slice.
@@ -332,25 +334,9 @@ pub(crate) fn matmul_into<E: Elem>(
     mnk: (usize, usize, usize),
     y: &mut [f32],
     ldy: usize,
+    accumulate: bool,
 ) {
-    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy, false);
-}
-
-/// [`matmul_into`] adding into `y` instead of writing it: each output's chain of FMAs starts from
-/// its value in `y` (a product cut along `k` into runs is the same chain as one uncut).
-///
-/// # Panics
-/// When a row reaches outside its slice.
-pub(crate) fn matmul_add_into<E: Elem>(
-    x: &[f32],
-    ldx: usize,
-    wt: &[E],
-    ldw: usize,
-    mnk: (usize, usize, usize),
-    y: &mut [f32],
-    ldy: usize,
-) {
-    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy, true);
+    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy, accumulate);
 }
 
 /// The candle op around the kernel: lhs `x`, rhs `W`, both contiguous f32.
