@@ -326,6 +326,7 @@ impl CustomOp1 for PackedOp<'_> {
 ///
 /// # Panics
 /// When a row reaches outside its slice.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_into<E: Elem>(
     x: &[f32],
     ldx: usize,
