@@ -65,6 +65,9 @@ const SOURCES: &[(&str, &str)] = &[
     ("lora_expand.cu", include_str!("lora_expand.cu")),
     ("lora_embed.cu", include_str!("lora_embed.cu")),
     ("paged_attention.cu", include_str!("paged_attention.cu")),
+    ("vec.cuh", include_str!("vec.cuh")),
+    ("kv_write.cu", include_str!("kv_write.cu")),
+    ("lora_bgmv.cu", include_str!("lora_bgmv.cu")),
     ("emulate/emu.h", include_str!("emulate/emu.h")),
     ("emulate/harness.cpp", include_str!("emulate/harness.cpp")),
 ];

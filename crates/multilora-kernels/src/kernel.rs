@@ -1,7 +1,7 @@
 //! The kernels' entry-point names and the source module each lives in: what the host asks the
 //! driver (or the emulator) for. Names are `<op>_<dtype>…`: `lora_shrink_<tx>_<tw>` and
 //! `lora_expand_<tx>_<tw>` (activations `tx`, slot weights `tw`), `lora_embed_shrink_<tw>`,
-//! `paged_decode_<t>_d<head_dim>`.
+//! `paged_decode_<t>_d<head_dim>`, [`PAGED_KV_WRITE`].
 
 /// The element types the kernels are built for (all arithmetic is f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -44,6 +44,10 @@ pub enum Module {
     LoraEmbed,
     /// `paged_attention.cu`.
     PagedAttention,
+    /// `kv_write.cu`.
+    KvWrite,
+    /// `lora_bgmv.cu`.
+    LoraBgmv,
 }
 
 impl Module {
@@ -54,6 +58,8 @@ impl Module {
             Module::LoraExpand => "multilora_lora_expand",
             Module::LoraEmbed => "multilora_lora_embed",
             Module::PagedAttention => "multilora_paged_attention",
+            Module::KvWrite => "multilora_kv_write",
+            Module::LoraBgmv => "multilora_lora_bgmv",
         }
     }
 
@@ -65,6 +71,8 @@ impl Module {
             Module::LoraExpand => crate::ptx::LORA_EXPAND,
             Module::LoraEmbed => crate::ptx::LORA_EMBED,
             Module::PagedAttention => crate::ptx::PAGED_ATTENTION,
+            Module::KvWrite => crate::ptx::KV_WRITE,
+            Module::LoraBgmv => crate::ptx::LORA_BGMV,
         }
     }
 }
@@ -83,6 +91,20 @@ pub fn lora_expand(tx: KernelDtype, tw: KernelDtype) -> String {
 pub fn lora_embed_shrink(tw: KernelDtype) -> String {
     format!("lora_embed_shrink_{}", tw.suffix())
 }
+
+/// `lora_shrink_bgmv_<tx>_<tw>_r<rank>`: the decode-shaped shrink, built for the ranks of
+/// [`crate::params::BGMV_RANKS`].
+pub fn lora_shrink_bgmv(tx: KernelDtype, tw: KernelDtype, rank: usize) -> String {
+    format!("lora_shrink_bgmv_{}_{}_r{rank}", tx.suffix(), tw.suffix())
+}
+
+/// `lora_expand_bgmv_<tx>_<tw>_r<rank>`: the decode-shaped expand.
+pub fn lora_expand_bgmv(tx: KernelDtype, tw: KernelDtype, rank: usize) -> String {
+    format!("lora_expand_bgmv_{}_{}_r{rank}", tx.suffix(), tw.suffix())
+}
+
+/// The KV-cache write (one entry for every dtype: it copies bytes).
+pub const PAGED_KV_WRITE: &str = "paged_kv_write";
 
 /// Head sizes the decode-attention kernel is built for: the multiples of 32 up to 256.
 pub const DECODE_HEAD_DIMS: [usize; 8] = [32, 64, 96, 128, 160, 192, 224, 256];

@@ -106,3 +106,71 @@ typedef struct {
     uint32_t q_stride;               // elements between sequences of q
     uint32_t out_stride;             // elements between sequences of out
 } MlDecodeAttnParams;
+
+// Threads of a KV-write block (one block per new token).
+#define ML_KV_WRITE_THREADS 128
+
+// KV write: cache[slots[t]] = src[t] for every new token t (grid x); launched once for K and
+// once for V. The cache and the source share one dtype of `elem_bytes` bytes (2 or 4).
+typedef struct {
+    uint64_t src;                    // [tokens, src_stride]: the new keys (or values)
+    uint64_t cache;                  // [num_rows, width]
+    uint64_t slots;                  // u32 [tokens]: cache row of each token (>= num_rows: none)
+    uint32_t width;                  // elements of a cache row (kv_heads * head_dim)
+    uint32_t src_stride;             // elements between rows of src
+    uint32_t elem_bytes;             // 2 or 4
+    uint32_t num_rows;               // rows of the cache
+} MlKvWriteParams;
+
+// Decode-shaped (BGMV) LoRA kernels: the grid covers every slot (max_loras) and row block of the
+// step whatever the batch holds; a block with no rows returns at once (vLLM's approach), so a
+// decode step's launches depend only on the batch size, the slots' ranks and the shapes.
+// Rows of one block: a slot's rows are cut into blocks of ML_TILE_ROWS.
+// Expand: threads per block, each owning 8 consecutive columns (one 16-byte access of 16-bit B).
+#define ML_BGMV_EXPAND_THREADS 64
+#define ML_BGMV_EXPAND_COLS (ML_BGMV_EXPAND_THREADS * 8)
+// K of one shrink split is a multiple of this (a warp's 8 elements a lane).
+#define ML_BGMV_K_ALIGN 256
+
+// BGMV shrink: grid x = slots, y = slices, z = row_blocks * k_split (split fastest).
+// s_i[z][p][j] = sum_{k in chunk z} x[rows[p], k] * A_i[slot, j, k] for j < rank_i(slot), and 0
+// for rank_i(slot) <= j < width_i: every element of the output is written (no memset).
+typedef struct {
+    uint64_t x;                      // TX [.., x_stride]
+    uint64_t rows;                   // u32 [n_lora]: packed position -> row of x
+    uint64_t slot_meta;              // u32 [2 * max_loras]: first packed position of each slot, then its rows
+    uint64_t a[ML_MAX_SLICES];       // TW [max_loras, max_rank, in_features] per slice
+    uint64_t out[ML_MAX_SLICES];     // f32 per slice: [k_split][n_lora][out_stride]
+    uint32_t width[ML_MAX_SLICES];   // output columns of each slice (its largest rank)
+    uint32_t x_stride;
+    uint32_t in_features;
+    uint32_t max_rank;
+    uint32_t max_loras;
+    uint32_t out_stride;
+    uint32_t out_split_stride;
+    uint32_t k_chunk;                // a multiple of ML_BGMV_K_ALIGN
+    uint32_t k_split;
+    uint32_t pad;
+    uint16_t rank[ML_MAX_SLICES][ML_MAX_SEGS];  // true rank of each slot, per slice
+} MlBgmvShrinkParams;
+
+// BGMV expand: grid x = slots, y = slices, z = row_blocks * col_chunks (chunk fastest).
+// y[rows[p], col_off_i + c] += sum_{j < rank_i(slot)} (sum_z s_i[z][p][j]) * Bt_i[slot, j, c].
+typedef struct {
+    uint64_t y;                      // TX [.., y_stride], updated in place
+    uint64_t rows;                   // u32 [n_lora]
+    uint64_t slot_meta;              // u32 [2 * max_loras]
+    uint64_t b[ML_MAX_SLICES];       // TW [max_loras, max_rank, width_i]: B transposed
+    uint64_t s[ML_MAX_SLICES];       // f32 per slice: [k_split][n_lora][s_stride]
+    uint32_t width[ML_MAX_SLICES];   // output columns of each slice
+    uint32_t col_off[ML_MAX_SLICES];
+    uint32_t s_stride;
+    uint32_t s_split_stride;
+    uint32_t y_stride;
+    uint32_t max_rank;
+    uint32_t max_loras;
+    uint32_t k_split;
+    uint32_t col_chunks;
+    uint32_t pad;
+    uint16_t rank[ML_MAX_SLICES][ML_MAX_SEGS];
+} MlBgmvExpandParams;

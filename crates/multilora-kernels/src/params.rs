@@ -21,6 +21,16 @@ pub const EXPAND_THREADS: u32 = 128;
 pub const EXPAND_COLS_PER_THREAD: u32 = 8;
 /// Warps per decode-attention block (`ML_ATTN_WARPS`).
 pub const ATTN_WARPS: u32 = 4;
+/// Threads per KV-write block (`ML_KV_WRITE_THREADS`).
+pub const KV_WRITE_THREADS: u32 = 128;
+/// Threads per BGMV expand block (`ML_BGMV_EXPAND_THREADS`), each owning 8 columns.
+pub const BGMV_EXPAND_THREADS: u32 = 64;
+/// Columns of one BGMV expand block (`ML_BGMV_EXPAND_COLS`).
+pub const BGMV_EXPAND_COLS: usize = 512;
+/// A BGMV shrink's K chunk is a multiple of this (`ML_BGMV_K_ALIGN`).
+pub const BGMV_K_ALIGN: usize = 256;
+/// The ranks the BGMV kernels are built for (`R`): a step's largest slot rank rounded up.
+pub const BGMV_RANKS: [usize; 4] = [8, 16, 32, 64];
 
 /// A field type of a parameter struct: little-endian bytes in declaration order, and zero.
 trait Field: Copy {
@@ -238,5 +248,102 @@ params!(
         q_stride: u32,
         /// Elements between sequences of `out`.
         out_stride: u32,
+    }
+);
+
+params!(
+    /// `paged_kv_write`: `cache[slots[t]] = src[t]`, one block per token (once for K, once for V).
+    KvWriteParams = "MlKvWriteParams" {
+        /// `[tokens, src_stride]`: the new keys (or values), in the cache's dtype.
+        src: u64,
+        /// `[num_rows, width]`.
+        cache: u64,
+        /// `u32 [tokens]`: the cache row of each token (`≥ num_rows`: written nowhere).
+        slots: u64,
+        /// Elements of a cache row (`kv_heads · head_dim`).
+        width: u32,
+        /// Elements between rows of `src`.
+        src_stride: u32,
+        /// Bytes per element (2 or 4).
+        elem_bytes: u32,
+        /// Rows of the cache.
+        num_rows: u32,
+    }
+);
+
+params!(
+    /// `lora_shrink_bgmv_<tx>_<tw>_r<R>`: the decode-shaped shrink over every slot and row block,
+    /// every element of `out` written (zeros past a slot's rank).
+    BgmvShrinkParams = "MlBgmvShrinkParams" {
+        /// The layer input, `[.., x_stride]`.
+        x: u64,
+        /// `u32 [n_lora]`: packed position → row of `x`.
+        rows: u64,
+        /// `u32 [2 · max_loras]`: each slot's first packed position, then its row count.
+        slot_meta: u64,
+        /// Per slice: A slots `[max_loras, max_rank, in_features]`.
+        a: [u64; MAX_SLICES],
+        /// Per slice: f32 output `[k_split][n_lora][out_stride]`.
+        out: [u64; MAX_SLICES],
+        /// Per slice: output columns (the largest rank of its slots).
+        width: [u32; MAX_SLICES],
+        /// Elements between rows of `x`.
+        x_stride: u32,
+        /// Input width.
+        in_features: u32,
+        /// Rank stride of a slot.
+        max_rank: u32,
+        /// Slots (`gridDim.x`).
+        max_loras: u32,
+        /// Elements between rows of `out`.
+        out_stride: u32,
+        /// Elements between K-split partials of `out`.
+        out_split_stride: u32,
+        /// Elements of K per split (a multiple of [`BGMV_K_ALIGN`]).
+        k_chunk: u32,
+        /// K splits.
+        k_split: u32,
+        /// Unused; keeps `rank` where the header has it.
+        pad: u32,
+        /// True rank of each slot, per slice.
+        rank: [[u16; MAX_SEGS]; MAX_SLICES],
+    }
+);
+
+params!(
+    /// `lora_expand_bgmv_<tx>_<tw>_r<R>`: the decode-shaped expand over every slot and row block.
+    BgmvExpandParams = "MlBgmvExpandParams" {
+        /// The layer output, `[.., y_stride]`, updated in place.
+        y: u64,
+        /// `u32 [n_lora]`.
+        rows: u64,
+        /// `u32 [2 · max_loras]`.
+        slot_meta: u64,
+        /// Per slice: Bᵀ slots `[max_loras, max_rank, width_i]`.
+        b: [u64; MAX_SLICES],
+        /// Per slice: f32 shrink output `[k_split][n_lora][s_stride]`.
+        s: [u64; MAX_SLICES],
+        /// Output columns of each slice.
+        width: [u32; MAX_SLICES],
+        /// First column of each slice in `y`.
+        col_off: [u32; MAX_SLICES],
+        /// Elements between rows of `s`.
+        s_stride: u32,
+        /// Elements between K-split partials of `s`.
+        s_split_stride: u32,
+        /// Elements between rows of `y`.
+        y_stride: u32,
+        /// Rank stride of a slot.
+        max_rank: u32,
+        /// Slots (`gridDim.x`).
+        max_loras: u32,
+        /// Partials to sum.
+        k_split: u32,
+        /// Column chunks of [`BGMV_EXPAND_COLS`] (`gridDim.z = row_blocks · col_chunks`).
+        col_chunks: u32,
+        /// Unused.
+        pad: u32,
+        /// True rank of each slot, per slice.
+        rank: [[u16; MAX_SEGS]; MAX_SLICES],
     }
 );

@@ -3,7 +3,9 @@
 //! parameters from the wrong bytes.
 
 use multilora_kernels::Emulator;
-use multilora_kernels::params::{DecodeAttnParams, EmbedShrinkParams, ExpandParams, ShrinkParams, Tile};
+use multilora_kernels::params::{
+    BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, EmbedShrinkParams, ExpandParams, KvWriteParams, ShrinkParams, Tile,
+};
 
 fn check(c: &[(String, usize)], name: &str, size: usize, fields: &[(&str, usize)], bytes: usize) {
     let get = |k: &str| c.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
@@ -31,6 +33,9 @@ fn rust_mirrors_match_the_c_header() {
     check_struct!(&c, ExpandParams);
     check_struct!(&c, EmbedShrinkParams);
     check_struct!(&c, DecodeAttnParams);
+    check_struct!(&c, KvWriteParams);
+    check_struct!(&c, BgmvShrinkParams);
+    check_struct!(&c, BgmvExpandParams);
 }
 
 #[test]

@@ -59,6 +59,7 @@ pub use ops::attention::cpu::decode_attention_rows;
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::expand::lora_expand;
 pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
+pub use ops::kv_write::{paged_kv_write, paged_kv_write_slow};
 pub use ops::lora_apply;
 pub use ops::quant::{QuantIsa, QuantType, QuantWeight};
 pub use ops::shrink::lora_shrink;

@@ -7,9 +7,9 @@
 
 use candle_core::{DType, Tensor};
 
-use multilora_layers::{decode_attention_rows, paged_decode_attention};
+use multilora_layers::{decode_attention_rows, paged_decode_attention, paged_kv_write};
 
-use crate::batch::{DecodeGroup, DecodeReads, StepPlan};
+use crate::batch::{DecodeGroup, DecodeReads, KvWrites, StepPlan};
 use crate::error::Result;
 
 /// Shapes of the attention (the layers' decode-kernel shapes).
@@ -17,11 +17,17 @@ pub(crate) use multilora_layers::PagedDecodeDims as AttnDims;
 
 /// Writes the step's new `k`, `v` (`[tokens, kv_heads · head_dim]`) into the layer's cache rows.
 /// Keys and values are rounded to the cache's dtype (bf16 / f16 caches under f32 activations on
-/// the CPU).
+/// the CPU). On CUDA the KV-write kernel reads each token's row from the step's rows directly
+/// (one block per token; `v`, a column range of the fused qkv output, is read in place).
 pub(crate) fn write_kv(plan: &StepPlan, cache_k: &Tensor, cache_v: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     let dt = cache_k.dtype();
-    cache_k.scatter_set(&plan.write_index, &k.to_dtype(dt)?.contiguous()?, 0)?;
-    cache_v.scatter_set(&plan.write_index, &v.to_dtype(dt)?.contiguous()?, 0)?;
+    match &plan.kv_writes {
+        KvWrites::Scatter(index) => {
+            cache_k.scatter_set(index, &k.to_dtype(dt)?.contiguous()?, 0)?;
+            cache_v.scatter_set(index, &v.to_dtype(dt)?.contiguous()?, 0)?;
+        }
+        KvWrites::Rows(rows) => paged_kv_write(cache_k, cache_v, &k.to_dtype(dt)?, &v.to_dtype(dt)?, rows)?,
+    }
     Ok(())
 }
 

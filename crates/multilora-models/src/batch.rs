@@ -132,14 +132,23 @@ pub(crate) enum DecodeReads {
     },
 }
 
+/// The cache rows a step's new keys and values go to.
+#[derive(Debug)]
+pub(crate) enum KvWrites {
+    /// `[tokens, kv_width]` u32: each token's row repeated along the row, the shape candle's
+    /// `scatter_set` wants (the CPU, and any device without the kernel).
+    Scatter(Tensor),
+    /// `u32 [tokens]`: each token's row, read directly by the CUDA KV-write kernel.
+    Rows(Tensor),
+}
+
 /// Everything the layers need about a step, computed once.
 #[derive(Debug)]
 pub(crate) struct StepPlan {
     pub(crate) ids: Tensor,
     pub(crate) positions: Tensor,
-    /// `[tokens, kv_width]` u32: the flat cache row of each new token, repeated along the row,
-    /// the shape `scatter_set` wants.
-    pub(crate) write_index: Tensor,
+    /// The flat cache row of each new token, as the K/V write of the step's device reads it.
+    pub(crate) kv_writes: KvWrites,
     /// Sequences with more than one new token, attended one by one.
     pub(crate) seqs: Vec<SeqPlan>,
     /// Sequences with one new token, attended together.
@@ -235,15 +244,20 @@ impl StepPlan {
             Some(Tensor::from_vec(inv, order.len(), device)?)
         };
         let decode = decode_group(decode, lim.paged_decode, device)?;
-        let write_index =
-            Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?;
+        let kv_writes = if device.is_cuda() {
+            KvWrites::Rows(Tensor::from_vec(write_rows, total, device)?)
+        } else {
+            KvWrites::Scatter(
+                Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?,
+            )
+        };
         let all_rows = logit_rows.len() == total;
         let logit_rows_t =
             if all_rows { None } else { Some(Tensor::from_vec(logit_rows.clone(), logit_rows.len(), device)?) };
         Ok(StepPlan {
             ids: Tensor::from_vec(ids, total, device)?,
             positions: Tensor::from_vec(positions, total, device)?,
-            write_index,
+            kv_writes,
             seqs,
             decode,
             unpermute,

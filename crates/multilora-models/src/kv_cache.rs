@@ -2,7 +2,8 @@
 //!
 //! Block `b`, offset `o` is flat row `b · block_size + o`; tensors are held as
 //! `[num_blocks · block_size, kv_heads · head_dim]` (the same memory) so that one step writes all
-//! its new rows with one in-place scatter per layer, and a sequence's context is one row gather.
+//! its new rows with one in-place write per layer and cache (candle's scatter on the CPU, the
+//! KV-write kernel on CUDA), and a sequence's context is one row gather.
 //! Block ids come from the prefix cache's block pool; this type only stores what they address.
 
 use candle_core::{DType, Device, Tensor};

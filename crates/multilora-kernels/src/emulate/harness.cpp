@@ -9,6 +9,8 @@
 #include "../lora_expand.cu"
 #include "../lora_shrink.cu"
 #include "../paged_attention.cu"
+#include "../kv_write.cu"
+#include "../lora_bgmv.cu"
 
 #include <cstddef>
 #include <cstdio>
@@ -61,6 +63,22 @@ MlDecodeAttnParams fix_ptrs(MlDecodeAttnParams p) {
     return p;
 }
 
+MlKvWriteParams fix_ptrs(MlKvWriteParams p) {
+    p.src = fix(p.src); p.cache = fix(p.cache); p.slots = fix(p.slots);
+    return p;
+}
+
+MlBgmvShrinkParams fix_ptrs(MlBgmvShrinkParams p) {
+    p.x = fix(p.x); p.rows = fix(p.rows); p.slot_meta = fix(p.slot_meta);
+    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.a[i] = fix(p.a[i]); p.out[i] = fix(p.out[i]); }
+    return p;
+}
+MlBgmvExpandParams fix_ptrs(MlBgmvExpandParams p) {
+    p.y = fix(p.y); p.rows = fix(p.rows); p.slot_meta = fix(p.slot_meta);
+    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.b[i] = fix(p.b[i]); p.s[i] = fix(p.s[i]); }
+    return p;
+}
+
 using Runner = std::function<void(dim3, dim3, const std::vector<uint8_t>&)>;
 
 template <typename P>
@@ -93,6 +111,14 @@ std::map<std::string, Runner> kernels() {
     k["paged_decode_" #t "_d224"] = runner(paged_decode_##t##_d224); \
     k["paged_decode_" #t "_d256"] = runner(paged_decode_##t##_d256);
     ML_REG_ATTN(f32) ML_REG_ATTN(bf16) ML_REG_ATTN(f16)
+    k["paged_kv_write"] = runner(paged_kv_write);
+#define ML_REG_BGMV(tx, tw, R) \
+    k["lora_shrink_bgmv_" #tx "_" #tw "_r" #R] = runner(lora_shrink_bgmv_##tx##_##tw##_r##R); \
+    k["lora_expand_bgmv_" #tx "_" #tw "_r" #R] = runner(lora_expand_bgmv_##tx##_##tw##_r##R);
+#define ML_REG_BGMV_RANKS(tx, tw) ML_REG_BGMV(tx, tw, 8) ML_REG_BGMV(tx, tw, 16) ML_REG_BGMV(tx, tw, 32) ML_REG_BGMV(tx, tw, 64)
+    ML_REG_BGMV_RANKS(f32, f32) ML_REG_BGMV_RANKS(f32, bf16) ML_REG_BGMV_RANKS(f32, f16)
+    ML_REG_BGMV_RANKS(bf16, f32) ML_REG_BGMV_RANKS(bf16, bf16) ML_REG_BGMV_RANKS(bf16, f16)
+    ML_REG_BGMV_RANKS(f16, f32) ML_REG_BGMV_RANKS(f16, bf16) ML_REG_BGMV_RANKS(f16, f16)
     return k;
 }
 
@@ -135,6 +161,21 @@ void layout() {
     ML_FIELD(MlDecodeAttnParams, block_tables) ML_FIELD(MlDecodeAttnParams, ctx_lens) ML_FIELD(MlDecodeAttnParams, out)
     ML_FIELD(MlDecodeAttnParams, heads) ML_FIELD(MlDecodeAttnParams, kv_heads) ML_FIELD(MlDecodeAttnParams, block_size)
     ML_FIELD(MlDecodeAttnParams, max_blocks) ML_FIELD(MlDecodeAttnParams, q_stride) ML_FIELD(MlDecodeAttnParams, out_stride)
+    ML_SIZE(MlKvWriteParams)
+    ML_FIELD(MlKvWriteParams, src) ML_FIELD(MlKvWriteParams, cache) ML_FIELD(MlKvWriteParams, slots)
+    ML_FIELD(MlKvWriteParams, width) ML_FIELD(MlKvWriteParams, src_stride) ML_FIELD(MlKvWriteParams, elem_bytes)
+    ML_FIELD(MlKvWriteParams, num_rows)
+#define ML_BGMV_COMMON(S) ML_SIZE(S) ML_FIELD(S, rows) ML_FIELD(S, slot_meta) ML_FIELD(S, width) ML_FIELD(S, max_rank) \
+    ML_FIELD(S, max_loras) ML_FIELD(S, k_split) ML_FIELD(S, rank)
+    ML_BGMV_COMMON(MlBgmvShrinkParams)
+    ML_FIELD(MlBgmvShrinkParams, x) ML_FIELD(MlBgmvShrinkParams, a) ML_FIELD(MlBgmvShrinkParams, out)
+    ML_FIELD(MlBgmvShrinkParams, x_stride) ML_FIELD(MlBgmvShrinkParams, in_features)
+    ML_FIELD(MlBgmvShrinkParams, out_stride) ML_FIELD(MlBgmvShrinkParams, out_split_stride) ML_FIELD(MlBgmvShrinkParams, k_chunk)
+    ML_FIELD(MlBgmvShrinkParams, pad)
+    ML_BGMV_COMMON(MlBgmvExpandParams)
+    ML_FIELD(MlBgmvExpandParams, y) ML_FIELD(MlBgmvExpandParams, b) ML_FIELD(MlBgmvExpandParams, s)
+    ML_FIELD(MlBgmvExpandParams, col_off) ML_FIELD(MlBgmvExpandParams, s_stride) ML_FIELD(MlBgmvExpandParams, s_split_stride)
+    ML_FIELD(MlBgmvExpandParams, y_stride) ML_FIELD(MlBgmvExpandParams, col_chunks) ML_FIELD(MlBgmvExpandParams, pad)
 }
 
 }  // namespace

@@ -12,7 +12,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaStream, SyncOnDrop};
 use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
-use multilora_kernels::params::{DecodeAttnParams, EmbedShrinkParams, ExpandParams, ShrinkParams};
+use multilora_kernels::params::{DecodeAttnParams, EmbedShrinkParams, ExpandParams, KvWriteParams, ShrinkParams};
 use multilora_kernels::{KernelDtype, Module};
 
 use crate::ops::plan::Launch;
@@ -32,6 +32,8 @@ unsafe impl DeviceRepr for KernelArg<ExpandParams> {}
 unsafe impl DeviceRepr for KernelArg<EmbedShrinkParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for KernelArg<DecodeAttnParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<KvWriteParams> {}
 
 /// The kernels' dtype for a candle dtype; other dtypes have no kernel.
 pub(crate) fn kernel_dtype(d: DType) -> candle_core::Result<KernelDtype> {

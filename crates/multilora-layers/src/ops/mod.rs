@@ -12,6 +12,7 @@ pub(crate) mod attention;
 pub(crate) mod cuda;
 pub(crate) mod expand;
 pub(crate) mod gemm;
+pub(crate) mod kv_write;
 // The CUDA glue and the emulated kernel tests use the plan; a CPU build only tests it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod plan;

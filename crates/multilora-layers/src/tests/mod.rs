@@ -3,6 +3,7 @@
 
 mod attention_cpu;
 mod emulated;
+mod emulated_fast;
 mod gemm;
 mod layers;
 mod ops;
