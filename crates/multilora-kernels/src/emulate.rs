@@ -68,6 +68,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("vec.cuh", include_str!("vec.cuh")),
     ("kv_write.cu", include_str!("kv_write.cu")),
     ("lora_bgmv.cu", include_str!("lora_bgmv.cu")),
+    ("paged_decode_split.cu", include_str!("paged_decode_split.cu")),
     ("emulate/emu.h", include_str!("emulate/emu.h")),
     ("emulate/harness.cpp", include_str!("emulate/harness.cpp")),
 ];

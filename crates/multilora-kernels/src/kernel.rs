@@ -48,6 +48,8 @@ pub enum Module {
     KvWrite,
     /// `lora_bgmv.cu`.
     LoraBgmv,
+    /// `paged_decode_split.cu`.
+    PagedDecodeSplit,
 }
 
 impl Module {
@@ -60,6 +62,7 @@ impl Module {
             Module::PagedAttention => "multilora_paged_attention",
             Module::KvWrite => "multilora_kv_write",
             Module::LoraBgmv => "multilora_lora_bgmv",
+            Module::PagedDecodeSplit => "multilora_paged_decode_split",
         }
     }
 
@@ -73,6 +76,7 @@ impl Module {
             Module::PagedAttention => crate::ptx::PAGED_ATTENTION,
             Module::KvWrite => crate::ptx::KV_WRITE,
             Module::LoraBgmv => crate::ptx::LORA_BGMV,
+            Module::PagedDecodeSplit => crate::ptx::PAGED_DECODE_SPLIT,
         }
     }
 }
@@ -114,6 +118,20 @@ pub fn paged_decode(t: KernelDtype, head_dim: usize) -> Option<String> {
     DECODE_HEAD_DIMS.contains(&head_dim).then(|| format!("paged_decode_{}_d{head_dim}", t.suffix()))
 }
 
+/// Head sizes the split decode attention is built for (one 8-element vector a lane).
+pub const SPLIT_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
+
+/// `(paged_decode_split_<t>_d<head_dim>, paged_decode_reduce_<t>_d<head_dim>)`, or `None` for a
+/// head size they are not built for.
+pub fn paged_decode_split(t: KernelDtype, head_dim: usize) -> Option<(String, String)> {
+    SPLIT_HEAD_DIMS.contains(&head_dim).then(|| {
+        (
+            format!("paged_decode_split_{}_d{head_dim}", t.suffix()),
+            format!("paged_decode_reduce_{}_d{head_dim}", t.suffix()),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,5 +143,9 @@ mod tests {
         assert_eq!(lora_embed_shrink(KernelDtype::Bf16), "lora_embed_shrink_bf16");
         assert_eq!(paged_decode(KernelDtype::F32, 128).as_deref(), Some("paged_decode_f32_d128"));
         assert_eq!(paged_decode(KernelDtype::F32, 80), None);
+        assert_eq!(lora_expand_bgmv(KernelDtype::Bf16, KernelDtype::F16, 32), "lora_expand_bgmv_bf16_f16_r32");
+        let (split, reduce) = paged_decode_split(KernelDtype::F16, 128).unwrap();
+        assert_eq!((split.as_str(), reduce.as_str()), ("paged_decode_split_f16_d128", "paged_decode_reduce_f16_d128"));
+        assert_eq!(paged_decode_split(KernelDtype::F16, 96), None);
     }
 }

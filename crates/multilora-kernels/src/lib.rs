@@ -4,7 +4,9 @@
 //! attention that reads the block table on the device.
 //!
 //! - `src/*.cu`: the kernels, one stem per op (`lora_shrink.cu`, `lora_expand.cu`, `lora_embed.cu`,
-//!   `paged_attention.cu`), sharing `multilora.cuh` and the launch parameters of `params.h`;
+//!   `lora_bgmv.cu` for decode-shaped steps, `paged_attention.cu`, `paged_decode_split.cu` for long
+//!   contexts and GQA, `kv_write.cu`), sharing `multilora.cuh`, `vec.cuh` (16-byte accesses) and
+//!   the launch parameters of `params.h`;
 //! - [`params`]: the `#[repr(C)]` mirrors of those parameters and the tile sizes the host plans
 //!   with (the plan itself, which segments, tiles, grids and ranks, is computed in
 //!   `multilora-layers` and `multilora-models`, in Rust, and tested on every machine);

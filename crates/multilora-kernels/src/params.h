@@ -150,7 +150,6 @@ typedef struct {
     uint32_t out_split_stride;
     uint32_t k_chunk;                // a multiple of ML_BGMV_K_ALIGN
     uint32_t k_split;
-    uint32_t pad;
     uint16_t rank[ML_MAX_SLICES][ML_MAX_SEGS];  // true rank of each slot, per slice
 } MlBgmvShrinkParams;
 
@@ -174,3 +173,36 @@ typedef struct {
     uint32_t pad;
     uint16_t rank[ML_MAX_SLICES][ML_MAX_SEGS];
 } MlBgmvExpandParams;
+
+// Split decode attention (flash-decoding): warps per block, query heads one block covers (of the
+// heads that share a KV head), and tokens of one context partition.
+#define ML_SPLIT_WARPS 4
+#define ML_SPLIT_GROUP 8
+#define ML_SPLIT_PART_TOKENS 512
+
+// paged_decode_split: grid (sequences, kv_heads * head_groups, parts). Block (n, kvh, hg, z)
+// attends query heads kvh * group + hg * ML_SPLIT_GROUP ... (at most ML_SPLIT_GROUP of them) over
+// tokens z * part_tokens ... of sequence n's context, reading each K and V row once for all of
+// them. With parts = 1 it writes `out` (normalized); otherwise its partition's output relative to
+// its own max into part_acc, and (max, sum) into part_ml, for paged_decode_reduce (grid
+// (sequences, heads)) to combine over the ceil(ctx / part_tokens) partitions the context has.
+typedef struct {
+    uint64_t q;                      // TX [n, heads, head_dim], already scaled by 1/sqrt(head_dim)
+    uint64_t k_cache;                // TX [num_blocks * block_size, kv_heads * head_dim]
+    uint64_t v_cache;
+    uint64_t block_tables;           // u32 [n, max_blocks]
+    uint64_t ctx_lens;               // u32 [n]
+    uint64_t out;                    // TX [n, heads * head_dim]
+    uint64_t part_acc;               // f32 [n, heads, parts, head_dim]
+    uint64_t part_ml;                // f32 [n, heads, parts, 2]: max, sum
+    uint32_t heads;
+    uint32_t kv_heads;
+    uint32_t block_size;
+    uint32_t max_blocks;
+    uint32_t q_stride;
+    uint32_t out_stride;
+    uint32_t part_tokens;
+    uint32_t parts;
+    uint32_t head_groups;            // ceil((heads / kv_heads) / ML_SPLIT_GROUP)
+    uint32_t pad;
+} MlDecodeSplitParams;

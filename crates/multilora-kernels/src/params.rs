@@ -29,6 +29,12 @@ pub const BGMV_EXPAND_THREADS: u32 = 64;
 pub const BGMV_EXPAND_COLS: usize = 512;
 /// A BGMV shrink's K chunk is a multiple of this (`ML_BGMV_K_ALIGN`).
 pub const BGMV_K_ALIGN: usize = 256;
+/// Warps per split decode-attention block (`ML_SPLIT_WARPS`).
+pub const SPLIT_WARPS: u32 = 4;
+/// Query heads one split decode-attention block covers (`ML_SPLIT_GROUP`).
+pub const SPLIT_GROUP: usize = 8;
+/// Tokens of one context partition of the split decode attention (`ML_SPLIT_PART_TOKENS`).
+pub const SPLIT_PART_TOKENS: usize = 512;
 /// The ranks the BGMV kernels are built for (`R`): a step's largest slot rank rounded up.
 pub const BGMV_RANKS: [usize; 4] = [8, 16, 32, 64];
 
@@ -303,8 +309,6 @@ params!(
         k_chunk: u32,
         /// K splits.
         k_split: u32,
-        /// Unused; keeps `rank` where the header has it.
-        pad: u32,
         /// True rank of each slot, per slice.
         rank: [[u16; MAX_SEGS]; MAX_SLICES],
     }
@@ -345,5 +349,49 @@ params!(
         pad: u32,
         /// True rank of each slot, per slice.
         rank: [[u16; MAX_SEGS]; MAX_SLICES],
+    }
+);
+
+params!(
+    /// `paged_decode_split_<t>_d<head_dim>` and `paged_decode_reduce_<t>_d<head_dim>`: decode
+    /// attention with the context cut into partitions, one block per (sequence, KV head, head
+    /// group, partition), then a reduce over the partitions.
+    DecodeSplitParams = "MlDecodeSplitParams" {
+        /// `[n, heads, head_dim]`, already scaled by `1/√head_dim`.
+        q: u64,
+        /// `[num_blocks · block_size, kv_heads · head_dim]`.
+        k_cache: u64,
+        /// Same layout as `k_cache`.
+        v_cache: u64,
+        /// `u32 [n, max_blocks]`.
+        block_tables: u64,
+        /// `u32 [n]`: context length of each sequence (≥ 1).
+        ctx_lens: u64,
+        /// `[n, heads · head_dim]`.
+        out: u64,
+        /// f32 `[n, heads, parts, head_dim]`: each partition's output (unused with one partition).
+        part_acc: u64,
+        /// f32 `[n, heads, parts, 2]`: each partition's max and sum.
+        part_ml: u64,
+        /// Query heads.
+        heads: u32,
+        /// KV heads (divides `heads`).
+        kv_heads: u32,
+        /// Tokens per cache block.
+        block_size: u32,
+        /// Row stride of `block_tables`.
+        max_blocks: u32,
+        /// Elements between sequences of `q`.
+        q_stride: u32,
+        /// Elements between sequences of `out`.
+        out_stride: u32,
+        /// Tokens per partition.
+        part_tokens: u32,
+        /// Partitions (`gridDim.z`); 1: the blocks write `out` themselves.
+        parts: u32,
+        /// Head groups of [`SPLIT_GROUP`] per KV head.
+        head_groups: u32,
+        /// Unused.
+        pad: u32,
     }
 );

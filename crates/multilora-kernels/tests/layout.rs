@@ -4,7 +4,8 @@
 
 use multilora_kernels::Emulator;
 use multilora_kernels::params::{
-    BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, EmbedShrinkParams, ExpandParams, KvWriteParams, ShrinkParams, Tile,
+    BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams, ExpandParams,
+    KvWriteParams, ShrinkParams, Tile,
 };
 
 fn check(c: &[(String, usize)], name: &str, size: usize, fields: &[(&str, usize)], bytes: usize) {
@@ -36,6 +37,7 @@ fn rust_mirrors_match_the_c_header() {
     check_struct!(&c, KvWriteParams);
     check_struct!(&c, BgmvShrinkParams);
     check_struct!(&c, BgmvExpandParams);
+    check_struct!(&c, DecodeSplitParams);
 }
 
 #[test]

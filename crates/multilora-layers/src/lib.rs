@@ -57,6 +57,8 @@ pub use linear::{LinearWeight, LoraLinear};
 pub use mapping::{LoraMapping, Segment};
 pub use ops::attention::cpu::decode_attention_rows;
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
+#[cfg(feature = "cuda")]
+pub use ops::cuda::disable_event_tracking;
 pub use ops::expand::lora_expand;
 pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
 pub use ops::kv_write::{paged_kv_write, paged_kv_write_slow};

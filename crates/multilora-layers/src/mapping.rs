@@ -46,6 +46,9 @@ pub struct LoraMapping {
     lora_index: Option<Tensor>,
     /// The tiles' fields as `u32`s on `device` (uploaded with `lora_index`, in the same copy).
     tile_index: Option<Tensor>,
+    /// On CUDA: each slot's first packed position, then its row count (`u32 [2 · max_loras]`,
+    /// the decode-shaped kernels' fixed-size table), in the same copy.
+    slot_index: Option<Tensor>,
 }
 
 impl LoraMapping {
@@ -84,16 +87,21 @@ impl LoraMapping {
         let num_base = counts[0];
         let identity = sorted.iter().enumerate().all(|(i, &r)| r as usize == i);
         let tiles = tiles_of(&segments, num_base);
-        let (lora_index, tile_index) = if num_base < slots.len() {
-            // One host-to-device copy for the step: the LoRA rows, then the tiles.
+        let (lora_index, tile_index, slot_index) = if num_base < slots.len() {
+            // One host-to-device copy for the step: the LoRA rows, then the tiles (and on CUDA
+            // the slot table).
             let lora = &sorted[num_base..];
-            let mut meta = Vec::with_capacity(lora.len() + 4 * tiles.len());
+            let table = if device.is_cuda() { slot_table(&segments, num_base, max_loras) } else { Vec::new() };
+            let mut meta = Vec::with_capacity(lora.len() + 4 * tiles.len() + table.len());
             meta.extend_from_slice(lora);
             meta.extend(tiles.iter().flat_map(|t| [t.slot, t.seg, t.start, t.len]));
-            let meta = Tensor::from_vec(meta, lora.len() + 4 * tiles.len(), device)?;
-            (Some(meta.narrow(0, 0, lora.len())?), Some(meta.narrow(0, lora.len(), 4 * tiles.len())?))
+            meta.extend_from_slice(&table);
+            let at = lora.len() + 4 * tiles.len();
+            let meta = Tensor::from_vec(meta, at + table.len(), device)?;
+            let slot_index = if table.is_empty() { None } else { Some(meta.narrow(0, at, table.len())?) };
+            (Some(meta.narrow(0, 0, lora.len())?), Some(meta.narrow(0, lora.len(), 4 * tiles.len())?), slot_index)
         } else {
-            (None, None)
+            (None, None, None)
         };
         Ok(LoraMapping {
             slots: slots.to_vec(),
@@ -106,6 +114,7 @@ impl LoraMapping {
             tiles,
             lora_index,
             tile_index,
+            slot_index,
         })
     }
 
@@ -113,6 +122,12 @@ impl LoraMapping {
     /// `Tile::seg` counts LoRA segments from 0 and `Tile::start` is a packed position.
     pub fn tiles(&self) -> &[Tile] {
         &self.tiles
+    }
+
+    /// On CUDA, [`slot_table`] on the device: each slot's first packed position, then its rows.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn slot_index(&self) -> Option<&Tensor> {
+        self.slot_index.as_ref()
     }
 
     /// [`LoraMapping::tiles`] on the mapping's device, four `u32`s per tile.
@@ -205,6 +220,19 @@ impl LoraMapping {
             Some(index) => Ok(Some(x.index_select(index, 0)?)),
         }
     }
+}
+
+/// The decode-shaped kernels' slot table, `2 · max_loras` values: the first packed position of
+/// each slot's rows (0 for a slot with none), then its row count.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn slot_table(segments: &[Segment], num_base: usize, max_loras: usize) -> Vec<u32> {
+    let mut table = vec![0u32; 2 * max_loras];
+    for seg in segments {
+        let s = seg.slot.index();
+        table[s] = (seg.start - num_base) as u32;
+        table[max_loras + s] = seg.len as u32;
+    }
+    table
 }
 
 /// The LoRA segments cut into tiles of at most [`TILE_ROWS`] rows, in order: the kernels' own

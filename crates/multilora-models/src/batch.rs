@@ -244,19 +244,33 @@ impl StepPlan {
             Some(Tensor::from_vec(inv, order.len(), device)?)
         };
         let decode = decode_group(decode, lim.paged_decode, device)?;
-        let kv_writes = if device.is_cuda() {
-            KvWrites::Rows(Tensor::from_vec(write_rows, total, device)?)
+        let (ids, positions, kv_writes) = if device.is_cuda() {
+            // One host-to-device copy for the token ids, positions and cache rows of the step.
+            let mut meta = Vec::with_capacity(3 * total);
+            meta.extend_from_slice(&ids);
+            meta.extend_from_slice(&positions);
+            meta.extend_from_slice(&write_rows);
+            let meta = Tensor::from_vec(meta, 3 * total, device)?;
+            (
+                meta.narrow(0, 0, total)?,
+                meta.narrow(0, total, total)?,
+                KvWrites::Rows(meta.narrow(0, 2 * total, total)?),
+            )
         } else {
-            KvWrites::Scatter(
-                Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?,
+            let index =
+                Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?;
+            (
+                Tensor::from_vec(ids, total, device)?,
+                Tensor::from_vec(positions, total, device)?,
+                KvWrites::Scatter(index),
             )
         };
         let all_rows = logit_rows.len() == total;
         let logit_rows_t =
             if all_rows { None } else { Some(Tensor::from_vec(logit_rows.clone(), logit_rows.len(), device)?) };
         Ok(StepPlan {
-            ids: Tensor::from_vec(ids, total, device)?,
-            positions: Tensor::from_vec(positions, total, device)?,
+            ids,
+            positions,
             kv_writes,
             seqs,
             decode,

@@ -11,6 +11,7 @@
 #include "../paged_attention.cu"
 #include "../kv_write.cu"
 #include "../lora_bgmv.cu"
+#include "../paged_decode_split.cu"
 
 #include <cstddef>
 #include <cstdio>
@@ -79,6 +80,12 @@ MlBgmvExpandParams fix_ptrs(MlBgmvExpandParams p) {
     return p;
 }
 
+MlDecodeSplitParams fix_ptrs(MlDecodeSplitParams p) {
+    p.q = fix(p.q); p.k_cache = fix(p.k_cache); p.v_cache = fix(p.v_cache); p.block_tables = fix(p.block_tables);
+    p.ctx_lens = fix(p.ctx_lens); p.out = fix(p.out); p.part_acc = fix(p.part_acc); p.part_ml = fix(p.part_ml);
+    return p;
+}
+
 using Runner = std::function<void(dim3, dim3, const std::vector<uint8_t>&)>;
 
 template <typename P>
@@ -119,6 +126,11 @@ std::map<std::string, Runner> kernels() {
     ML_REG_BGMV_RANKS(f32, f32) ML_REG_BGMV_RANKS(f32, bf16) ML_REG_BGMV_RANKS(f32, f16)
     ML_REG_BGMV_RANKS(bf16, f32) ML_REG_BGMV_RANKS(bf16, bf16) ML_REG_BGMV_RANKS(bf16, f16)
     ML_REG_BGMV_RANKS(f16, f32) ML_REG_BGMV_RANKS(f16, bf16) ML_REG_BGMV_RANKS(f16, f16)
+#define ML_REG_SPLIT(t, d) \
+    k["paged_decode_split_" #t "_d" #d] = runner(paged_decode_split_##t##_d##d); \
+    k["paged_decode_reduce_" #t "_d" #d] = runner(paged_decode_reduce_##t##_d##d);
+#define ML_REG_SPLITS(t) ML_REG_SPLIT(t, 32) ML_REG_SPLIT(t, 64) ML_REG_SPLIT(t, 128) ML_REG_SPLIT(t, 256)
+    ML_REG_SPLITS(f32) ML_REG_SPLITS(bf16) ML_REG_SPLITS(f16)
     return k;
 }
 
@@ -171,7 +183,13 @@ void layout() {
     ML_FIELD(MlBgmvShrinkParams, x) ML_FIELD(MlBgmvShrinkParams, a) ML_FIELD(MlBgmvShrinkParams, out)
     ML_FIELD(MlBgmvShrinkParams, x_stride) ML_FIELD(MlBgmvShrinkParams, in_features)
     ML_FIELD(MlBgmvShrinkParams, out_stride) ML_FIELD(MlBgmvShrinkParams, out_split_stride) ML_FIELD(MlBgmvShrinkParams, k_chunk)
-    ML_FIELD(MlBgmvShrinkParams, pad)
+    ML_SIZE(MlDecodeSplitParams)
+    ML_FIELD(MlDecodeSplitParams, q) ML_FIELD(MlDecodeSplitParams, k_cache) ML_FIELD(MlDecodeSplitParams, v_cache)
+    ML_FIELD(MlDecodeSplitParams, block_tables) ML_FIELD(MlDecodeSplitParams, ctx_lens) ML_FIELD(MlDecodeSplitParams, out)
+    ML_FIELD(MlDecodeSplitParams, part_acc) ML_FIELD(MlDecodeSplitParams, part_ml) ML_FIELD(MlDecodeSplitParams, heads)
+    ML_FIELD(MlDecodeSplitParams, kv_heads) ML_FIELD(MlDecodeSplitParams, block_size) ML_FIELD(MlDecodeSplitParams, max_blocks)
+    ML_FIELD(MlDecodeSplitParams, q_stride) ML_FIELD(MlDecodeSplitParams, out_stride) ML_FIELD(MlDecodeSplitParams, part_tokens)
+    ML_FIELD(MlDecodeSplitParams, parts) ML_FIELD(MlDecodeSplitParams, head_groups) ML_FIELD(MlDecodeSplitParams, pad)
     ML_BGMV_COMMON(MlBgmvExpandParams)
     ML_FIELD(MlBgmvExpandParams, y) ML_FIELD(MlBgmvExpandParams, b) ML_FIELD(MlBgmvExpandParams, s)
     ML_FIELD(MlBgmvExpandParams, col_off) ML_FIELD(MlBgmvExpandParams, s_stride) ML_FIELD(MlBgmvExpandParams, s_split_stride)

@@ -12,7 +12,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaStream, SyncOnDrop};
 use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
-use multilora_kernels::params::{DecodeAttnParams, EmbedShrinkParams, ExpandParams, KvWriteParams, ShrinkParams};
+use multilora_kernels::params::{
+    BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams, ExpandParams,
+    KvWriteParams, ShrinkParams,
+};
 use multilora_kernels::{KernelDtype, Module};
 
 use crate::ops::plan::Launch;
@@ -34,6 +37,36 @@ unsafe impl DeviceRepr for KernelArg<EmbedShrinkParams> {}
 unsafe impl DeviceRepr for KernelArg<DecodeAttnParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for KernelArg<KvWriteParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<BgmvShrinkParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<BgmvExpandParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<DecodeSplitParams> {}
+
+/// `len` f32s on `dev`, not zeroed: for a kernel output whose every element the kernel writes
+/// before anything reads it (the BGMV shrink's plan guarantees that; its emulated test checks it
+/// on a buffer filled with NaN).
+pub(crate) fn alloc_written_f32(dev: &CudaDevice, len: usize) -> candle_core::Result<CudaStorage> {
+    // SAFETY: device memory, never read on the host; the launch that follows writes all of it
+    // before any kernel reads it (see above), and f32 has no invalid bit patterns.
+    let out = unsafe { dev.alloc::<f32>(len) }?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+/// Turns off cudarc's per-allocation event tracking on `device`'s context (a CPU device is left
+/// alone): every tensor allocated afterwards skips the `cuEventCreate` pair of its allocation and
+/// the `cuStreamWaitEvent` + `cuEventRecord` of each use, which only order work between streams.
+/// multilora runs all of a device's work on candle's one stream of that device (the kernels here
+/// launch on it, candle's ops and cuBLAS use it), so the stream alone orders every use.
+pub fn disable_event_tracking(device: &candle_core::Device) {
+    if let candle_core::Device::Cuda(d) = device {
+        // SAFETY: cudarc's conditions are that no slice is used on a second stream before its
+        // allocation or last use on the first is done, and none is freed while another stream
+        // still uses it; every slice of this device is only ever used on its one stream.
+        unsafe { d.cuda_stream().context().disable_event_tracking() };
+    }
+}
 
 /// The kernels' dtype for a candle dtype; other dtypes have no kernel.
 pub(crate) fn kernel_dtype(d: DType) -> candle_core::Result<KernelDtype> {

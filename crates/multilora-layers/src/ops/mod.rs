@@ -8,6 +8,9 @@
 //! once, when it is made (`check_input`, `check_output` here).
 
 pub(crate) mod attention;
+// The CUDA glue and the emulated kernel tests use the plan; a CPU build only tests it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod bgmv;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 pub(crate) mod expand;

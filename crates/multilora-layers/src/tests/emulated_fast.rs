@@ -4,12 +4,21 @@
 //! (the scalar tails), padding and empty slots, long contexts and GQA groups of 1, 3, 4 and 8.
 
 use candle_core::{DType, Device, Tensor};
+use multilora_adapter::ModuleId;
 use multilora_kernels::{Emulator, kernel};
+use multilora_types::ModuleKind;
 
-use super::emulated::{Buffers, bytes_tensor, tensor_bytes};
-use super::{Rng, bits};
+use super::emulated::{Buffers, bytes_tensor, kernel_dtype, tensor_bytes};
+use super::ops::random_slots;
+use super::{Rng, bits, rel_err, slot_map};
+use crate::mapping::slot_table;
+use crate::ops::attention::split::split_plan;
+use crate::ops::bgmv::BgmvPlan;
 use crate::ops::kv_write::kv_write_launch;
-use crate::paged_kv_write_slow;
+use crate::{
+    LoraMapping, LoraSlots, PagedDecodeDims, lora_expand_slow, lora_shrink_slow, paged_decode_attention_slow,
+    paged_kv_write_slow,
+};
 
 /// The KV write against `scatter_set`: a strided source (V as a column range of the fused qkv
 /// output), aligned and misaligned rows, a padding slot that writes nothing, in every dtype; the
@@ -64,6 +73,221 @@ fn emulated_kv_write_matches_scatter() -> anyhow::Result<()> {
             bits(&got)? == bits(&want_k)?,
             "tokens {tokens} width {width} offset {off} of {fused} {dtype:?}: the cache differs from scatter_set"
         );
+    }
+    Ok(())
+}
+
+/// One layer's BGMV shrink then expand through the emulated kernels, the shrink's output buffer
+/// filled with NaN first: `(plan, s [k_split, n_lora, s_width], y)`.
+fn bgmv_layer(
+    emu: &Emulator,
+    x: &Tensor,
+    y: &Tensor,
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+) -> anyhow::Result<(BgmvPlan, Tensor, Tensor)> {
+    let plan = BgmvPlan::for_layer(mapping, slices).ok_or_else(|| anyhow::anyhow!("no BGMV plan"))?;
+    let n = mapping.num_lora_rows();
+    let (tx, tw) = (kernel_dtype(x.dtype())?, kernel_dtype(slices[0].dtype())?);
+    let mut bufs = Buffers::default();
+    let xp = bufs.add(tensor_bytes(x)?);
+    let rows = bufs.add(tensor_bytes(mapping.lora_index().expect("lora rows"))?);
+    let segments: Vec<_> = mapping.lora_segments().copied().collect();
+    let table = slot_table(&segments, mapping.num_base_rows(), mapping.max_loras());
+    let meta = bufs.add(table.iter().flat_map(|v| v.to_le_bytes()).collect());
+    let a: Vec<u64> = slices.iter().map(|s| Ok(bufs.add(tensor_bytes(s.a())?))).collect::<anyhow::Result<_>>()?;
+    let out = bufs.add(vec![0xff; 4 * plan.k_split * n * plan.s_width]);
+    let l = plan.shrink((xp, x.dim(1)?), (rows, meta), &a, out, n)?;
+    emu.launch(&kernel::lora_shrink_bgmv(tx, tw, plan.rank), l.grid, l.block, &l.params.to_bytes(), &mut bufs.0)?;
+    let yp = bufs.add(tensor_bytes(y)?);
+    let b: Vec<u64> = slices.iter().map(|s| Ok(bufs.add(tensor_bytes(s.b())?))).collect::<anyhow::Result<_>>()?;
+    let mut col_off = Vec::new();
+    let mut at = 0;
+    for s in slices {
+        col_off.push(at);
+        at += s.out_features();
+    }
+    let l = plan.expand((yp, y.dim(1)?), (rows, meta), &b, out, n, &col_off)?;
+    emu.launch(&kernel::lora_expand_bgmv(tx, tw, plan.rank), l.grid, l.block, &l.params.to_bytes(), &mut bufs.0)?;
+    let s = bytes_tensor(bufs.get(out), DType::F32, &[plan.k_split, n, plan.s_width])?;
+    let y = bytes_tensor(bufs.get(yp), y.dtype(), y.dims())?;
+    Ok((plan, s, y))
+}
+
+/// The BGMV (decode-shaped) shrink and expand against the slow references: every rank bucket
+/// (8, 16, 32, 64), empty slots and base rows, aligned rows (16-byte loads) and odd widths (the
+/// scalar tails), a K split, several slices and column chunks, mixed dtypes; the shrink must write
+/// every element of its output (it starts as NaN), base rows and untargeted slices keep every bit.
+#[test]
+fn emulated_bgmv_matches_the_slow_reference() -> anyhow::Result<()> {
+    let (f32_, bf16, f16) = (DType::F32, DType::BF16, DType::F16);
+    check_bgmv(
+        29,
+        &[
+            (37, 96, &[64, 32, 32], 5, 16, f32_, f32_),
+            (37, 96, &[64, 32, 32], 5, 16, bf16, bf16),
+            (20, 1100, &[40], 3, 64, f16, f16),
+            (12, 1024, &[520, 24], 4, 24, bf16, f32_),
+        ],
+    )
+}
+
+/// [`emulated_bgmv_matches_the_slow_reference`]'s odd shapes: ragged inputs and widths (the
+/// scalar paths), a full decode batch over 8 slots, one row, more slots than row blocks.
+#[test]
+fn emulated_bgmv_odd_shapes_match_the_slow_reference() -> anyhow::Result<()> {
+    let (f32_, bf16, f16) = (DType::F32, DType::BF16, DType::F16);
+    check_bgmv(
+        31,
+        &[
+            (9, 67, &[1500, 7], 3, 8, f32_, f32_),
+            (64, 512, &[64], 8, 8, bf16, bf16),
+            (1, 64, &[16], 2, 8, f16, bf16),
+            (70, 40, &[24], 9, 4, f32_, bf16),
+            (16, 256, &[128, 64], 4, 32, f32_, f16),
+        ],
+    )
+}
+
+/// `(rows, in, outs, max_loras, max_rank, x dtype, slot dtype)` of one BGMV case.
+type BgmvCase<'a> = (usize, usize, &'a [usize], usize, usize, DType, DType);
+
+fn check_bgmv(seed: u64, cases: &[BgmvCase<'_>]) -> anyhow::Result<()> {
+    let Some(emu) = Emulator::for_tests() else { return Ok(()) };
+    let dev = &Device::Cpu;
+    let mut rng = Rng::new(seed);
+    let f32_ = DType::F32;
+    let kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
+    for &(rows, inp, outs, max_loras, max_rank, xd, wd) in cases {
+        let what = format!("rows {rows} in {inp} outs {outs:?} slots {max_loras} rank {max_rank} {xd:?}/{wd:?}");
+        let slots: Vec<LoraSlots> = outs
+            .iter()
+            .zip(kinds)
+            .map(|(&o, k)| random_slots(&mut rng, ModuleId::layer(0, k), (max_loras, max_rank, inp, o), wd, dev))
+            .collect::<anyhow::Result<_>>()?;
+        let refs: Vec<&LoraSlots> = slots.iter().collect();
+        let mut slot_list = rng.slots(rows, max_loras);
+        // A run of one slot longer than a row block, so a slot spans several blocks.
+        let run = rng.range(0, max_loras - 1) as i32;
+        for s in slot_list.iter_mut().take(rows / 2) {
+            *s = run;
+        }
+        let mapping = slot_map(&slot_list, max_loras, dev)?;
+        if mapping.no_lora() || BgmvPlan::for_layer(&mapping, &refs).is_none() {
+            anyhow::bail!("{what}: the case must run the BGMV kernels");
+        }
+        let x = rng.tensor(&[rows, inp], 1.0, xd, dev)?;
+        let total: usize = outs.iter().sum();
+        let y0 = rng.tensor(&[rows, total], 1.0, xd, dev)?;
+        let (plan, s, y) = bgmv_layer(emu, &x, &y0, &refs, &mapping)?;
+        let written = s.flatten_all()?.to_vec1::<f32>()?.iter().all(|v| !v.is_nan());
+        anyhow::ensure!(written, "{what}: the shrink left elements of its output unwritten");
+
+        let s_slow = lora_shrink_slow(&x, &refs, &mapping)?;
+        let index = mapping.lora_index().expect("lora rows");
+        let summed = s.sum(0)?;
+        let tol = if xd == f32_ && wd == f32_ { 1e-5 } else { 2e-3 };
+        for (i, slow) in s_slow.iter().enumerate() {
+            let width = plan.active[i];
+            let got = summed.narrow(1, plan.s_offsets[i], width)?;
+            let want = slow.index_select(index, 0)?.narrow(1, 0, width)?;
+            let err = rel_err(&got, &want)?;
+            anyhow::ensure!(err <= tol, "{what}: slice {i} shrink relative error {err:e}");
+        }
+        let y_slow = lora_expand_slow(&y0, &s_slow, &refs, &mapping)?;
+        let tol = if xd == f32_ { 1e-5 } else { 1e-2 };
+        let err = rel_err(&(&y - &y0)?.to_dtype(f32_)?, &(&y_slow - &y0)?.to_dtype(f32_)?)?;
+        anyhow::ensure!(err <= tol, "{what}: expand relative error of the delta {err:e}");
+        let (yb, bb) = (bits(&y)?, bits(&y0)?);
+        for (row, &slot) in slot_list.iter().enumerate() {
+            let (own, base) = (&yb[row * total..(row + 1) * total], &bb[row * total..(row + 1) * total]);
+            if slot < 0 {
+                anyhow::ensure!(own == base, "{what}: base row {row} changed");
+            }
+            let mut at = 0;
+            for sl in &refs {
+                if slot >= 0 && sl.rank(slot as usize) == 0 {
+                    let w = sl.out_features();
+                    anyhow::ensure!(own[at..at + w] == base[at..at + w], "{what}: row {row} of an untargeted slice");
+                }
+                at += sl.out_features();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The split decode attention (partitions and their reduce) against the gathered reference over
+/// scattered blocks: long contexts (several thousand tokens, one KV head so the data stays
+/// small) under GQA 8 and 3, next to a one-token context; the scratch starts as NaN.
+#[test]
+fn emulated_split_decode_long_contexts() -> anyhow::Result<()> {
+    // The first sequence of each case is one token long, the second several thousand.
+    check_split(43, &[(2, 8, 1, 64, 16, DType::BF16, 2600), (2, 3, 1, 128, 16, DType::F16, 4100)])
+}
+
+/// [`emulated_split_decode_long_contexts`]'s shapes: GQA 4 and 1, two head groups (16 heads on
+/// one KV head), head sizes 32 and 256, one partition.
+#[test]
+fn emulated_split_decode_shapes() -> anyhow::Result<()> {
+    check_split(
+        47,
+        &[
+            (3, 8, 2, 128, 16, DType::F32, 700),
+            (4, 2, 2, 64, 8, DType::F32, 80),
+            (2, 16, 1, 32, 16, DType::BF16, 600),
+            (2, 4, 1, 256, 32, DType::BF16, 1100),
+            (3, 4, 4, 32, 4, DType::F16, 200),
+        ],
+    )
+}
+
+/// `(sequences, heads, kv_heads, head_dim, block_size, dtype, longest context)` of one case.
+type SplitCase = (usize, usize, usize, usize, usize, DType, usize);
+
+fn check_split(seed: u64, cases: &[SplitCase]) -> anyhow::Result<()> {
+    let Some(emu) = Emulator::for_tests() else { return Ok(()) };
+    let dev = &Device::Cpu;
+    let mut rng = Rng::new(seed);
+    for &(n, heads, kv_heads, hd, bs, dtype, max_len) in cases {
+        let what = format!("n {n} heads {heads}/{kv_heads} d {hd} bs {bs} {dtype:?} ctx {max_len}");
+        let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
+        let num_blocks = max_len.div_ceil(bs) + 5;
+        let (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, max_len);
+        let q = rng.tensor(&[n, heads, hd], 0.5, dtype, dev)?;
+        let k = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
+        let v = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
+        let bt = Tensor::from_vec(tables, (n, max_blocks), dev)?;
+        let cl = Tensor::from_vec(lens, n, dev)?;
+        let want = paged_decode_attention_slow(&q, &k, &v, &bt, &cl, d)?;
+
+        let mut plan = split_plan(n, max_blocks, d).ok_or_else(|| anyhow::anyhow!("{what}: no split plan"))?;
+        anyhow::ensure!(plan.reduce.is_some() == (max_blocks * bs > 512), "{what}: reduce planned wrongly");
+        let mut bufs = Buffers::default();
+        let ptrs = [
+            bufs.add(tensor_bytes(&q)?),
+            bufs.add(tensor_bytes(&k)?),
+            bufs.add(tensor_bytes(&v)?),
+            bufs.add(tensor_bytes(&bt)?),
+            bufs.add(tensor_bytes(&cl)?),
+            bufs.add(vec![0u8; n * heads * hd * dtype.size_in_bytes()]),
+            // Scratch starts as NaN: whatever the reduce reads must have been written.
+            bufs.add(vec![0xff; 4 * plan.acc_len.max(1)]),
+            bufs.add(vec![0xff; 4 * plan.ml_len.max(1)]),
+        ];
+        for p in std::iter::once(&mut plan.split.params).chain(plan.reduce.as_mut().map(|r| &mut r.params)) {
+            [p.q, p.k_cache, p.v_cache, p.block_tables, p.ctx_lens, p.out, p.part_acc, p.part_ml] = ptrs;
+        }
+        let (split, reduce) = kernel::paged_decode_split(kernel_dtype(dtype)?, hd).expect("a split head size");
+        let l = plan.split;
+        emu.launch(&split, l.grid, l.block, &l.params.to_bytes(), &mut bufs.0)?;
+        if let Some(r) = plan.reduce {
+            emu.launch(&reduce, r.grid, r.block, &r.params.to_bytes(), &mut bufs.0)?;
+        }
+        let got = bytes_tensor(bufs.get(ptrs[5]), dtype, &[n, heads * hd])?;
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        let err = rel_err(&got, &want)?;
+        anyhow::ensure!(err <= tol, "{what}: relative error {err:e}");
     }
     Ok(())
 }

@@ -1,13 +1,17 @@
-//! CUDA decode attention (feature `cuda`): a candle custom op on `q` whose `cuda_fwd` launches
-//! `paged_decode_<t>_d<head_dim>` over the caches, block tables and context lengths.
+//! CUDA decode attention (feature `cuda`): a candle custom op on `q` whose `cuda_fwd` launches,
+//! over the caches, block tables and context lengths, the split kernel
+//! (`paged_decode_split_<t>_d<head_dim>`, then `paged_decode_reduce_…` when the context has more
+//! than one partition) for the head sizes it is built for, `paged_decode_<t>_d<head_dim>`
+//! otherwise.
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CudaStorage, CustomOp1, Layout, Shape, Tensor};
 use multilora_kernels::{Module, kernel};
 
+use super::split::split_plan;
 use super::{PagedDecodeDims, decode_params};
 use crate::error::Result;
-use crate::ops::cuda::{Locked, kernel_dtype, launch, read_ptr, write_ptr};
+use crate::ops::cuda::{Locked, alloc_written_f32, kernel_dtype, launch, read_ptr, write_ptr};
 use crate::ops::plan::Launch;
 
 struct DecodeOp<'a> {
@@ -43,6 +47,35 @@ impl CustomOp1 for DecodeOp<'_> {
         let locked = Locked::new(&[self.k, self.v, self.block_tables, self.ctx_lens]);
         let (ptrs, _syncs) = locked.ptrs(&stream)?;
         let (qp, _qs) = read_ptr(q, ql, &stream)?;
+        if let (Some(mut plan), Some((split, reduce))) =
+            (split_plan(self.n, self.max_blocks, d), kernel::paged_decode_split(t, d.head_dim))
+        {
+            // Scratch for the partitions' results: every element the reduce reads is written by
+            // the split kernel first (a partition the context reaches writes all of its own).
+            let mut acc = alloc_written_f32(&dev, plan.acc_len.max(1))?;
+            let mut ml = alloc_written_f32(&dev, plan.ml_len.max(1))?;
+            let (ap, _as) = write_ptr(&mut acc, &Layout::contiguous(plan.acc_len.max(1)), &stream)?;
+            let (mp, _ms) = write_ptr(&mut ml, &Layout::contiguous(plan.ml_len.max(1)), &stream)?;
+            let (op, _os) = write_ptr(&mut out, &Layout::contiguous(&shape), &stream)?;
+            for p in std::iter::once(&mut plan.split.params).chain(plan.reduce.as_mut().map(|r| &mut r.params)) {
+                p.q = qp;
+                p.k_cache = ptrs[0];
+                p.v_cache = ptrs[1];
+                p.block_tables = ptrs[2];
+                p.ctx_lens = ptrs[3];
+                p.q_stride = ql.stride()[0] as u32;
+                p.out = op;
+                p.part_acc = ap;
+                p.part_ml = mp;
+            }
+            launch(&dev, Module::PagedDecodeSplit, &split, &plan.split)?;
+            if let Some(r) = &plan.reduce {
+                launch(&dev, Module::PagedDecodeSplit, &reduce, r)?;
+            }
+            drop((_os, _ms, _as));
+            drop((_qs, _syncs));
+            return Ok((out, shape));
+        }
         let (grid, block, mut params) = decode_params(self.n, self.max_blocks, d);
         params.q = qp;
         params.k_cache = ptrs[0];

@@ -15,6 +15,9 @@
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+// The CUDA glue and the emulated kernel tests use the plan; a CPU build only tests it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod split;
 
 use candle_core::{DType, Tensor};
 use multilora_kernels::params::{ATTN_WARPS, DecodeAttnParams};

@@ -14,10 +14,11 @@ use multilora_kernels::{Module, kernel};
 use super::Expand;
 use crate::error::Result;
 use crate::mapping::LoraMapping;
+use crate::ops::bgmv::BgmvPlan;
 use crate::ops::cuda::{Locked, kernel_dtype, launch, write_ptr};
 use crate::ops::plan::{ExpandPtrs, SegmentedPlan};
 use crate::ops::shrink::Shrink;
-use crate::ops::shrink::cuda::mapping_meta;
+use crate::ops::shrink::cuda::{bgmv_meta, mapping_meta};
 use crate::slots::LoraSlots;
 
 impl Expand<'_> {
@@ -43,7 +44,15 @@ impl Expand<'_> {
     /// The layer's CUDA forward, `shrink`'s shrink of `x` first: `y` (the fresh base output) plus
     /// `Σ_i expand_i(shrink_i(x))`, the shrink splitting K as the step needs and the expand
     /// summing the partials, `y` updated in place.
+    /// A decode-shaped step runs the BGMV kernels (launches independent of which rows use which
+    /// adapter, no memset); others the segmented ones.
     pub(crate) fn cuda_fused_fwd(&self, shrink: &Shrink<'_>, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        if let Some(plan) = BgmvPlan::for_layer(self.mapping, self.slices) {
+            let s = shrink.cuda_bgmv(x, &plan)?;
+            let y = if y.is_contiguous() { y } else { y.contiguous()? };
+            y.inplace_op1(&BgmvExpandKernel { plan: &plan, slices: self.slices, mapping: self.mapping, s: &s })?;
+            return Ok(y);
+        }
         let plan = SegmentedPlan::for_layer(self.mapping, self.slices, None)?;
         if !plan.has_work() {
             return Ok(y);
@@ -142,6 +151,53 @@ impl InplaceOp1 for ExpandKernel<'_> {
         for l in self.plan.expand(&p, &col_off).map_err(candle_core::Error::wrap)? {
             launch(&dev, Module::LoraExpand, &name, &l)?;
         }
+        drop((_ys, _syncs));
+        Ok(())
+    }
+}
+
+/// The launch of the decode-shaped expand: `y += expand(s)` in place from the BGMV shrink's buffer.
+struct BgmvExpandKernel<'a> {
+    plan: &'a BgmvPlan,
+    slices: &'a [&'a LoraSlots],
+    mapping: &'a LoraMapping,
+    s: &'a Tensor,
+}
+
+impl InplaceOp1 for BgmvExpandKernel<'_> {
+    fn name(&self) -> &'static str {
+        "multilora-lora-expand-bgmv"
+    }
+
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("multilora-lora-expand-bgmv is the CUDA launch; the CPU runs Expand::cpu_fwd")
+    }
+
+    fn cuda_fwd(&self, y: &mut CudaStorage, yl: &Layout) -> candle_core::Result<()> {
+        let dev = y.device.clone();
+        let stream = dev.cuda_stream();
+        let (rows, table) = bgmv_meta(self.mapping)?;
+        let n = self.mapping.num_lora_rows();
+        let k = self.slices.len();
+        let mut read: Vec<&Tensor> = self.slices.iter().map(|s| s.b()).collect();
+        read.extend([rows, table, self.s]);
+        let locked = Locked::new(&read);
+        let (ptrs, _syncs) = locked.ptrs(&stream)?;
+        let mut col_off = Vec::with_capacity(k);
+        let mut at = 0;
+        for s in self.slices {
+            col_off.push(at);
+            at += s.out_features();
+        }
+        let y_stride = yl.stride()[0];
+        let tx = kernel_dtype(y.dtype())?;
+        let (yp, _ys) = write_ptr(y, yl, &stream)?;
+        let l = self
+            .plan
+            .expand((yp, y_stride), (ptrs[k], ptrs[k + 1]), &ptrs[..k], ptrs[k + 2], n, &col_off)
+            .map_err(candle_core::Error::wrap)?;
+        let name = kernel::lora_expand_bgmv(tx, kernel_dtype(self.slices[0].dtype())?, self.plan.rank);
+        launch(&dev, Module::LoraBgmv, &name, &l)?;
         drop((_ys, _syncs));
         Ok(())
     }

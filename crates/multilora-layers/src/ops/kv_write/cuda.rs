@@ -44,8 +44,8 @@ impl InplaceOp3 for KvWriteOp {
         }
         let (rows, width) = cl.shape().dims2()?;
         let tokens = tl.shape().dims1()?;
-        let mut l = kv_write_launch(tokens, width, sl.stride()[0], cache.dtype(), rows)
-            .map_err(candle_core::Error::wrap)?;
+        let mut l =
+            kv_write_launch(tokens, width, sl.stride()[0], cache.dtype(), rows).map_err(candle_core::Error::wrap)?;
         let dev = cache.device.clone();
         let stream = dev.cuda_stream();
         let (sp, _ss) = read_ptr(src, sl, &stream)?;
@@ -61,9 +61,8 @@ impl InplaceOp3 for KvWriteOp {
 /// [`super::paged_kv_write`] on CUDA: one launch for K, one for V.
 pub(crate) fn kv_write(cache_k: &Tensor, cache_v: &Tensor, k: &Tensor, v: &Tensor, slots: &Tensor) -> Result<()> {
     let slots = slots.contiguous()?;
-    let row_major = |t: &Tensor| -> Result<Tensor> {
-        Ok(if t.stride().get(1) == Some(&1) { t.clone() } else { t.contiguous()? })
-    };
+    let row_major =
+        |t: &Tensor| -> Result<Tensor> { Ok(if t.stride().get(1) == Some(&1) { t.clone() } else { t.contiguous()? }) };
     cache_k.inplace_op3(&row_major(k)?, &slots, &KvWriteOp)?;
     cache_v.inplace_op3(&row_major(v)?, &slots, &KvWriteOp)?;
     Ok(())

@@ -13,7 +13,8 @@ use multilora_kernels::{Module, kernel};
 use super::Shrink;
 use crate::error::Result;
 use crate::mapping::LoraMapping;
-use crate::ops::cuda::{Locked, kernel_dtype, launch, read_ptr, write_ptr};
+use crate::ops::bgmv::BgmvPlan;
+use crate::ops::cuda::{Locked, alloc_written_f32, kernel_dtype, launch, read_ptr, write_ptr};
 use crate::ops::plan::{Launch, SegmentedPlan, ShrinkPtrs};
 use crate::slots::LoraSlots;
 
@@ -34,6 +35,69 @@ impl Shrink<'_> {
     pub(crate) fn cuda_shared(&self, x: &Tensor, plan: &SegmentedPlan) -> Result<Tensor> {
         let x = x.contiguous()?;
         Ok(x.apply_op1_no_bwd(&ShrinkKernel { plan, slices: self.slices, mapping: self.mapping })?)
+    }
+}
+
+impl Shrink<'_> {
+    /// The decode-shaped shrink into `plan`'s buffer `[k_split, n_lora, s_width]`, every element
+    /// written by the kernel (no memset).
+    pub(crate) fn cuda_bgmv(&self, x: &Tensor, plan: &BgmvPlan) -> Result<Tensor> {
+        let x = if x.stride().get(1) == Some(&1) { x.clone() } else { x.contiguous()? };
+        Ok(x.apply_op1_no_bwd(&BgmvShrinkKernel { plan, slices: self.slices, mapping: self.mapping })?)
+    }
+}
+
+/// The launch of [`Shrink::cuda_bgmv`].
+struct BgmvShrinkKernel<'a> {
+    plan: &'a BgmvPlan,
+    slices: &'a [&'a LoraSlots],
+    mapping: &'a LoraMapping,
+}
+
+/// The mapping's device row index and slot table.
+pub(crate) fn bgmv_meta(mapping: &LoraMapping) -> candle_core::Result<(&Tensor, &Tensor)> {
+    match (mapping.lora_index(), mapping.slot_index()) {
+        (Some(r), Some(t)) => Ok((r, t)),
+        _ => candle_core::bail!("decode lora kernels called for a mapping without lora rows or slot table"),
+    }
+}
+
+impl CustomOp1 for BgmvShrinkKernel<'_> {
+    fn name(&self) -> &'static str {
+        "multilora-lora-shrink-bgmv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("multilora-lora-shrink-bgmv is the CUDA launch; the CPU runs Shrink::cpu_fwd")
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = &x.device;
+        let stream = dev.cuda_stream();
+        let (rows, table) = bgmv_meta(self.mapping)?;
+        let n = self.mapping.num_lora_rows();
+        let shape = Shape::from((self.plan.k_split, n, self.plan.s_width));
+        let mut out = alloc_written_f32(dev, shape.elem_count())?;
+        let mut a: Vec<&Tensor> = self.slices.iter().map(|s| s.a()).collect();
+        a.extend([rows, table]);
+        let locked = Locked::new(&a);
+        let (ptrs, _syncs) = locked.ptrs(&stream)?;
+        let k = self.slices.len();
+        let (xp, _xs) = read_ptr(x, xl, &stream)?;
+        let (op, _os) = write_ptr(&mut out, &Layout::contiguous(&shape), &stream)?;
+        let l = self
+            .plan
+            .shrink((xp, xl.stride()[0]), (ptrs[k], ptrs[k + 1]), &ptrs[..k], op, n)
+            .map_err(candle_core::Error::wrap)?;
+        let name =
+            kernel::lora_shrink_bgmv(kernel_dtype(x.dtype())?, kernel_dtype(self.slices[0].dtype())?, self.plan.rank);
+        launch(dev, Module::LoraBgmv, &name, &l)?;
+        drop((_os, _xs, _syncs));
+        Ok((out, shape))
     }
 }
 
