@@ -10,14 +10,14 @@ use multilora_types::ModuleKind;
 
 use super::emulated::{Buffers, bytes_tensor, kernel_dtype, tensor_bytes};
 use super::ops::random_slots;
-use super::{Rng, bits, rel_err, slot_map};
+use super::{Rng, bits, rel_err, slot_map, test_device};
 use crate::mapping::slot_table;
 use crate::ops::attention::split::split_plan;
 use crate::ops::bgmv::BgmvPlan;
 use crate::ops::kv_write::kv_write_launch;
 use crate::{
-    LoraMapping, LoraSlots, PagedDecodeDims, lora_expand_slow, lora_shrink_slow, paged_decode_attention_slow,
-    paged_kv_write_slow,
+    LoraMapping, LoraSlots, PagedDecodeDims, lora_expand_slow, lora_shrink_slow, paged_decode_attention,
+    paged_decode_attention_slow, paged_kv_write, paged_kv_write_slow,
 };
 
 /// The KV write against `scatter_set`: a strided source (V as a column range of the fused qkv
@@ -291,3 +291,41 @@ fn check_split(seed: u64, cases: &[SplitCase]) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The KV write and the split decode attention on the device itself (the CUDA twins of the
+/// emulated tests; on the CPU the kernels' ops refuse, naming the oracle to use instead).
+fn device_kernels(dev: &Device) -> anyhow::Result<()> {
+    let mut rng = Rng::new(53);
+    let (tokens, width, rows) = (9, 256, 64);
+    let cache_k = rng.tensor(&[rows, width], 1.0, DType::BF16, dev)?;
+    let cache_v = cache_k.copy()?;
+    let fused = rng.tensor(&[tokens, 3 * width], 1.0, DType::BF16, dev)?;
+    let (k, v) = (fused.narrow(1, width, width)?, fused.narrow(1, 2 * width, width)?);
+    let slots = Tensor::from_vec((0..tokens as u32).map(|t| (t * 7) % rows as u32).collect::<Vec<_>>(), tokens, dev)?;
+    if dev.is_cpu() {
+        let e = paged_kv_write(&cache_k, &cache_v, &k, &v, &slots).unwrap_err();
+        anyhow::ensure!(e.to_string().contains("paged_kv_write_slow"), "{e}");
+        return Ok(());
+    }
+    let (want_k, want_v) = (cache_k.copy()?, cache_v.copy()?);
+    paged_kv_write_slow(&want_k, &want_v, &k, &v, &slots)?;
+    paged_kv_write(&cache_k, &cache_v, &k, &v, &slots)?;
+    anyhow::ensure!(bits(&cache_k)? == bits(&want_k)? && bits(&cache_v)? == bits(&want_v)?, "KV write differs");
+
+    // GQA 4 over a 3000-token context (six partitions) and a one-token one.
+    let d = PagedDecodeDims { heads: 8, kv_heads: 2, head_dim: 128, block_size: 16 };
+    let num_blocks = 200;
+    let (lens, tables, max_blocks) = rng.paged_contexts(2, 16, num_blocks, 3000);
+    let q = rng.tensor(&[2, 8, 128], 0.5, DType::BF16, dev)?;
+    let kc = rng.tensor(&[num_blocks * 16, 256], 1.0, DType::BF16, dev)?;
+    let vc = rng.tensor(&[num_blocks * 16, 256], 1.0, DType::BF16, dev)?;
+    let bt = Tensor::from_vec(tables, (2, max_blocks), dev)?;
+    let cl = Tensor::from_vec(lens, 2, dev)?;
+    let got = paged_decode_attention(&q, &kc, &vc, &bt, &cl, d)?;
+    let want = paged_decode_attention_slow(&q, &kc, &vc, &bt, &cl, d)?;
+    let err = rel_err(&got, &want)?;
+    anyhow::ensure!(err <= 1e-2, "split decode attention relative error {err:e}");
+    Ok(())
+}
+
+test_device!(device_kernels, device_kernels_cpu, device_kernels_cuda);

@@ -47,8 +47,11 @@ impl CustomOp1 for DecodeOp<'_> {
         let locked = Locked::new(&[self.k, self.v, self.block_tables, self.ctx_lens]);
         let (ptrs, _syncs) = locked.ptrs(&stream)?;
         let (qp, _qs) = read_ptr(q, ql, &stream)?;
-        if let (Some(mut plan), Some((split, reduce))) =
-            (split_plan(self.n, self.max_blocks, d), kernel::paged_decode_split(t, d.head_dim))
+        // The split kernel reads q, K and V 16 bytes at a time: their first elements must be
+        // 16-byte aligned (fresh tensors are; a view starting elsewhere takes the other kernel).
+        let aligned = [qp, ptrs[0], ptrs[1]].iter().all(|p| p % 16 == 0) && ql.stride()[0] % 8 == 0;
+        if let (true, Some(mut plan), Some((split, reduce))) =
+            (aligned, split_plan(self.n, self.max_blocks, d), kernel::paged_decode_split(t, d.head_dim))
         {
             // Scratch for the partitions' results: every element the reduce reads is written by
             // the split kernel first (a partition the context reaches writes all of its own).

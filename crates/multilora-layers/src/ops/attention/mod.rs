@@ -8,7 +8,9 @@
 //!
 //! `q: [n, heads, head_dim]` is already scaled by `1/√head_dim`; the caches are the model's
 //! flat `[num_blocks · block_size, kv_heads · head_dim]` tensors. [`paged_decode_attention`] runs
-//! the CUDA kernel (`paged_attention.cu`: no gather, no padding, f32 softmax);
+//! the CUDA kernels (no gather, no padding, f32 softmax): `paged_decode_split.cu` for head sizes
+//! 32, 64, 128 and 256 (the context in partitions, the query heads of a KV head together, a
+//! reduce; plan in `split.rs`), `paged_attention.cu` for the others;
 //! [`paged_decode_attention_slow`] gathers each sequence's rows with tensor ops, on any device,
 //! and is the oracle the kernel is checked against.
 
