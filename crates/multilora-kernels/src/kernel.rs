@@ -121,12 +121,13 @@ pub fn paged_decode(t: KernelDtype, head_dim: usize) -> Option<String> {
 /// Head sizes the split decode attention is built for (one 8-element vector a lane).
 pub const SPLIT_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
 
-/// `(paged_decode_split_<t>_d<head_dim>, paged_decode_reduce_<t>_d<head_dim>)`, or `None` for a
-/// head size they are not built for.
-pub fn paged_decode_split(t: KernelDtype, head_dim: usize) -> Option<(String, String)> {
-    SPLIT_HEAD_DIMS.contains(&head_dim).then(|| {
+/// `(paged_decode_split_<t>_d<head_dim>_g<heads>, paged_decode_reduce_<t>_d<head_dim>)`, the
+/// split kernel covering `heads` query heads per block (one of
+/// [`crate::params::SPLIT_GROUPS`]), or `None` for a head size or group they are not built for.
+pub fn paged_decode_split(t: KernelDtype, head_dim: usize, heads: usize) -> Option<(String, String)> {
+    (SPLIT_HEAD_DIMS.contains(&head_dim) && crate::params::SPLIT_GROUPS.contains(&heads)).then(|| {
         (
-            format!("paged_decode_split_{}_d{head_dim}", t.suffix()),
+            format!("paged_decode_split_{}_d{head_dim}_g{heads}", t.suffix()),
             format!("paged_decode_reduce_{}_d{head_dim}", t.suffix()),
         )
     })
@@ -144,8 +145,12 @@ mod tests {
         assert_eq!(paged_decode(KernelDtype::F32, 128).as_deref(), Some("paged_decode_f32_d128"));
         assert_eq!(paged_decode(KernelDtype::F32, 80), None);
         assert_eq!(lora_expand_bgmv(KernelDtype::Bf16, KernelDtype::F16, 32), "lora_expand_bgmv_bf16_f16_r32");
-        let (split, reduce) = paged_decode_split(KernelDtype::F16, 128).unwrap();
-        assert_eq!((split.as_str(), reduce.as_str()), ("paged_decode_split_f16_d128", "paged_decode_reduce_f16_d128"));
-        assert_eq!(paged_decode_split(KernelDtype::F16, 96), None);
+        let (split, reduce) = paged_decode_split(KernelDtype::F16, 128, 4).unwrap();
+        assert_eq!(
+            (split.as_str(), reduce.as_str()),
+            ("paged_decode_split_f16_d128_g4", "paged_decode_reduce_f16_d128")
+        );
+        assert_eq!(paged_decode_split(KernelDtype::F16, 96, 4), None);
+        assert_eq!(paged_decode_split(KernelDtype::F16, 128, 3), None);
     }
 }

@@ -4,8 +4,9 @@
 //   out[n, h, :] = sum_t softmax_t(q[n, h, :] . K[row(n, t), kvh, :]) V[row(n, t), kvh, :],  t < ctx_lens[n]
 //
 // paged_decode_split: grid (sequences, kv_heads * head_groups, partitions of part_tokens tokens).
-// A block covers the query heads that share its KV head (up to ML_SPLIT_GROUP of them), so each K
-// and V row is read once for all of them. Lanes are cut into groups of LPT lanes, one token per
+// A block covers the query heads that share its KV head (G of them, a template parameter of 1,
+// 2, 4 or 8: registers grow with G, so the host picks the smallest that covers the group, up to
+// ML_SPLIT_GROUP), so each K and V row is read once for all of them. Lanes are cut into groups of LPT lanes, one token per
 // group: each lane holds 8 consecutive elements of the head (one 16-byte load for bf16 / f16, two
 // for f32), so a warp has 32 / LPT tokens in flight (4 at head_dim 64, 2 at 128). Each lane group
 // keeps an online softmax per head in f32; groups, then warps, are combined (max-rescaled), and
@@ -30,14 +31,14 @@ __device__ __forceinline__ void merge(float& m, float& l, float* a, float m2, fl
 
 }  // namespace
 
-template <typename T, int D>
+template <typename T, int D, int G>
 __device__ __forceinline__ void paged_decode_split(const MlDecodeSplitParams& p) {
     constexpr int NV = D / 8;               // 8-element vectors per head row
     constexpr int LPT = NV < 32 ? NV : 32;  // lanes per token
     static_assert(NV % LPT == 0 && NV / LPT == 1, "one vector a lane: head_dim 32, 64, 128 or 256");
     static_assert((LPT & (LPT - 1)) == 0, "lanes per token divide the warp");
     constexpr int TPW = 32 / LPT;  // tokens in flight per warp
-    constexpr int G = ML_SPLIT_GROUP;
+    static_assert(G >= 1 && G <= ML_SPLIT_GROUP, "query heads per block");
     const uint32_t n = blockIdx.x, part = blockIdx.z;
     const uint32_t kvh = blockIdx.y / p.head_groups, hg = blockIdx.y % p.head_groups;
     const uint32_t group = p.heads / p.kv_heads;
@@ -71,19 +72,26 @@ __device__ __forceinline__ void paged_decode_split(const MlDecodeSplitParams& p)
         l[g] = 0.f;
     }
     // The trip count is uniform over the warp (every lane shuffles); a lane whose token lies past
-    // the partition takes part in the sums and keeps nothing.
-    for (uint32_t base = t0 + warp * TPW; base < t1; base += ML_SPLIT_WARPS * TPW) {
-        const uint32_t t = base + tg;
-        const bool valid = t < t1;
-        float kv[8], vv[8];
-        if (valid) {
+    // the partition takes part in the sums and keeps nothing. The next step's K and V rows are
+    // loaded before this step's arithmetic, so two of them are in flight per lane.
+    constexpr uint32_t STEP = ML_SPLIT_WARPS * TPW;
+    float kv[8], vv[8];
+    const auto load = [&](uint32_t t, float* k8, float* v8) {
+        if (t < t1) {
             const size_t row = (size_t)table[t / p.block_size] * p.block_size + t % p.block_size;
-            ml::load8(kc + row * kv_width, kv);
-            ml::load8(vc + row * kv_width, vv);
+            ml::load8(kc + row * kv_width, k8);
+            ml::load8(vc + row * kv_width, v8);
         } else {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) kv[e] = vv[e] = 0.f;
+            for (int e = 0; e < 8; ++e) k8[e] = v8[e] = 0.f;
         }
+    };
+    load(t0 + warp * TPW + tg, kv, vv);
+    for (uint32_t base = t0 + warp * TPW; base < t1; base += STEP) {
+        const uint32_t t = base + tg;
+        const bool valid = t < t1;
+        float kn[8], vn[8];
+        load(t + STEP, kn, vn);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             if ((uint32_t)g >= gcount) continue;  // uniform over the block
@@ -100,6 +108,11 @@ __device__ __forceinline__ void paged_decode_split(const MlDecodeSplitParams& p)
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[g][e] = acc[g][e] * scale + w * vv[e];
             m[g] = m_new;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            kv[e] = kn[e];
+            vv[e] = vn[e];
         }
     }
     // The lane groups of a warp: after this, lanes li of group 0 hold the warp's result.
@@ -181,10 +194,12 @@ __device__ __forceinline__ void paged_decode_reduce(const MlDecodeSplitParams& p
     }
 }
 
+#define ML_SPLIT_G(T, t, D, G)                                                                          \
+    extern "C" __global__ void paged_decode_split_##t##_d##D##_g##G(const MlDecodeSplitParams p) {      \
+        paged_decode_split<T, D, G>(p);                                                                 \
+    }
 #define ML_SPLIT_ENTRY(T, t, D)                                                                         \
-    extern "C" __global__ void paged_decode_split_##t##_d##D(const MlDecodeSplitParams p) {             \
-        paged_decode_split<T, D>(p);                                                                    \
-    }                                                                                                   \
+    ML_SPLIT_G(T, t, D, 1) ML_SPLIT_G(T, t, D, 2) ML_SPLIT_G(T, t, D, 4) ML_SPLIT_G(T, t, D, 8)         \
     extern "C" __global__ void paged_decode_reduce_##t##_d##D(const MlDecodeSplitParams p) {            \
         paged_decode_reduce<T, D>(p);                                                                   \
     }

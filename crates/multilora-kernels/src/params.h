@@ -181,7 +181,7 @@ typedef struct {
 #define ML_SPLIT_PART_TOKENS 512
 
 // paged_decode_split: grid (sequences, kv_heads * head_groups, parts). Block (n, kvh, hg, z)
-// attends query heads kvh * group + hg * ML_SPLIT_GROUP ... (at most ML_SPLIT_GROUP of them) over
+// attends query heads kvh * group + hg * G ... (at most G of them, G <= ML_SPLIT_GROUP) over
 // tokens z * part_tokens ... of sequence n's context, reading each K and V row once for all of
 // them. With parts = 1 it writes `out` (normalized); otherwise its partition's output relative to
 // its own max into part_acc, and (max, sum) into part_ml, for paged_decode_reduce (grid
@@ -203,6 +203,6 @@ typedef struct {
     uint32_t out_stride;
     uint32_t part_tokens;
     uint32_t parts;
-    uint32_t head_groups;            // ceil((heads / kv_heads) / ML_SPLIT_GROUP)
+    uint32_t head_groups;            // ceil((heads / kv_heads) / G), G the kernel's heads per block
     uint32_t pad;
 } MlDecodeSplitParams;

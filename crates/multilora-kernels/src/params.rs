@@ -31,8 +31,10 @@ pub const BGMV_EXPAND_COLS: usize = 512;
 pub const BGMV_K_ALIGN: usize = 256;
 /// Warps per split decode-attention block (`ML_SPLIT_WARPS`).
 pub const SPLIT_WARPS: u32 = 4;
-/// Query heads one split decode-attention block covers (`ML_SPLIT_GROUP`).
+/// The most query heads one split decode-attention block covers (`ML_SPLIT_GROUP`).
 pub const SPLIT_GROUP: usize = 8;
+/// The query heads per block the split decode attention is built for (its `G`).
+pub const SPLIT_GROUPS: [usize; 4] = [1, 2, 4, 8];
 /// Tokens of one context partition of the split decode attention (`ML_SPLIT_PART_TOKENS`).
 pub const SPLIT_PART_TOKENS: usize = 512;
 /// The ranks the BGMV kernels are built for (`R`): a step's largest slot rank rounded up.
@@ -389,7 +391,7 @@ params!(
         part_tokens: u32,
         /// Partitions (`gridDim.z`); 1: the blocks write `out` themselves.
         parts: u32,
-        /// Head groups of [`SPLIT_GROUP`] per KV head.
+        /// Head groups per KV head (of the kernel's `G` query heads each).
         head_groups: u32,
         /// Unused.
         pad: u32,

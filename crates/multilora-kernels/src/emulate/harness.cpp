@@ -126,8 +126,9 @@ std::map<std::string, Runner> kernels() {
     ML_REG_BGMV_RANKS(f32, f32) ML_REG_BGMV_RANKS(f32, bf16) ML_REG_BGMV_RANKS(f32, f16)
     ML_REG_BGMV_RANKS(bf16, f32) ML_REG_BGMV_RANKS(bf16, bf16) ML_REG_BGMV_RANKS(bf16, f16)
     ML_REG_BGMV_RANKS(f16, f32) ML_REG_BGMV_RANKS(f16, bf16) ML_REG_BGMV_RANKS(f16, f16)
+#define ML_REG_SPLIT_G(t, d, g) k["paged_decode_split_" #t "_d" #d "_g" #g] = runner(paged_decode_split_##t##_d##d##_g##g);
 #define ML_REG_SPLIT(t, d) \
-    k["paged_decode_split_" #t "_d" #d] = runner(paged_decode_split_##t##_d##d); \
+    ML_REG_SPLIT_G(t, d, 1) ML_REG_SPLIT_G(t, d, 2) ML_REG_SPLIT_G(t, d, 4) ML_REG_SPLIT_G(t, d, 8) \
     k["paged_decode_reduce_" #t "_d" #d] = runner(paged_decode_reduce_##t##_d##d);
 #define ML_REG_SPLITS(t) ML_REG_SPLIT(t, 32) ML_REG_SPLIT(t, 64) ML_REG_SPLIT(t, 128) ML_REG_SPLIT(t, 256)
     ML_REG_SPLITS(f32) ML_REG_SPLITS(bf16) ML_REG_SPLITS(f16)

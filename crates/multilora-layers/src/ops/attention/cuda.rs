@@ -50,9 +50,9 @@ impl CustomOp1 for DecodeOp<'_> {
         // The split kernel reads q, K and V 16 bytes at a time: their first elements must be
         // 16-byte aligned (fresh tensors are; a view starting elsewhere takes the other kernel).
         let aligned = [qp, ptrs[0], ptrs[1]].iter().all(|p| p % 16 == 0) && ql.stride()[0] % 8 == 0;
-        if let (true, Some(mut plan), Some((split, reduce))) =
-            (aligned, split_plan(self.n, self.max_blocks, d), kernel::paged_decode_split(t, d.head_dim))
-        {
+        let plan = split_plan(self.n, self.max_blocks, d);
+        let names = plan.and_then(|p| kernel::paged_decode_split(t, d.head_dim, p.heads_per_block));
+        if let (true, Some(mut plan), Some((split, reduce))) = (aligned, plan, names) {
             // Scratch for the partitions' results: every element the reduce reads is written by
             // the split kernel first (a partition the context reaches writes all of its own).
             let mut acc = alloc_written_f32(&dev, plan.acc_len.max(1))?;

@@ -4,7 +4,7 @@
 //! (sequence, head) when there is more than one partition. Pure, tested on every machine; the
 //! CUDA glue fills in the pointers and the scratch buffers.
 
-use multilora_kernels::params::{DecodeSplitParams, SPLIT_GROUP, SPLIT_PART_TOKENS, SPLIT_WARPS};
+use multilora_kernels::params::{DecodeSplitParams, SPLIT_GROUP, SPLIT_GROUPS, SPLIT_PART_TOKENS, SPLIT_WARPS};
 
 use super::PagedDecodeDims;
 use crate::ops::plan::Launch;
@@ -16,6 +16,9 @@ pub(crate) const REDUCE_THREADS: u32 = 128;
 /// elements of `part_acc` and `part_ml`; zero with one partition).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SplitPlan {
+    /// Query heads per block: the kernel's `G`, the smallest of [`SPLIT_GROUPS`] that covers
+    /// the heads sharing a KV head (up to [`SPLIT_GROUP`]).
+    pub(crate) heads_per_block: usize,
     pub(crate) split: Launch<DecodeSplitParams>,
     pub(crate) reduce: Option<Launch<DecodeSplitParams>>,
     pub(crate) acc_len: usize,
@@ -29,7 +32,8 @@ pub(crate) fn split_plan(n: usize, max_blocks: usize, d: PagedDecodeDims) -> Opt
         return None;
     }
     let group = d.heads / d.kv_heads;
-    let head_groups = group.div_ceil(SPLIT_GROUP);
+    let heads_per_block = *SPLIT_GROUPS.iter().find(|&&g| g >= group.min(SPLIT_GROUP))?;
+    let head_groups = group.div_ceil(heads_per_block);
     let parts = (max_blocks * d.block_size).div_ceil(SPLIT_PART_TOKENS).max(1);
     let mut p = DecodeSplitParams::zeroed();
     p.heads = d.heads as u32;
@@ -49,7 +53,7 @@ pub(crate) fn split_plan(n: usize, max_blocks: usize, d: PagedDecodeDims) -> Opt
     let scratch = if parts > 1 { n * d.heads * parts } else { 0 };
     let reduce =
         (parts > 1).then_some(Launch { grid: [n as u32, d.heads as u32, 1], block: [REDUCE_THREADS, 1, 1], params: p });
-    Some(SplitPlan { split, reduce, acc_len: scratch * d.head_dim, ml_len: scratch * 2 })
+    Some(SplitPlan { heads_per_block, split, reduce, acc_len: scratch * d.head_dim, ml_len: scratch * 2 })
 }
 
 #[cfg(test)]
@@ -61,7 +65,7 @@ mod tests {
         // Llama-3-8B: 32 heads over 8 KV heads, 8k context in blocks of 16, batch 1.
         let d = PagedDecodeDims { heads: 32, kv_heads: 8, head_dim: 128, block_size: 16 };
         let plan = split_plan(1, 512, d).unwrap();
-        assert_eq!(plan.split.grid, [1, 8, 16]);
+        assert_eq!((plan.split.grid, plan.heads_per_block), ([1, 8, 16], 4));
         assert_eq!(plan.reduce.map(|r| r.grid), Some([1, 32, 1]));
         assert_eq!((plan.acc_len, plan.ml_len), (32 * 16 * 128, 32 * 16 * 2));
         // A short context: one partition, no reduce, no scratch.
@@ -69,7 +73,13 @@ mod tests {
         assert_eq!((plan.split.grid, plan.reduce, plan.acc_len), ([64, 8, 1], None, 0));
         // 16 query heads on one KV head: two head groups.
         let d = PagedDecodeDims { heads: 16, kv_heads: 1, head_dim: 64, block_size: 16 };
-        assert_eq!(split_plan(2, 40, d).unwrap().split.grid, [2, 2, 2]);
+        let plan = split_plan(2, 40, d).unwrap();
+        assert_eq!((plan.split.grid, plan.heads_per_block), ([2, 2, 2], 8));
+        // GQA 3 takes the 4-head kernel; plain multi-head attention the 1-head one.
+        let gqa3 = PagedDecodeDims { heads: 12, kv_heads: 4, head_dim: 64, block_size: 16 };
+        assert_eq!(split_plan(1, 4, gqa3).unwrap().heads_per_block, 4);
+        let mha = PagedDecodeDims { heads: 4, kv_heads: 4, head_dim: 64, block_size: 16 };
+        assert_eq!(split_plan(1, 4, mha).unwrap().heads_per_block, 1);
         assert!(split_plan(2, 40, PagedDecodeDims { head_dim: 96, ..d }).is_none());
     }
 }
