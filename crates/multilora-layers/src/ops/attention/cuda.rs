@@ -49,7 +49,7 @@ impl CustomOp1 for DecodeOp<'_> {
         let (qp, _qs) = read_ptr(q, ql, &stream)?;
         // The split kernel reads q, K and V 16 bytes at a time: their first elements must be
         // 16-byte aligned (fresh tensors are; a view starting elsewhere takes the other kernel).
-        let aligned = [qp, ptrs[0], ptrs[1]].iter().all(|p| p % 16 == 0) && ql.stride()[0] % 8 == 0;
+        let aligned = [qp, ptrs[0], ptrs[1]].iter().all(|p| p.is_multiple_of(16)) && ql.stride()[0].is_multiple_of(8);
         let plan = split_plan(self.n, self.max_blocks, d);
         let names = plan.and_then(|p| kernel::paged_decode_split(t, d.head_dim, p.heads_per_block));
         if let (true, Some(mut plan), Some((split, reduce))) = (aligned, plan, names) {
