@@ -57,6 +57,7 @@ pub use linear::{LinearWeight, LoraLinear};
 pub use mapping::{LoraMapping, Segment};
 pub use ops::attention::cpu::decode_attention_rows;
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
+pub use ops::bgmv::{lora_bgmv_expand, lora_bgmv_shrink};
 #[cfg(feature = "cuda")]
 pub use ops::cuda::disable_event_tracking;
 pub use ops::expand::lora_expand;

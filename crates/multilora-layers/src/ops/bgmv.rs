@@ -15,9 +15,13 @@ use multilora_kernels::params::{
     MAX_SLICES, SHRINK_WARPS, TILE_ROWS,
 };
 
+use candle_core::Tensor;
+
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
+use crate::ops::check_y;
 use crate::ops::plan::{Launch, SliceShape};
+use crate::ops::shrink::Shrink;
 use crate::slots::LoraSlots;
 
 /// At most this many (slot, row block) pairs: past it most blocks would find no rows, and the
@@ -204,6 +208,58 @@ impl BgmvPlan {
             params: p,
         })
     }
+}
+
+fn not_decode_shaped() -> Error {
+    Error::InvalidLayer {
+        module: "lora_bgmv".to_string(),
+        reason: "the step is not decode-shaped (too many rows or slots, or a rank above 64)".to_string(),
+    }
+}
+
+/// The decode-shaped shrink alone, as `lora_apply` runs it on CUDA (for the device check's
+/// per-kernel times): `[k_split, n_lora, s_width]` f32 partial sums, or `None` when the step is
+/// not decode-shaped (`lora_apply` then runs the segmented kernels). CUDA tensors only.
+pub fn lora_bgmv_shrink(x: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<Option<Tensor>> {
+    let shrink = Shrink::new("lora_bgmv_shrink", x, slices, mapping)?;
+    let Some(plan) = BgmvPlan::for_layer(mapping, slices) else { return Ok(None) };
+    if mapping.no_lora() {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return Ok(Some(shrink.cuda_bgmv(x, &plan)?));
+    }
+    let _ = (shrink, plan);
+    Err(Error::InvalidLayer {
+        module: "lora_bgmv_shrink".to_string(),
+        reason: format!("runs on CUDA, not {:?}", x.device()),
+    })
+}
+
+/// The decode-shaped expand alone: `y += expand(s)` in place, `y` contiguous and `s` what
+/// [`lora_bgmv_shrink`] returned for the same slices and mapping. CUDA tensors only.
+pub fn lora_bgmv_expand(y: &Tensor, s: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<()> {
+    check_y("lora_bgmv_expand", y, slices, mapping)?;
+    let plan = BgmvPlan::for_layer(mapping, slices).ok_or_else(not_decode_shaped)?;
+    let n = mapping.num_lora_rows();
+    if s.dims() != [plan.k_split, n, plan.s_width] {
+        return Err(Error::shape("lora_bgmv_expand", "shrink output", s.dims(), &[plan.k_split, n, plan.s_width]));
+    }
+    if !y.is_contiguous() {
+        return Err(Error::InvalidLayer {
+            module: "lora_bgmv_expand".to_string(),
+            reason: "the output is updated in place and must be contiguous".to_string(),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() {
+        return crate::ops::expand::cuda::bgmv_expand(y, s, &plan, slices, mapping);
+    }
+    Err(Error::InvalidLayer {
+        module: "lora_bgmv_expand".to_string(),
+        reason: format!("runs on CUDA, not {:?}", y.device()),
+    })
 }
 
 #[cfg(test)]

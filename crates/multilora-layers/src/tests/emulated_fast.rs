@@ -16,8 +16,8 @@ use crate::ops::attention::split::split_plan;
 use crate::ops::bgmv::BgmvPlan;
 use crate::ops::kv_write::kv_write_launch;
 use crate::{
-    LoraMapping, LoraSlots, PagedDecodeDims, lora_expand_slow, lora_shrink_slow, paged_decode_attention,
-    paged_decode_attention_slow, paged_kv_write, paged_kv_write_slow,
+    LoraMapping, LoraSlots, PagedDecodeDims, lora_apply, lora_bgmv_expand, lora_bgmv_shrink, lora_expand_slow,
+    lora_shrink_slow, paged_decode_attention, paged_decode_attention_slow, paged_kv_write, paged_kv_write_slow,
 };
 
 /// The KV write against `scatter_set`: a strided source (V as a column range of the fused qkv
@@ -303,10 +303,25 @@ fn device_kernels(dev: &Device) -> anyhow::Result<()> {
     let fused = rng.tensor(&[tokens, 3 * width], 1.0, DType::BF16, dev)?;
     let (k, v) = (fused.narrow(1, width, width)?, fused.narrow(1, 2 * width, width)?);
     let slots = Tensor::from_vec((0..tokens as u32).map(|t| (t * 7) % rows as u32).collect::<Vec<_>>(), tokens, dev)?;
+    // A decode step of 12 rows over 4 slots: the BGMV kernels one by one, as the device check
+    // times them, against lora_apply.
+    let lora = random_slots(&mut rng, ModuleId::layer(0, ModuleKind::OProj), (4, 16, 256, 136), DType::BF16, dev)?;
+    let mapping = slot_map(&rng.slots(12, 4), 4, dev)?;
+    let x = rng.tensor(&[12, 256], 1.0, DType::BF16, dev)?;
+    let y0 = rng.tensor(&[12, 136], 1.0, DType::BF16, dev)?;
     if dev.is_cpu() {
         let e = paged_kv_write(&cache_k, &cache_v, &k, &v, &slots).unwrap_err();
         anyhow::ensure!(e.to_string().contains("paged_kv_write_slow"), "{e}");
+        if !mapping.no_lora() {
+            anyhow::ensure!(lora_bgmv_shrink(&x, &[&lora], &mapping).is_err(), "the BGMV shrink ran on the CPU");
+        }
         return Ok(());
+    }
+    if let Some(s) = lora_bgmv_shrink(&x, &[&lora], &mapping)? {
+        let y = y0.copy()?;
+        lora_bgmv_expand(&y, &s, &[&lora], &mapping)?;
+        let want = lora_apply(&x, y0.copy()?, &[&lora], &mapping)?;
+        anyhow::ensure!(bits(&y)? == bits(&want)?, "the BGMV kernels one by one differ from lora_apply");
     }
     let (want_k, want_v) = (cache_k.copy()?, cache_v.copy()?);
     paged_kv_write_slow(&want_k, &want_v, &k, &v, &slots)?;

@@ -50,7 +50,7 @@ impl Expand<'_> {
         if let Some(plan) = BgmvPlan::for_layer(self.mapping, self.slices) {
             let s = shrink.cuda_bgmv(x, &plan)?;
             let y = if y.is_contiguous() { y } else { y.contiguous()? };
-            y.inplace_op1(&BgmvExpandKernel { plan: &plan, slices: self.slices, mapping: self.mapping, s: &s })?;
+            bgmv_expand(&y, &s, &plan, self.slices, self.mapping)?;
             return Ok(y);
         }
         let plan = SegmentedPlan::for_layer(self.mapping, self.slices, None)?;
@@ -154,6 +154,18 @@ impl InplaceOp1 for ExpandKernel<'_> {
         drop((_ys, _syncs));
         Ok(())
     }
+}
+
+/// `y += expand(s)` in place (`y` contiguous) with the decode-shaped expand, from `plan`'s shrink
+/// buffer `s`.
+pub(crate) fn bgmv_expand(
+    y: &Tensor,
+    s: &Tensor,
+    plan: &BgmvPlan,
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+) -> Result<()> {
+    Ok(y.inplace_op1(&BgmvExpandKernel { plan, slices, mapping, s })?)
 }
 
 /// The launch of the decode-shaped expand: `y += expand(s)` in place from the BGMV shrink's buffer.
