@@ -27,7 +27,7 @@ use crate::slots::LoraSlots;
 /// At most this many (slot, row block) pairs: past it most blocks would find no rows, and the
 /// segmented kernels, whose grid follows the batch, take over.
 pub(crate) const BGMV_MAX_BLOCKS: usize = 512;
-/// Blocks a shrink launch aims for (slots × slices × K splits) when every slot has rows.
+/// Blocks with rows a shrink launch aims for (live slot and row-block pairs × slices × K splits).
 pub(crate) const BGMV_TARGET_BLOCKS: usize = 256;
 
 /// The plan of one layer call on the decode-shaped kernels.
@@ -96,7 +96,11 @@ impl BgmvPlan {
             s_offsets.push(s_width);
             s_width += w;
         }
-        let wanted = BGMV_TARGET_BLOCKS.div_ceil(max_loras * slices.len());
+        // Rows spread over the slots fill about max(slots, row blocks) (slot, row block) pairs;
+        // K is split until those reach the target, and no further (a long prefill of one
+        // adapter has blocks enough without partials to sum).
+        let live = max_loras.max(row_blocks) * slices.len();
+        let wanted = BGMV_TARGET_BLOCKS.div_ceil(live);
         let k_split = wanted.min(in_features / BGMV_K_ALIGN).max(1);
         let k_chunk = in_features.div_ceil(k_split).next_multiple_of(BGMV_K_ALIGN).max(BGMV_K_ALIGN);
         let k_split = in_features.div_ceil(k_chunk).max(1);
@@ -288,6 +292,10 @@ mod tests {
     fn large_steps_and_ranks_take_the_segmented_kernels() {
         let ranks = [16; 8];
         let s = SliceShape { ranks: &ranks, width: 512 };
+        // A 4096-row prefill of one adapter: 512 row blocks, no K split.
+        let one = [16];
+        let plan = BgmvPlan::new(4096, 1, &[SliceShape { ranks: &one, width: 512 }], 4096, 16).unwrap();
+        assert_eq!((plan.row_blocks, plan.k_split), (512, 1));
         // 8 slots × 65 row blocks is past the limit.
         assert!(BgmvPlan::new(520, 8, &[s], 512, 16).is_none());
         assert!(BgmvPlan::new(512, 8, &[s], 512, 16).is_some());
