@@ -103,7 +103,10 @@ pub(crate) fn throughput(report: &mut Report, dev: &Device, workdir: &Path, peft
             }
             _ => {
                 report.skipped(SECTION, &format!("no {dname} PEFT figures in the report"));
-                report.key(SECTION, format!("{dname}: base {base_tps:.0}, 8-adapter mix {mixed_tps:.0} tok/s (no PEFT figure)"));
+                report.key(
+                    SECTION,
+                    format!("{dname}: base {base_tps:.0}, 8-adapter mix {mixed_tps:.0} tok/s (no PEFT figure)"),
+                );
             }
         }
     }

@@ -105,7 +105,8 @@ pub(crate) fn decode_step_bytes(layers: usize, batch: usize, ctx: usize, lora: O
     let kv = layers * batch * ctx * kv_width * 2 * 2;
     let adapters = lora.map_or(0, |s| {
         let used = s.adapters.min(batch);
-        let per_layer: usize = LLAMA3_8B_LAYERS.iter().map(|(_, inp, outs)| outs.iter().map(|o| inp + o).sum::<usize>()).sum();
+        let per_layer: usize =
+            LLAMA3_8B_LAYERS.iter().map(|(_, inp, outs)| outs.iter().map(|o| inp + o).sum::<usize>()).sum();
         layers * used * s.rank * per_layer * s.elem
     });
     (weights + kv + adapters) as u64
@@ -122,10 +123,8 @@ mod tests {
         let us = |b: u64| (floor_secs(b) * 1e6 * 100.0).round() / 100.0;
         let shrink: u64 = LLAMA3_8B_LAYERS.iter().map(|(_, i, o)| shrink_bytes(DECODE, *i, o)).sum();
         let expand: u64 = LLAMA3_8B_LAYERS.iter().map(|(_, _, o)| expand_bytes(DECODE, o)).sum();
-        let gemm: u64 = LLAMA3_8B_LAYERS
-            .iter()
-            .map(|(_, i, o)| gemm_bytes(DECODE.rows, *i, o.iter().sum(), DECODE.elem))
-            .sum();
+        let gemm: u64 =
+            LLAMA3_8B_LAYERS.iter().map(|(_, i, o)| gemm_bytes(DECODE.rows, *i, o.iter().sum(), DECODE.elem)).sum();
         assert_eq!((mb(shrink), us(shrink)), (13.4, 2.79));
         assert_eq!((mb(expand), us(expand)), (22.05, 4.59));
         assert_eq!((mb(gemm), us(gemm)), (445.12, 92.73));

@@ -155,7 +155,10 @@ fn run(report: &mut Report, dev: &Device, dir: &Path) -> Result<()> {
         "rel err <= 5e-2, top-1 >= 90%",
         e_gpu <= 5e-2 && a_gpu >= 0.9,
     );
-    report.key(SECTION, format!("cuda vs f32 reference: rel err {e_gpu:.1e} (≤ 5e-2), top-1 {:.1}% (≥ 90%)", a_gpu * 100.0));
+    report.key(
+        SECTION,
+        format!("cuda vs f32 reference: rel err {e_gpu:.1e} (≤ 5e-2), top-1 {:.1}% (≥ 90%)", a_gpu * 100.0),
+    );
     for batch in [1usize, 16] {
         let mut times = HashMap::new();
         for (label, slot) in [("base", None), ("lora", Some(SlotId::new(1)))] {

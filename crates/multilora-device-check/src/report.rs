@@ -202,13 +202,17 @@ impl Report {
             p.push(ext);
             std::path::PathBuf::from(p)
         };
-        let (json_path, key_path) = (with(".json"), with(".key"));
-        std::fs::write(&json_path, serde_json::to_string_pretty(&self.to_json())? + "\n")
-            .with_context(|| format!("writing {}", json_path.display()))?;
+        // Each file whole or not at all (a process killed while writing leaves no half file):
+        // written beside, then renamed.
+        let put = |ext: &str, text: String| -> Result<()> {
+            let (path, tmp) = (with(ext), with(&format!("{ext}.tmp")));
+            std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+            std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+        };
+        put(".json", serde_json::to_string_pretty(&self.to_json())? + "\n")?;
         let mut keys = self.key_lines().join("\n");
         keys.push('\n');
-        std::fs::write(&key_path, keys).with_context(|| format!("writing {}", key_path.display()))?;
-        Ok(())
+        put(".key", keys)
     }
 }
 
@@ -226,10 +230,7 @@ mod tests {
         assert_eq!(r.exit_code(), 3);
         r.error("golden", &anyhow::anyhow!("CUDA_ERROR_ILLEGAL_ADDRESS\nbacktrace"));
         assert_eq!(r.exit_code(), 1);
-        assert_eq!(
-            r.key_lines(),
-            ["worst 1e-6", "SLOW lora/base = 1.2", "FAIL error = CUDA_ERROR_ILLEGAL_ADDRESS"]
-        );
+        assert_eq!(r.key_lines(), ["worst 1e-6", "SLOW lora/base = 1.2", "FAIL error = CUDA_ERROR_ILLEGAL_ADDRESS"]);
         let j = r.to_json();
         assert_eq!(j["exit"], 1);
         assert_eq!(j["lines"].as_array().map(Vec::len), Some(3));

@@ -13,7 +13,9 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::ModuleId;
-use multilora_layers::{LoraMapping, LoraSlots, PagedDecodeDims, linear, lora_expand, lora_shrink, paged_decode_attention};
+use multilora_layers::{
+    LoraMapping, LoraSlots, PagedDecodeDims, linear, lora_expand, lora_shrink, paged_decode_attention,
+};
 use multilora_types::{ModuleKind, SlotId};
 
 use crate::clock::{Timed, events};
@@ -151,7 +153,8 @@ fn kv(report: &mut Report, dev: &Device) -> Result<()> {
 fn attention(report: &mut Report, dev: &Device) -> Result<()> {
     for (n, ctx) in ATTENTION_CASES {
         let a = llama3_8b_attention(n, ctx);
-        let d = PagedDecodeDims { heads: a.heads, kv_heads: a.kv_heads, head_dim: a.head_dim, block_size: a.block_size };
+        let d =
+            PagedDecodeDims { heads: a.heads, kv_heads: a.kv_heads, head_dim: a.head_dim, block_size: a.block_size };
         let max_blocks = ctx.div_ceil(a.block_size);
         let num_blocks = n * max_blocks;
         // Each block used once, handed out in a scrambled order (an odd multiplier modulo a
