@@ -10,7 +10,8 @@
 #                                         (default target/device-check) with the PEFT fixtures, the
 #                                         PEFT CUDA bench script, build-info.txt and this script;
 #                                         checks DIR < 64 MiB.
-#   DIR/device-check.sh run               on the GPU machine, in at most 8 minutes:
+#   DIR/device-check.sh run [FLAGS]       on the GPU machine, in at most 8 minutes (FLAGS go to
+#                                         each of the binary's sections, e.g. --quick):
 #     1. a preflight: nvidia-smi, the driver, and each CUDA library the binary links (cuBLAS,
 #        cuBLASLt, cuRAND, NVRTC, the runtime) found or named as missing with where it looked;
 #        a missing library does not stop the run (PEFT still runs; the binary's sections say
@@ -30,9 +31,10 @@
 # as "no CUDA device" and exits 2.
 #
 # For the script's own tests (crates/multilora-device-check/tests/script.rs), without a GPU:
-#   DEVICE_CHECK_STUB=CMD          every section, and the device probe, runs `CMD SECTION PREFIX`
-#                                  instead of the binary or the PEFT bench (PREFIX: where the
-#                                  binary would write PREFIX.json and PREFIX.key);
+#   DEVICE_CHECK_STUB=CMD          every section, and the device probe, runs
+#                                  `CMD SECTION PREFIX COMMAND...` instead of COMMAND (the binary
+#                                  or the PEFT bench; PREFIX: where the binary would write
+#                                  PREFIX.json and PREFIX.key);
 #   DEVICE_CHECK_BUDGETS=a=S,b=S   per-section budgets in seconds; DEVICE_CHECK_TOTAL=S the total.
 set -euo pipefail
 
@@ -146,7 +148,8 @@ json_file() {
 
 # The last $2 non-empty lines of $1, for a section that left no key figures.
 last_lines() {
-    awk -v n="$2" 'NF { l[++c] = $0 } END { for (i = (c > n ? c - n + 1 : 1); i <= c; i++) print "last output: " substr(l[i], 1, 100) }' "$1" 2>/dev/null || true
+    awk -v n="$2" 'NF { l[++c] = $0 }
+        END { if (c == 0) print "no output"; for (i = (c > n ? c - n + 1 : 1); i <= c; i++) print "last output: " substr(l[i], 1, 100) }' "$1" 2>/dev/null || true
 }
 
 # A section's status from its exit status.
@@ -190,12 +193,11 @@ budget_of() {
 # in $4, the binary's report at prefix $5. Sets RC and TOOK_MS.
 run_section() {
     local name="$1" limit="$2" blocking="$3" log="$4" prefix="$5" start cmd=()
-    if [ -n "$STUB" ]; then
-        cmd=("$STUB" "$name" "$prefix")
-    elif [ "$name" = peft ]; then
+    if [ "$name" = peft ]; then
         cmd=(python3 "$DIR/bench_peft_cuda.py" --workdir "$WORK" --json "$prefix.json")
     else
         cmd=("$BIN" --fixtures "$DIR/fixtures/peft-tiny" --only "$name" --report "$prefix")
+        if [ "$name" != none ]; then cmd+=("${EXTRA[@]}"); fi
         if [ "$name" = engine ]; then
             # The PEFT bench's figures: its rerun's when it had one.
             local peft
@@ -207,6 +209,8 @@ run_section() {
             done
         fi
     fi
+    # The stub is given the command it stands in for, after the section and the prefix.
+    if [ -n "$STUB" ]; then cmd=("$STUB" "$name" "$prefix" "${cmd[@]}"); fi
     rm -f "$prefix.json" "$prefix.key"
     start="$(now_ms)"
     RC=0
@@ -412,6 +416,7 @@ run() {
     OUT_DIR="${OUT:-$DIR/out}"
     WORK="${MULTILORA_PEFT_WORKDIR:-${TMPDIR:-/tmp}/multilora-peft-cuda}"
     STUB="${DEVICE_CHECK_STUB:-}"
+    EXTRA=("$@")
     TOTAL="${DEVICE_CHECK_TOTAL:-$TOTAL_BUDGET}"
     DEVICE_CHECK_BUDGETS="${DEVICE_CHECK_BUDGETS:-}"
     T0="$(now_ms)"
@@ -524,5 +529,5 @@ run() {
 case "${1:-}" in
     build) shift; build "$@" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build [DIR] | $0 run" >&2; exit 2 ;;
+    *) echo "usage: $0 build [DIR] | $0 run [flags for every section of the binary, e.g. --quick]" >&2; exit 2 ;;
 esac

@@ -16,10 +16,11 @@ use serde_json::Value;
 /// `STUB_HANG`, says "no CUDA device" in `STUB_NODEV`, cannot start in `STUB_NOLOAD` (as the
 /// binary without its libraries), misses a speed target in `STUB_SLOW`,
 /// and otherwise writes a key figure and a JSON report as the binary does. Every call is
-/// appended to `calls.txt` beside it.
+/// appended to `calls.txt` beside it, and the command it stands in for to `argv.txt`.
 const STUB: &str = r#"#!/usr/bin/env bash
-name="$1"; prefix="$2"
+name="$1"; prefix="$2"; shift 2
 echo "$name blocking=${CUDA_LAUNCH_BLOCKING:-unset}" >>"$(dirname "$0")/calls.txt"
+echo "$name: $*" >>"$(dirname "$0")/argv.txt"
 in_list() { case ",$1," in *",$name,"*) return 0 ;; *) return 1 ;; esac; }
 if in_list "${STUB_FAIL:-}" && [ "${CUDA_LAUNCH_BLOCKING:-0}" != 1 ]; then
     echo "error: CUDA_ERROR_ILLEGAL_ADDRESS (planted in $name)"; exit 1
@@ -54,6 +55,13 @@ impl Run {
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("device-check.json does not parse: {e}\n{text}"))
     }
 
+    /// The command the stub stood in for in `section`'s first call.
+    fn argv(&self, section: &str) -> String {
+        let text = std::fs::read_to_string(self.dir.path().join("argv.txt")).unwrap_or_default();
+        let found = text.lines().find_map(|l| l.strip_prefix(&format!("{section}: ")));
+        found.unwrap_or_else(|| panic!("{section} was not called:\n{text}")).to_string()
+    }
+
     fn calls(&self) -> Vec<String> {
         let text = std::fs::read_to_string(self.dir.path().join("calls.txt")).unwrap_or_default();
         text.lines().map(str::to_string).collect()
@@ -81,6 +89,11 @@ fn script() -> PathBuf {
 
 /// `device-check.sh run` laid out alone in a temporary folder, with the stub and `env`.
 fn run(env: &[(&str, &str)]) -> Run {
+    run_with(&[], env)
+}
+
+/// [`run`] with `flags` after `run`.
+fn run_with(flags: &[&str], env: &[(&str, &str)]) -> Run {
     let dir = tempfile::tempdir().expect("a temporary folder");
     std::fs::copy(script(), dir.path().join("device-check.sh")).expect("copying the script");
     let stub = dir.path().join("stub.sh");
@@ -89,6 +102,7 @@ fn run(env: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new("bash");
     cmd.arg(dir.path().join("device-check.sh"))
         .arg("run")
+        .args(flags)
         .env("OUT", dir.path().join("out"))
         .env("DEVICE_CHECK_STUB", &stub)
         .env_remove("MULTILORA_SKIP_PEFT")
@@ -111,7 +125,7 @@ fn run(env: &[(&str, &str)]) -> Run {
 
 #[test]
 fn every_section_passing_exits_0_with_one_summary_row_each() {
-    let r = run(&[]);
+    let r = run_with(&["--quick"], &[("MULTILORA_PEFT_WORKDIR", "/tmp/peft-work")]);
     assert_eq!(r.code, Some(0));
     assert!(r.stdout.contains("== preflight"));
     assert!(r.stdout.contains("libcublas.so.13"), "the preflight names each library");
@@ -122,6 +136,19 @@ fn every_section_passing_exits_0_with_one_summary_row_each() {
     let calls = r.calls();
     let order: Vec<&str> = calls.iter().map(|c| c.split(' ').next().unwrap_or_default()).collect();
     assert_eq!(order, ["none", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"]);
+    // The commands stood in for: the binary per section, the flags of `run` passed on, and the
+    // engine given the PEFT bench's figures.
+    let out = r.out().display().to_string();
+    let dir = r.dir.path().display().to_string();
+    let bin = format!("{dir}/multilora-device-check --fixtures {dir}/fixtures/peft-tiny");
+    assert_eq!(r.argv("none"), format!("{bin} --only none --report {out}/probe"));
+    assert_eq!(r.argv("kernels"), format!("{bin} --only kernels --report {out}/kernels --quick"));
+    assert!(r.argv("peft").ends_with(&format!("bench_peft_cuda.py --workdir /tmp/peft-work --json {out}/peft.json")));
+    assert!(
+        r.argv("engine").ends_with(&format!("--quick --peft-workdir /tmp/peft-work --peft-json {out}/peft.json")),
+        "{}",
+        r.argv("engine")
+    );
     let json = r.json();
     assert_eq!(json["exit"], 0);
     assert_eq!(json["sections"].as_array().map(Vec::len), Some(7));
@@ -184,6 +211,7 @@ fn a_section_past_its_budget_is_cut_not_rerun_and_the_run_goes_on() {
     assert!(t.elapsed().as_secs() < 30, "the hung section was not cut: {:?}", t.elapsed());
     assert_eq!(r.code, Some(1));
     assert!(r.row("kernels").contains("timeout"), "{}", r.row("kernels"));
+    assert!(r.row("kernels").ends_with("no output"), "{}", r.row("kernels"));
     assert!(r.row("engine").contains("pass"));
     assert!(!r.calls().iter().any(|c| c.ends_with("blocking=1")), "a timeout is not rerun");
     assert_eq!(r.section("kernels")["rc"], 124);
