@@ -137,7 +137,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("paged_attention.cu", include_str!("paged_attention.cu")),
     ("emulate/emu.h", include_str!("emulate/emu.h")),
     ("emulate/views.h", include_str!("emulate/views.h")),
-    ("emulate/faults.cu", include_str!("emulate/faults.cu")),
+    ("emulate/faults.cuh", include_str!("emulate/faults.cuh")),
     ("emulate/harness.cpp", include_str!("emulate/harness.cpp")),
 ];
 
@@ -186,7 +186,7 @@ impl Emulator {
         cached(&EMULATOR, KERNELS)
     }
 
-    /// The emulator with the kernels of `emulate/faults.cu` beside the real ones (`ml_fault_race`,
+    /// The emulator with the kernels of `emulate/faults.cuh` beside the real ones (`ml_fault_race`,
     /// `ml_fault_read_past_end`, `ml_fault_mask_exited`, …), each with one planted fault, for
     /// the emulator's own tests; built on first use, apart from [`Emulator::get`]'s.
     pub fn with_planted_faults() -> Result<&'static Emulator> {
@@ -302,7 +302,9 @@ fn env_number(name: &str) -> Result<Option<u64>> {
         Some(hex) => u64::from_str_radix(hex, 16),
         None => v.parse(),
     };
-    parsed.map(Some).map_err(|_| Error::Run { kernel: "harness".to_string(), reason: format!("{name}={v} is not a number") })
+    parsed
+        .map(Some)
+        .map_err(|_| Error::Run { kernel: "harness".to_string(), reason: format!("{name}={v} is not a number") })
 }
 
 /// The launch as the harness reads it (the module's doc gives the layout).

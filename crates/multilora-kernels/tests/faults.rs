@@ -1,12 +1,12 @@
 //! The strict emulator catches what a GPU would get wrong silently: kernels with one planted
-//! fault each (`src/emulate/faults.cu`, built only into the harness of
+//! fault each (`src/emulate/faults.cuh`, built only into the harness of
 //! [`Emulator::with_planted_faults`]) must fail with a report that names the fault, the kernel,
 //! and the view, field or lanes involved; a correct kernel that uses the same features passes
 //! with the right result.
 
 use multilora_kernels::{Emulator, Error, FaultKind, Memory};
 
-/// `MlFaultParams` of `faults.cu`: `in`, `out`, `n`, padding.
+/// `MlFaultParams` of `faults.cuh`: `in`, `out`, `n`, padding.
 fn params(input: u64, out: u64, n: u32) -> Vec<u8> {
     [input.to_le_bytes().as_slice(), &out.to_le_bytes(), &n.to_le_bytes(), &0u32.to_le_bytes()].concat()
 }
@@ -82,7 +82,10 @@ fn a_read_past_the_end_of_a_view_is_caught() {
     // 100 floats: the view ends on a 16-byte boundary, so the first byte past it faults.
     let (_, r) = run(emu, "ml_fault_read_past_end", 4, 32, 100, 100);
     let d = fault(r, "ml_fault_read_past_end", FaultKind::OutOfBounds);
-    assert_mentions(&d, &["block (3,0,0) thread (3,0,0) reads byte 400 of view 0 (in: buffer 0 bytes [0, 400)), past its end"]);
+    assert_mentions(
+        &d,
+        &["block (3,0,0) thread (3,0,0) reads byte 400 of view 0 (in: buffer 0 bytes [0, 400)), past its end"],
+    );
 }
 
 #[test]

@@ -19,7 +19,7 @@
 #include "../lora_shrink.cu"
 #include "../paged_attention.cu"
 #ifdef MULTILORA_EMULATE_FAULTS
-#include "faults.cu"
+#include "faults.cuh"
 #endif
 
 #include <cstddef>

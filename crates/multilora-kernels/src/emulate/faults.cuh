@@ -1,8 +1,9 @@
-// Kernels with planted faults, for the emulator's own tests only: compiled into a second harness
-// built with MULTILORA_EMULATE_FAULTS (`Emulator::with_planted_faults`), never into the one the
-// kernels' tests use and never by nvcc. Each is a few lines that get one thing wrong, and
-// `ml_fault_ok` gets nothing wrong while using what the others misuse (shared memory, barriers,
-// full and partial warp masks), so a check that fires on correct code shows too.
+// Kernels with planted faults, for the emulator's own tests only: included by a second harness
+// built with MULTILORA_EMULATE_FAULTS (`Emulator::with_planted_faults`), not by the one the
+// kernels' tests use, and never by nvcc (a `.cuh`, which the CUDA build skips). Each is a few
+// lines that get one thing wrong, and `ml_fault_ok` gets nothing wrong while using what the
+// others misuse (shared memory, barriers, full and partial warp masks), so a check that fires on
+// correct code shows too.
 //
 // All take `MlFaultParams`: `in` holds `n` floats, `out` as many as the test gives it.
 #include "../multilora.cuh"
