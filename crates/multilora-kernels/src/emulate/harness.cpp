@@ -163,11 +163,11 @@ uint64_t mix(uint64_t& state) {
     return z ^ (z >> 31);
 }
 
-// How one run goes: the schedule, where the views lie, and how to say it in a report.
+// How one run goes: the schedule, where the views lie, and for the report the seed it came from.
 struct Run {
     ml_emu::Schedule schedule;
     ml_views::Place place = ml_views::Place::End;
-    std::string what;
+    std::string shuffle = "in order";
 };
 
 std::string hex64(uint64_t v) {
@@ -176,26 +176,29 @@ std::string hex64(uint64_t v) {
     return b;
 }
 
+// A run in words, for reports.
+std::string describe(const Run& r) {
+    const unsigned live = r.schedule.live;
+    return "blocks " + r.shuffle + ", " + (live > 1 ? std::to_string(live) + " live at once, interleaved at __syncthreads"
+                                                    : std::string("one at a time")) +
+           ", threads " + (r.schedule.reverse_threads ? "backwards" : "forwards") + ", views against their " +
+           (r.place == ml_views::Place::Start ? "lower" : "upper") + " guard";
+}
+
 // Run k of a launch (see the file's header).
 Run plan_run(dim3 grid, unsigned k, uint64_t seed) {
     Run r;
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) r.schedule.blocks.push_back(dim3{x, y, z});
-    if (k == 0) {
-        r.what = "blocks in order, one at a time, threads forwards, views against their upper guard";
-        return r;
-    }
+    if (k == 0) return r;
     uint64_t state = seed + k;
     auto& b = r.schedule.blocks;
     for (size_t i = b.size(); i > 1; --i) std::swap(b[i - 1], b[mix(state) % i]);
     r.schedule.live = 3;
     r.schedule.reverse_threads = k % 2 == 1;
     r.place = k % 2 == 1 ? ml_views::Place::Start : ml_views::Place::End;
-    r.what = "blocks shuffled (seed " + hex64(seed) + ", schedule " + std::to_string(k) +
-             "), three live at once and interleaved at __syncthreads, threads " +
-             (r.schedule.reverse_threads ? "backwards" : "forwards") + ", views against their " +
-             (r.place == ml_views::Place::Start ? "lower" : "upper") + " guard";
+    r.shuffle = "shuffled (seed " + hex64(seed) + ", schedule " + std::to_string(k) + ")";
     return r;
 }
 
@@ -228,32 +231,30 @@ bool first_difference(const std::vector<std::vector<uint8_t>>& a, const std::vec
                                     const std::vector<uint8_t>& params, const Run& r0, const Run& rk, uint64_t seed,
                                     const std::vector<std::vector<uint8_t>>& res0) {
     size_t view = 0, byte = 0;
-    const auto differs = [&](const Run& r) {
-        return first_difference(res0, run_once(run, name, grid, block, params, r), view, byte);
-    };
     // Run 0's schedule with run k's placement: a difference comes from where the views lie.
     Run placed = r0;
     placed.place = rk.place;
     // The threads as in run k, the blocks as in run 0: a difference comes from the thread order.
     Run threads = placed;
     threads.schedule.reverse_threads = rk.schedule.reverse_threads;
-    std::string kind, cause;
-    if (differs(placed)) {
+    std::string kind = ml_emu::kRace, cause;
+    const Run* other = &rk;
+    if (first_difference(res0, run_once(run, name, grid, block, params, placed), view, byte)) {
         kind = ml_emu::kOutOfBounds;
         cause = "the result depends on where the views lie in memory: a read of the poisoned bytes next to a view";
-    } else if (differs(threads)) {
-        kind = ml_emu::kRace;
+        other = &placed;
+    } else if (first_difference(res0, run_once(run, name, grid, block, params, threads), view, byte)) {
         cause = "a race between threads of one block: one reads or writes what another writes without a barrier between";
+        other = &threads;
     } else {
-        differs(rk);
-        kind = ml_emu::kRace;
+        first_difference(res0, run_once(run, name, grid, block, params, rk), view, byte);
         cause = "a race between blocks: one block reads or writes what another block writes";
     }
     const auto& v = ml_views::g_views[view];
     ml_emu::fault(kind.c_str(), std::string(name) + ": " + cause + "; " + ml_views::describe(view) +
                                     " differs at its byte " + std::to_string(byte) + " (buffer byte " +
-                                    std::to_string(v.start + byte) + ") between [" + r0.what + "] and [" + rk.what +
-                                    "]; MULTILORA_EMU_SEED=" + hex64(seed) + " reproduces it");
+                                    std::to_string(v.start + byte) + ") between [" + describe(r0) + "] and [" +
+                                    describe(*other) + "]; MULTILORA_EMU_SEED=" + hex64(seed) + " reproduces it");
 }
 
 // CUDA's launch limits: a launch past them fails on the device, so it fails here.
