@@ -66,6 +66,18 @@ fn a_race_between_blocks_is_caught() {
 }
 
 #[test]
+fn a_race_between_blocks_interleaved_at_a_barrier_is_caught() {
+    let Some(emu) = Emulator::with_planted_faults_for_tests() else { return };
+    if !races_checked() {
+        return;
+    }
+    // In any order one block at a time, out[1 + b] = b and out[0] = 0: only interleaving shows it.
+    let (_, r) = run(emu, "ml_fault_race_across_barrier", 6, 32, 1, 7);
+    let d = fault(r, "ml_fault_race_across_barrier", FaultKind::Race);
+    assert_mentions(&d, &["a race between blocks", "interleaved at __syncthreads", "view 1 (out: buffer 1"]);
+}
+
+#[test]
 fn a_race_between_threads_of_a_block_is_caught() {
     let Some(emu) = Emulator::with_planted_faults_for_tests() else { return };
     if !races_checked() {

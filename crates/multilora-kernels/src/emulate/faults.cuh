@@ -21,6 +21,18 @@ extern "C" __global__ void ml_fault_race(const MlFaultParams p) {
     if (threadIdx.x == 0) out[blockIdx.x + 1] = out[blockIdx.x] + 1.f;
 }
 
+// Every block stages its id in out[0], reads it back after a barrier, and clears it: blocks run
+// one after another in any order agree, so only blocks interleaved at the barrier show the race.
+extern "C" __global__ void ml_fault_race_across_barrier(const MlFaultParams p) {
+    float* out = reinterpret_cast<float*>(p.out);
+    if (threadIdx.x == 0) out[0] = (float)blockIdx.x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        out[1 + blockIdx.x] = out[0];
+        out[0] = 0.f;
+    }
+}
+
 // Thread t writes its own shared slot and, with no barrier, reads its neighbour's.
 extern "C" __global__ void ml_fault_thread_race(const MlFaultParams p) {
     __shared__ float s[64];
@@ -85,6 +97,7 @@ extern "C" __global__ void ml_fault_ok(const MlFaultParams p) {
 
 #define ML_FAULT_KERNELS(X)                                                                        \
     X(ml_fault_race)                                                                               \
+    X(ml_fault_race_across_barrier)                                                                \
     X(ml_fault_thread_race)                                                                        \
     X(ml_fault_read_past_end)                                                                      \
     X(ml_fault_read_before_start)                                                                  \
