@@ -14,6 +14,9 @@
 //
 // A pointer field of a parameter struct holds `(view + 1) << 48 | byte offset in the view's
 // buffer` instead of an address (0 = null); `fix` turns it into this run's address (views.h).
+// A new parameter struct needs a `fix_ptrs` overload passing every pointer field through
+// `fix(p.field, "field")` (the name is what a report calls it), and its kernels a line in
+// `kernels()`.
 #include "../lora_embed.cu"
 #include "../lora_expand.cu"
 #include "../lora_shrink.cu"
