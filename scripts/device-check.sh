@@ -8,19 +8,45 @@
 #                                         DEVICE_CHECK_TARGET_DIR=target, which CI uses to reuse
 #                                         its test build), and lays it out in DIR
 #                                         (default target/device-check) with the PEFT fixtures, the
-#                                         PEFT CUDA bench script and this script; checks DIR < 64 MiB.
-#   DIR/device-check.sh run               on the GPU machine: finds the CUDA libraries (the driver's
-#                                         libcuda; cuBLAS, cuRAND, NVRTC and the runtime from the
-#                                         installed PyTorch or toolkit), runs transformers + PEFT on
-#                                         the same workload, then every check and benchmark, and
-#                                         prints one summary. Results also go to $OUT when set.
+#                                         PEFT CUDA bench script, build-info.txt and this script;
+#                                         checks DIR < 64 MiB.
+#   DIR/device-check.sh run [FLAGS]       on the GPU machine, in at most 8 minutes (FLAGS go to
+#                                         each of the binary's sections, e.g. --quick):
+#     1. a preflight: nvidia-smi, the driver, and each CUDA library the binary links (cuBLAS,
+#        cuBLASLt, cuRAND, NVRTC, the runtime) found or named as missing with where it looked;
+#        a missing library does not stop the run (PEFT still runs; the binary's sections say
+#        why they could not);
+#     2. the sections, each in its own process under its own timeout (budgets below), kernels
+#        first, the PEFT bench and the engine last; a section that failed (not one that only
+#        missed a speed target, nor one that timed out) is rerun once with
+#        CUDA_LAUNCH_BLOCKING=1, and both results are reported;
+#     3. one summary table (section, status, time / budget, key figures as measured / floor)
+#        and $OUT/device-check.json; each section's output is in $OUT/SECTION.log.
+#   Exit status: 0 all passed; 1 a section failed, timed out or could not run; 2 no CUDA device
+#   (before any section); 3 only speed targets missed.
 #
 # Send the folder to the GPU machine as an ignored path that travels with the tree
 # (`carry: ["target/device-check"]`) and run `bash target/device-check/device-check.sh run`.
-# Here, without a GPU, `run` is a dry run: it gets as far as "no CUDA device" and exits 2.
+# Here, without a GPU, `run` is a dry run: it prints the preflight and the sections, gets as far
+# as "no CUDA device" and exits 2.
+#
+# For the script's own tests (crates/multilora-device-check/tests/script.rs), without a GPU:
+#   DEVICE_CHECK_STUB=CMD          every section, and the device probe, runs
+#                                  `CMD SECTION PREFIX COMMAND...` instead of COMMAND (the binary
+#                                  or the PEFT bench; PREFIX: where the binary would write
+#                                  PREFIX.json and PREFIX.key);
+#   DEVICE_CHECK_BUDGETS=a=S,b=S   per-section budgets in seconds; DEVICE_CHECK_TOTAL=S the total.
 set -euo pipefail
 
 MAX_BYTES=$((64 << 20))
+
+# The sections in the order they run, with their budgets in seconds: 410 s of the 480, the
+# rest for the preflight, the probe and reruns (a rerun spends from the same 480 s, so the
+# sections after it get what is left: PEFT and the engine come last).
+SECTIONS=(kernels:60 timing:40 golden:40 decode:60 gguf:40 peft:120 engine:50)
+TOTAL_BUDGET=480
+# Below this many seconds left, a section or a rerun is not started.
+MIN_START=5
 
 build() {
     local root dir
@@ -57,6 +83,10 @@ build() {
     cp -r tests/fixtures/peft-tiny "$dir/fixtures/"
     cp benches/bench_peft_cuda.py "$dir/"
     cp scripts/device-check.sh "$dir/"
+    {
+        echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (modified)')"
+        echo "profile $profile, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP, $(nvcc --version 2>/dev/null | sed -n 's/.*\(release [0-9.]*\).*/nvcc \1/p')"
+    } >"$dir/build-info.txt"
     local bytes
     bytes="$(du -sb "$dir" | cut -f1)"
     echo "== laid out $dir: $((bytes / 1024)) KiB"
@@ -91,100 +121,413 @@ for r in sorted(roots):
 PY
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-*/lib64 \
         /usr/local/cuda-*/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib; do
-        [ -d "$d" ] && echo "$d"
+        if [ -d "$d" ]; then echo "$d"; fi
     done
     ldconfig -p 2>/dev/null | sed -n 's/.* => \(.*\)\/[^/]*$/\1/p' | sort -u
 }
 
-run() {
-    local dir bin out work
-    dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-    bin="$dir/multilora-device-check"
-    out="${OUT:-$dir/out}"
-    work="${MULTILORA_PEFT_WORKDIR:-${TMPDIR:-/tmp}/multilora-peft-cuda}"
-    mkdir -p "$out"
-    if [ ! -x "$bin" ] && [ -f "$bin.xz" ]; then
-        local tmp="$bin.tmp.$$"
-        if command -v xz >/dev/null; then
-            xz -dc "$bin.xz" >"$tmp"
-        else
-            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$bin.xz" "$tmp"
-        fi
-        chmod +x "$tmp"
-        mv "$tmp" "$bin"
-    fi
-    [ -x "$bin" ] || { echo "error: $bin is missing: run scripts/device-check.sh build first" >&2; exit 2; }
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+# Milliseconds as seconds with one decimal.
+fmt_s() { printf '%d.%d' $(($1 / 1000)) $(($1 % 1000 / 100)); }
 
-    echo "== CUDA libraries"
-    local needed path="" missing=0
-    if command -v readelf >/dev/null; then
-        needed="$(readelf -d "$bin" | sed -n 's/.*Shared library: \[\(lib\(cuda\|cublas\|cublasLt\|curand\|nvrtc\|cudart\)\.so[^]]*\)\]/\1/p')"
+# A JSON string of $1 (control characters other than tab and newline dropped).
+json_str() {
+    local s="$1"
+    s="${s//\\/\\\\}"
+    s="${s//\"/\\\"}"
+    s="${s//$'\t'/\\t}"
+    s="${s//$'\n'/\\n}"
+    s="$(printf '%s' "$s" | tr -d '\000-\010\013-\037')"
+    printf '"%s"' "$s"
+}
+
+# The file $1 as embedded JSON if it holds any, else null.
+json_file() {
+    if [ -s "$1" ]; then cat "$1"; else printf 'null'; fi
+}
+
+# The last $2 non-empty lines of $1, for a section that left no key figures.
+last_lines() {
+    awk -v n="$2" 'NF { l[++c] = $0 }
+        END { if (c == 0) print "no output"; for (i = (c > n ? c - n + 1 : 1); i <= c; i++) print "last output: " substr(l[i], 1, 100) }' "$1" 2>/dev/null || true
+}
+
+# A section's status from its exit status.
+status_of() {
+    case "$1" in
+        0) echo pass ;;
+        1) echo FAIL ;;
+        2) echo "no device" ;;
+        3) echo slow ;;
+        124 | 137) echo timeout ;;
+        *) echo "crash rc=$1" ;;
+    esac
+}
+
+# Whether a run with exit status $1 is rerun with CUDA_LAUNCH_BLOCKING=1: a failure or a crash
+# is; a pass, a missed speed target, a missing device and a timeout (it would spend its budget
+# again to say the same; its log shows how far it got) are not.
+rerun_wanted() {
+    case "$1" in
+        0 | 2 | 3 | 124 | 137) return 1 ;;
+        *) return 0 ;;
+    esac
+}
+
+# The budget of section $1 (DEVICE_CHECK_BUDGETS overrides).
+budget_of() {
+    local name="$1" entry
+    for entry in "${SECTIONS[@]}"; do
+        if [ "${entry%%:*}" = "$name" ]; then
+            local b="${entry#*:}" o
+            for o in ${DEVICE_CHECK_BUDGETS//,/ }; do
+                if [ "${o%%=*}" = "$name" ]; then b="${o#*=}"; fi
+            done
+            echo "$b"
+            return
+        fi
+    done
+}
+
+# Runs section $1 under a timeout of $2 seconds (CUDA_LAUNCH_BLOCKING=1 when $3 is 1), its output
+# in $4, the binary's report at prefix $5. Sets RC and TOOK_MS.
+run_section() {
+    local name="$1" limit="$2" blocking="$3" log="$4" prefix="$5" start cmd=()
+    if [ "$name" = peft ]; then
+        cmd=(python3 "$DIR/bench_peft_cuda.py" --workdir "$WORK" --json "$prefix.json")
     else
-        needed="libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13"
+        cmd=("$BIN" --fixtures "$DIR/fixtures/peft-tiny" --only "$name" --report "$prefix")
+        if [ "$name" != none ]; then cmd+=("${EXTRA[@]}"); fi
+        if [ "$name" = engine ]; then
+            # The PEFT bench's figures: its rerun's when it had one.
+            local peft
+            for peft in "$OUT_DIR/peft.rerun.json" "$OUT_DIR/peft.json"; do
+                if [ -s "$peft" ]; then
+                    cmd+=(--peft-workdir "$WORK" --peft-json "$peft")
+                    break
+                fi
+            done
+        fi
     fi
-    local dirs
+    # The stub is given the command it stands in for, after the section and the prefix.
+    if [ -n "$STUB" ]; then cmd=("$STUB" "$name" "$prefix" "${cmd[@]}"); fi
+    rm -f "$prefix.json" "$prefix.key"
+    start="$(now_ms)"
+    RC=0
+    # timeout runs the command in its own process group and signals all of it; SIGKILL 10 s
+    # after SIGTERM if it does not go.
+    CUDA_LAUNCH_BLOCKING="$blocking" timeout -k 10 "$limit" "${cmd[@]}" >"$log" 2>&1 || RC=$?
+    TOOK_MS=$(($(now_ms) - start))
+    if [ "$name" = peft ] && [ -z "$STUB" ] && [ "$RC" = 0 ] && [ -s "$prefix.json" ]; then
+        python3 - "$prefix.json" >"$prefix.key" 2>/dev/null <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))["results"]
+for d, v in r.items():
+    print(f"{d}: base {v['base']['new_tokens_per_s']:.0f}, 8-adapter mix {v['mixed_8']['new_tokens_per_s']:.0f} new tok/s")
+PY
+    fi
+}
+
+preflight() {
+    local pre="$OUT_DIR/preflight.txt"
+    : >"$pre"
+    echo "== preflight"
+    local smi="not found"
+    if command -v nvidia-smi >/dev/null; then
+        smi="$(timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm \
+            --format=csv,noheader 2>&1 || timeout 20 nvidia-smi -L 2>&1 || true)"
+        smi="${smi:-no output}"
+    fi
+    PF_SMI="$smi"
+    printf '  %-20s %s\n' "nvidia-smi" "$smi" | tee -a "$pre"
+    local driver_version=""
+    if [ -r /proc/driver/nvidia/version ]; then
+        driver_version="$(sed -n '1s/.*Kernel Module *\([0-9.]*\).*/\1/p' /proc/driver/nvidia/version)"
+    fi
+    driver_version="${driver_version:-not loaded}"
+    PF_BUILD="no build-info.txt"
+    if [ -f "$DIR/build-info.txt" ]; then PF_BUILD="$(paste -sd ';' "$DIR/build-info.txt")"; fi
+    printf '  %-20s %s\n' "binary" "$PF_BUILD" | tee -a "$pre"
+
+    # Every library candle's CUDA build may want, whether this binary links it (readelf's
+    # NEEDED: it cannot start without those, nor without libcublasLt, which libcublas loads)
+    # or not (the linker dropped what nothing calls).
+    local linked="" libs="libcuda.so.1 libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13"
+    if [ -z "$STUB" ] && [ -f "$BIN" ] && command -v readelf >/dev/null; then
+        linked=" $(readelf -d "$BIN" | sed -n 's/.*Shared library: \[\(lib[^]]*\)\]/\1/p' | paste -sd ' ') "
+    fi
+    local dirs path="" lib d found role
     dirs="$(lib_dirs | awk '!seen[$0]++')"
-    for lib in $needed; do
-        local found=""
+    PF_DIRS="$dirs"
+    PF_LIBS=()
+    PF_MISSING=()
+    DRIVER=0
+    for lib in $libs; do
+        found=""
         for d in $dirs; do
             if [ -e "$d/$lib" ]; then found="$d"; break; fi
         done
+        role=""
+        if [ -n "$linked" ]; then
+            case "$linked" in
+                *" $lib "*) role="linked" ;;
+                *) if [ "$lib" = libcublasLt.so.13 ]; then role="loaded by libcublas"; else role="not linked by this binary"; fi ;;
+            esac
+        fi
+        PF_LIBS+=("$lib=$found")
         if [ -z "$found" ]; then
-            echo "  $lib: NOT FOUND"
-            missing=1
+            printf '  %-20s NOT FOUND%s\n' "$lib" "${role:+ ($role)}" | tee -a "$pre"
+            PF_MISSING+=("$lib")
         else
-            echo "  $lib: $found"
+            if [ "$lib" = libcuda.so.1 ]; then
+                DRIVER=1
+                role="${role:+$role, }kernel module $driver_version"
+            fi
+            printf '  %-20s %s%s\n' "$lib" "$found" "${role:+ ($role)}" | tee -a "$pre"
             case ":$path:" in *":$found:"*) ;; *) path="${path:+$path:}$found" ;; esac
         fi
     done
-    if [ "$missing" = 1 ]; then
-        local driver=0
-        for d in $dirs; do
-            if [ -e "$d/libcuda.so.1" ]; then driver=1; fi
-        done
-        if [ "$driver" = 0 ]; then
-            echo "error: no CUDA device here: no NVIDIA driver (libcuda.so.1) on this machine" >&2
-        else
-            echo "error: a CUDA library above was not found (install the CUDA 13 toolkit or a cu13 PyTorch)" >&2
-        fi
-        exit 2
+    local count
+    count="$(printf '%s\n' "$dirs" | awk 'NF' | wc -l)"
+    if [ "${#PF_MISSING[@]}" -gt 0 ]; then
+        echo "  looked in $count directories: $(printf '%s\n' "$dirs" | awk 'NF' | paste -sd ' ')" | tee -a "$pre"
+    else
+        echo "  (looked in $count directories; listed in preflight.txt)"
+        printf '%s\n' "$dirs" | sed 's/^/  searched: /' >>"$pre"
     fi
     export LD_LIBRARY_PATH="$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    if command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+    # The dynamic loader's own view, with the directories above on its path.
+    PF_LDD=""
+    if [ -z "$STUB" ] && [ -f "$BIN" ] && command -v ldd >/dev/null; then
+        PF_LDD="$(ldd "$BIN" 2>&1 | awk '/not found/ { print $1 }' | paste -sd ' ' || true)"
+        if [ -n "$PF_LDD" ]; then
+            echo "  ldd: not found: $PF_LDD" | tee -a "$pre"
+        fi
     fi
+}
 
-    # Probe the device before spending minutes on PEFT: the binary's own first step.
-    local probe=0
-    "$bin" --fixtures "$dir/fixtures/peft-tiny" --only none >"$out/probe.txt" 2>&1 || probe=$?
-    if [ "$probe" = 2 ]; then
-        cat "$out/probe.txt" >&2
-        exit 2
-    fi
+plan() {
+    local entry line="" sum=0 b
+    for entry in "${SECTIONS[@]}"; do
+        b="$(budget_of "${entry%%:*}")"
+        line="$line ${entry%%:*} ${b}s,"
+        sum=$((sum + b))
+    done
+    echo "== sections, each in its own process (budget):${line%,} = ${sum} s of ${TOTAL} s"
+}
 
-    local peft_args=()
-    if [ "${MULTILORA_SKIP_PEFT:-0}" != 1 ]; then
-        echo "== transformers + PEFT on this GPU (bench_peft_cuda.py)"
-        if timeout "${MULTILORA_PEFT_TIMEOUT:-240}" python3 "$dir/bench_peft_cuda.py" --workdir "$work" \
-            --json "$out/peft.json" 2>&1 | tee "$out/peft.log" | grep -v "^ " ; then
-            [ -s "$out/peft.json" ] && peft_args=(--peft-workdir "$work" --peft-json "$out/peft.json")
+# The binary, unpacked once.
+unpack() {
+    if [ ! -x "$BIN" ] && [ -f "$BIN.xz" ]; then
+        local tmp="$BIN.tmp.$$"
+        if command -v xz >/dev/null; then
+            xz -dc "$BIN.xz" >"$tmp"
         else
-            echo "warning: the PEFT bench did not finish; the engine section is skipped" >&2
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$BIN.xz" "$tmp"
+        fi
+        chmod +x "$tmp"
+        mv "$tmp" "$BIN"
+    fi
+}
+
+# $OUT_DIR/device-check.json: the preflight, the probe and every section that ran, each with its
+# report (the binary's PREFIX.json) and its rerun's.
+write_json() {
+    local exit_code="$1" sep="" kv entry name d
+    {
+        printf '{\n  "exit": %s,\n  "total_budget_s": %s,\n  "elapsed_s": %s,\n' \
+            "$exit_code" "$TOTAL" "$(fmt_s $(($(now_ms) - T0)))"
+        printf '  "preflight": {\n    "nvidia_smi": %s,\n    "binary": %s,\n    "libraries": {' \
+            "$(json_str "$PF_SMI")" "$(json_str "$PF_BUILD")"
+        for kv in "${PF_LIBS[@]}"; do
+            if [ -n "${kv#*=}" ]; then d="$(json_str "${kv#*=}")"; else d=null; fi
+            printf '%s%s: %s' "$sep" "$(json_str "${kv%%=*}")" "$d"
+            sep=", "
+        done
+        printf '},\n    "searched": ['
+        sep=""
+        for d in $PF_DIRS; do
+            printf '%s%s' "$sep" "$(json_str "$d")"
+            sep=", "
+        done
+        printf '],\n    "ldd_not_found": %s\n  },\n' "$(json_str "$PF_LDD")"
+        printf '  "probe": {"rc": %s, "log": "probe.log"},\n  "sections": [' "${PROBE_RC:-null}"
+        sep=""
+        for entry in "${SECTIONS[@]}"; do
+            name="${entry%%:*}"
+            if [ -z "${ST[$name]:-}" ]; then continue; fi
+            printf '%s\n    {"name": %s, "budget_s": %s, "status": %s, "rc": %s, "time_s": %s, "log": %s, "report": %s,' \
+                "$sep" "$(json_str "$name")" "$(budget_of "$name")" "$(json_str "${ST[$name]}")" \
+                "${SRC[$name]:-null}" "${STIME[$name]:-null}" "$(json_str "$name.log")" "$(json_file "$OUT_DIR/$name.json")"
+            if [ -n "${RST[$name]:-}" ]; then
+                printf '\n     "rerun": {"env": "CUDA_LAUNCH_BLOCKING=1", "status": %s, "rc": %s, "time_s": %s, "log": %s, "report": %s}}' \
+                    "$(json_str "${RST[$name]}")" "${RRC[$name]:-null}" "${RTIME[$name]:-null}" \
+                    "$(json_str "$name.rerun.log")" "$(json_file "$OUT_DIR/$name.rerun.json")"
+            else
+                printf ' "rerun": null}'
+            fi
+            sep=","
+        done
+        printf '\n  ]\n}\n'
+    } >"$OUT_DIR/device-check.json"
+}
+
+# The one-screen table: a row per section, its key figures (the binary's PREFIX.key, or the
+# last lines of its log when it left none) on the rows below.
+summary() {
+    local exit_code="$1" entry name status time keys
+    echo
+    echo "== summary: $(fmt_s $(($(now_ms) - T0))) s of the ${TOTAL} s budget; exit $exit_code; logs and device-check.json in $OUT_DIR"
+    printf '%-8s %-24s %-15s %s\n' section status "time / budget" "key figures (measured / floor at 4.8 TB/s)"
+    for entry in "${SECTIONS[@]}"; do
+        name="${entry%%:*}"
+        status="${ST[$name]:-not reached}"
+        time="${STIME[$name]:--} / $(budget_of "$name") s"
+        if [ -n "${RST[$name]:-}" ]; then
+            status="$status; rerun ${RST[$name]}"
+            time="${STIME[$name]:--}+${RTIME[$name]:--} / $(budget_of "$name") s"
+        fi
+        keys=""
+        if [ -n "${SRC[$name]:-}" ]; then
+            if [ -s "$OUT_DIR/$name.key" ]; then keys="$(cat "$OUT_DIR/$name.key")"; else keys="$(last_lines "$OUT_DIR/$name.log" 2)"; fi
+        fi
+        if [ -n "${RRC[$name]:-}" ]; then
+            if [ -s "$OUT_DIR/$name.rerun.key" ]; then
+                keys="$keys"$'\n'"$(sed 's/^/rerun: /' "$OUT_DIR/$name.rerun.key")"
+            else
+                keys="$keys"$'\n'"$(last_lines "$OUT_DIR/$name.rerun.log" 2 | sed 's/^/rerun: /')"
+            fi
+        fi
+        local first=1 line
+        while IFS= read -r line || [ -n "$line" ]; do
+            if [ "$first" = 1 ]; then
+                printf '%-8s %-24s %-15s %s\n' "$name" "$status" "$time" "$line"
+                first=0
+            elif [ -n "$line" ]; then
+                printf '%-8s %-24s %-15s %s\n' "" "" "" "$line"
+            fi
+        done <<<"$keys"
+    done
+}
+
+run() {
+    DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+    BIN="$DIR/multilora-device-check"
+    OUT_DIR="${OUT:-$DIR/out}"
+    WORK="${MULTILORA_PEFT_WORKDIR:-${TMPDIR:-/tmp}/multilora-peft-cuda}"
+    STUB="${DEVICE_CHECK_STUB:-}"
+    EXTRA=("$@")
+    TOTAL="${DEVICE_CHECK_TOTAL:-$TOTAL_BUDGET}"
+    DEVICE_CHECK_BUDGETS="${DEVICE_CHECK_BUDGETS:-}"
+    T0="$(now_ms)"
+    local deadline=$((T0 + TOTAL * 1000))
+    # The driver compiles the PTX of candle's kernels and ours for the GPU on first use; its
+    # cache (256 MiB by default) is made big enough to keep all of it, so that each section's
+    # process after the first loads them compiled.
+    export CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-4294967296}"
+    declare -gA ST=() SRC=() STIME=() RST=() RRC=() RTIME=()
+    mkdir -p "$OUT_DIR"
+    # A previous run's files in the same folder would be read as this run's (the engine takes
+    # the PEFT bench's JSON from there): removed, by name, nothing else.
+    local entry name
+    for name in probe "${SECTIONS[@]%%:*}"; do
+        rm -f "$OUT_DIR/$name".{json,key,log} "$OUT_DIR/$name.rerun".{json,key,log}
+    done
+    rm -f "$OUT_DIR/device-check.json" "$OUT_DIR/preflight.txt"
+    if [ -z "$STUB" ]; then unpack; fi
+    preflight
+    plan
+    if [ -z "$STUB" ]; then
+        if [ "$DRIVER" = 0 ]; then
+            echo "error: no CUDA device here: no NVIDIA driver (libcuda.so.1) on this machine" >&2
+            write_json 2
+            exit 2
+        fi
+        if [ ! -x "$BIN" ]; then
+            echo "error: $BIN is missing: run scripts/device-check.sh build first" >&2
+            write_json 1
+            exit 1
         fi
     fi
 
-    echo "== multilora-device-check"
-    local rc
-    set +e
-    MULTILORA_REQUIRE_CUDA=1 "$bin" --fixtures "$dir/fixtures/peft-tiny" "${peft_args[@]}" "$@" 2>&1 | tee "$out/summary.txt"
-    rc="${PIPESTATUS[0]}"
-    set -e
-    echo "== results in $out (exit $rc)"
-    exit "$rc"
+    echo "== device probe (the binary opens the device and stops)"
+    BINARY_OK=1
+    run_section none 60 0 "$OUT_DIR/probe.log" "$OUT_DIR/probe"
+    PROBE_RC="$RC"
+    case "$RC" in
+        0)
+            local opened
+            opened="$(sed -n 's/^\[ *\] device: //p' "$OUT_DIR/probe.log")"
+            echo "  the device opened${opened:+: $opened}"
+            ;;
+        2)
+            sed 's/^/  /' "$OUT_DIR/probe.log" >&2
+            echo "error: no CUDA device: no section can run" >&2
+            write_json 2
+            exit 2
+            ;;
+        *)
+            BINARY_OK=0
+            echo "  the binary cannot start (exit $RC): its sections are not run; the PEFT bench still is"
+            sed -n '1,3s/^/  /p' "$OUT_DIR/probe.log"
+            ;;
+    esac
+
+    echo "== sections (a failed one is rerun at once with CUDA_LAUNCH_BLOCKING=1)"
+    local budget left limit
+    for entry in "${SECTIONS[@]}"; do
+        name="${entry%%:*}"
+        budget="$(budget_of "$name")"
+        left=$(((deadline - $(now_ms)) / 1000))
+        if [ "$name" = peft ] && [ "${MULTILORA_SKIP_PEFT:-0}" = 1 ]; then
+            ST[$name]="skipped"
+        elif [ "$name" != peft ] && [ "$BINARY_OK" = 0 ]; then
+            ST[$name]="not run: no binary"
+        elif [ "$left" -lt "$MIN_START" ]; then
+            ST[$name]="not run: no time"
+        else
+            limit=$((budget < left ? budget : left))
+            printf '  %-8s (≤ %3d s) ' "$name" "$limit"
+            run_section "$name" "$limit" 0 "$OUT_DIR/$name.log" "$OUT_DIR/$name"
+            ST[$name]="$(status_of "$RC")"
+            SRC[$name]="$RC"
+            STIME[$name]="$(fmt_s "$TOOK_MS")"
+            printf '%s in %s s\n' "${ST[$name]}" "${STIME[$name]}"
+            if rerun_wanted "$RC"; then
+                left=$(((deadline - $(now_ms)) / 1000))
+                if [ "$left" -lt "$MIN_START" ]; then
+                    RST[$name]="not run: no time"
+                else
+                    limit=$((budget < left ? budget : left))
+                    printf '  %-8s (≤ %3d s) rerun, CUDA_LAUNCH_BLOCKING=1: ' "$name" "$limit"
+                    run_section "$name" "$limit" 1 "$OUT_DIR/$name.rerun.log" "$OUT_DIR/$name.rerun"
+                    RST[$name]="$(status_of "$RC")"
+                    RRC[$name]="$RC"
+                    RTIME[$name]="$(fmt_s "$TOOK_MS")"
+                    printf '%s in %s s\n' "${RST[$name]}" "${RTIME[$name]}"
+                fi
+            fi
+        fi
+    done
+
+    # The run's status: a failure anywhere (a rerun that passed included: the first run still
+    # failed), else a missed speed target, else a pass.
+    local exit_code=0
+    for entry in "${SECTIONS[@]}"; do
+        name="${entry%%:*}"
+        case "${ST[$name]}" in
+            pass | skipped) ;;
+            slow) if [ "$exit_code" = 0 ]; then exit_code=3; fi ;;
+            *) exit_code=1 ;;
+        esac
+    done
+    write_json "$exit_code"
+    summary "$exit_code"
+    exit "$exit_code"
 }
 
 case "${1:-}" in
     build) shift; build "$@" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build [DIR] | $0 run [multilora-device-check flags]" >&2; exit 2 ;;
+    *) echo "usage: $0 build [DIR] | $0 run [flags for every section of the binary, e.g. --quick]" >&2; exit 2 ;;
 esac

@@ -2,11 +2,14 @@
 """A replica's throughput behind the router against the same replica hit directly, in one run.
 
     benches/peers/router_overhead.py --multilora target/release/multilora --model MODEL \
-        [--chat-template FILE] [--rounds 6] [--streams 16] [--max-tokens 64] [--json out.json]
+        [--router smg|litellm] [--chat-template FILE] [--rounds 6] [--streams 16] \
+        [--max-tokens 64] [--json out.json]
 
-One `multilora serve` (MODEL: a checkpoint directory or a GGUF file) and the Shepherd Model
-Gateway in front of it (`smg launch --backend openai`, the router of the replicas test; `pip
-install smg==1.13.0`). Each round sends 16 concurrent streaming chat requests (`max_tokens` new
+One `multilora serve` (MODEL: a checkpoint directory or a GGUF file) and a router in front of
+it, one of the two of the replicas tests (docs/DEPLOY.md): the Shepherd Model Gateway (`smg
+launch --backend openai`; `pip install smg==1.13.0`; the default) or LiteLLM's proxy (`litellm
+--config`, the base model as one deployment; `pip install 'litellm[proxy]==1.100.0'`, its
+executable given with `--litellm`). Each round sends 16 concurrent streaming chat requests (`max_tokens` new
 tokens each, greedy, EOS ignored) straight to the replica and then through the router, or the
 other way round (the order alternates), so that a slow spell of a shared machine falls on both.
 Throughput is new tokens over the wall clock of the round, from the first request sent to the
@@ -22,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -94,7 +98,9 @@ def main():
     ap.add_argument("--multilora", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--chat-template")
+    ap.add_argument("--router", choices=["smg", "litellm"], default="smg")
     ap.add_argument("--smg", default="smg")
+    ap.add_argument("--litellm", default="litellm")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -108,17 +114,32 @@ def main():
         serve += ["--chat-template", a.chat_template]
     env = dict(os.environ, RUST_LOG="warn")
     replica = subprocess.Popen(serve, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    router = None
+    router = config_file = None
     try:
         direct = f"http://127.0.0.1:{port}"
         wait_until("multilora serve", replica, lambda: get(direct, "/health")[0] == 200)
-        router = subprocess.Popen(
-            [a.smg, "launch", "--backend", "openai", "--host", "127.0.0.1", "--port", str(router_port),
-             "--worker-urls", direct, "--api-key", KEY, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(metrics_port), "--log-level", "warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         routed = f"http://127.0.0.1:{router_port}"
-        wait_until("smg", router, lambda: '"healthy_workers":1' in get(routed, "/readiness")[1])
+        if a.router == "smg":
+            router = subprocess.Popen(
+                [a.smg, "launch", "--backend", "openai", "--host", "127.0.0.1", "--port", str(router_port),
+                 "--worker-urls", direct, "--api-key", KEY, "--prometheus-host", "127.0.0.1",
+                 "--prometheus-port", str(metrics_port), "--log-level", "warn"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_until("smg", router, lambda: '"healthy_workers":1' in get(routed, "/readiness")[1])
+        else:
+            # The test's settings (crates/multilora-cli/tests/replicas.rs); JSON is YAML.
+            config = {"model_list": [{"model_name": "base", "litellm_params": {
+                "model": "openai/base", "api_base": direct + "/v1", "api_key": KEY, "max_retries": 0}}],
+                "router_settings": {"routing_strategy": "simple-shuffle", "num_retries": 1}}
+            config_file = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+            with config_file:
+                json.dump(config, config_file)
+            router = subprocess.Popen(
+                [a.litellm, "--config", config_file.name, "--host", "127.0.0.1", "--port", str(router_port),
+                 "--num_workers", "1"],
+                env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True"),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_until("litellm", router, lambda: get(routed, "/health/liveliness")[0] == 200)
         for url in (direct, routed):
             round_trip(url, "base", a.streams, a.max_tokens)  # warm-up
         rows = []
@@ -132,7 +153,7 @@ def main():
             print(f"round {r + 1}: direct {got['direct']:.1f} tok/s, routed {got['routed']:.1f} tok/s, "
                   f"routed/direct {got['ratio']:.3f}", flush=True)
         summary = {
-            "model": a.model, "streams": a.streams, "max_tokens": a.max_tokens, "rounds": rows,
+            "model": a.model, "router": a.router, "streams": a.streams, "max_tokens": a.max_tokens, "rounds": rows,
             "best_direct": max(r["direct"] for r in rows), "best_routed": max(r["routed"] for r in rows),
             "median_ratio": statistics.median(r["ratio"] for r in rows),
         }
@@ -149,6 +170,8 @@ def main():
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+        if config_file is not None:
+            os.unlink(config_file.name)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 //!   the adapter format (the plain identifiers live in `multilora-types`).
 //!
 //! ```no_run
-//! use multilora_adapter::{AdapterSource, LoadOptions, ModelShapes};
+//! use multilora_adapter::{LoadOptions, ModelShapes, SourceExt};
+//! use multilora_types::AdapterSource;
 //! # fn main() -> multilora_adapter::Result<()> {
 //! let shapes = ModelShapes::llama(4, 128, 352, 512, 4, 2);
 //! let source = AdapterSource::parse("tests/fixtures/peft-tiny/adapters/qv_r8")?;
@@ -56,7 +57,9 @@ pub use load::{
 };
 pub use module::ModuleId;
 pub use shapes::ModelShapes;
-pub use source::{AdapterSource, HubConfig};
+pub use source::{HubConfig, SourceExt};
+
+use multilora_types::AdapterSource;
 pub use synth::SyntheticAdapter;
 
 /// Resolves `source` (a directory, a llama.cpp LoRA GGUF, or a hub repo through the cache) and

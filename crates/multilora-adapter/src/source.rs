@@ -5,31 +5,29 @@ use std::path::{Path, PathBuf};
 
 use hf_hub::{Cache, Repo, RepoType};
 
+use multilora_types::AdapterSource;
+
 use crate::error::{Error, Result};
 use crate::load::{CONFIG_FILE, WEIGHTS_FILE};
 
-/// An adapter's source.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum AdapterSource {
-    /// A directory holding `adapter_config.json` and `adapter_model.safetensors`.
-    Local(PathBuf),
-    /// A llama.cpp LoRA file (`convert_lora_to_gguf.py`'s output, named `*.gguf`).
-    Gguf(PathBuf),
-    /// A hub repository at a revision (branch, tag or commit; `main` by default).
-    Hub {
-        /// `org/name`.
-        repo: String,
-        /// The revision.
-        revision: String,
-    },
-}
-
-impl AdapterSource {
+/// What the loader adds to the shared [`AdapterSource`]: reading a client's string, and the
+/// local path of the files (fetched from the hub first for a hub source).
+pub trait SourceExt: Sized {
     /// Reads a source string as vLLM does: a string that names an existing local path is a
     /// directory (or, named `*.gguf`, a llama.cpp LoRA file); otherwise `org/name[@revision]` is
     /// a hub id; anything else is an error saying which it tried.
-    pub fn parse(s: &str) -> Result<AdapterSource> {
+    fn parse(s: &str) -> Result<Self>;
+    /// The local directory holding the adapter's files (the file itself for a GGUF source),
+    /// fetching them into the hub cache first for a hub source (from the cache alone when
+    /// `HF_HUB_OFFLINE` is set). Reads the hub settings from the environment; see
+    /// [`SourceExt::resolve_with`].
+    fn resolve(&self) -> Result<PathBuf>;
+    /// [`SourceExt::resolve`] with explicit hub settings.
+    fn resolve_with(&self, hub: &HubConfig) -> Result<PathBuf>;
+}
+
+impl SourceExt for AdapterSource {
+    fn parse(s: &str) -> Result<AdapterSource> {
         let path = Path::new(s);
         if path.exists() {
             return if path.is_dir() {
@@ -57,15 +55,11 @@ impl AdapterSource {
         }
     }
 
-    /// The local directory holding the adapter's files (the file itself for a GGUF source),
-    /// fetching them into the hub cache first for a hub source (from the cache alone when `HF_HUB_OFFLINE` is set). Reads the hub
-    /// settings from the environment; see [`AdapterSource::resolve_with`].
-    pub fn resolve(&self) -> Result<PathBuf> {
+    fn resolve(&self) -> Result<PathBuf> {
         self.resolve_with(&HubConfig::from_env())
     }
 
-    /// [`AdapterSource::resolve`] with explicit hub settings.
-    pub fn resolve_with(&self, hub: &HubConfig) -> Result<PathBuf> {
+    fn resolve_with(&self, hub: &HubConfig) -> Result<PathBuf> {
         match self {
             AdapterSource::Local(dir) | AdapterSource::Gguf(dir) => Ok(dir.clone()),
             AdapterSource::Hub { repo, revision } => {
@@ -77,16 +71,6 @@ impl AdapterSource {
                     reason: format!("cached file {} has no parent directory", config.display()),
                 })
             }
-        }
-    }
-}
-
-impl std::fmt::Display for AdapterSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            AdapterSource::Local(dir) | AdapterSource::Gguf(dir) => write!(f, "{}", dir.display()),
-            AdapterSource::Hub { repo, revision } if revision == "main" => f.write_str(repo),
-            AdapterSource::Hub { repo, revision } => write!(f, "{repo}@{revision}"),
         }
     }
 }

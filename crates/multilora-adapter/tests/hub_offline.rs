@@ -6,7 +6,8 @@
 mod common;
 
 use common::{base_shapes, fixtures};
-use multilora_adapter::{AdapterSource, HubConfig, LoadOptions};
+use multilora_adapter::{HubConfig, LoadOptions, SourceExt};
+use multilora_types::AdapterSource;
 
 /// Lays out `models--org--name/{refs/main, snapshots/<rev>/…, blobs/…}` as `huggingface_hub` does.
 fn lay_out_cache(hub: &std::path::Path, repo: &str, rev: &str) {

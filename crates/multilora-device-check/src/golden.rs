@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::report::Report;
 use crate::util::{cases, ids};
 
-const SECTION: &str = "peft fixtures";
+const SECTION: &str = "golden";
 
 fn log_softmax(row: &[f32]) -> Vec<f32> {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -105,8 +105,10 @@ pub(crate) fn check(report: &mut Report, fixtures: &Path, dev: &Device) -> Resul
     let (worst, equal, total) = run(fixtures, dev, DType::F32)?;
     report.check(SECTION, "f32 prompt logprobs vs PEFT (max abs)", format!("{worst:.2e}"), "≤ 1e-4", worst <= 1e-4);
     report.check(SECTION, "f32 greedy cases equal", format!("{equal}/{total}"), "all", equal == total);
+    report.key(SECTION, format!("f32: logprobs vs PEFT {worst:.1e} (≤ 1e-4), greedy {equal}/{total} equal"));
     let (worst, equal, total) = run(fixtures, dev, DType::BF16)?;
     report.check(SECTION, "bf16 prompt logprobs vs PEFT f32 (max abs)", format!("{worst:.3}"), "≤ 0.1", worst <= 0.1);
     report.info(SECTION, "bf16 greedy cases equal to f32 PEFT", format!("{equal}/{total}"));
+    report.key(SECTION, format!("bf16: logprobs vs PEFT f32 {worst:.3} (≤ 0.1), greedy {equal}/{total} equal"));
     Ok(())
 }

@@ -13,18 +13,11 @@ use multilora_layers::{
 };
 use multilora_types::{ModuleKind, SlotId};
 
+use crate::floor::LLAMA3_8B_LAYERS;
 use crate::report::Report;
 use crate::util::{randn, rel_err};
 
 const SECTION: &str = "kernels";
-
-/// One layer of Llama-3-8B: its input width and its slices' output widths.
-pub(crate) const LLAMA3_8B_LAYERS: [(&str, usize, &[usize]); 4] = [
-    ("qkv", 4096, &[4096, 1024, 1024]),
-    ("o", 4096, &[4096]),
-    ("gate_up", 4096, &[14336, 14336]),
-    ("down", 14336, &[4096]),
-];
 
 fn tolerance(dtype: DType) -> f64 {
     if dtype == DType::F32 { 1e-5 } else { 1e-2 }
@@ -137,6 +130,7 @@ fn check_layer(
 pub(crate) fn lora(report: &mut Report, dev: &Device, quick: bool) -> Result<()> {
     let grid: &[(usize, usize)] =
         if quick { &[(1, 1), (64, 16), (512, 4)] } else { &[(1, 1), (7, 4), (64, 16), (512, 16), (4096, 16)] };
+    let mut key = Vec::new();
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let tol = tolerance(dtype);
         let (mut worst_s, mut worst_f, mut changed, mut at) = (0f64, 0f64, 0usize, String::new());
@@ -168,7 +162,9 @@ pub(crate) fn lora(report: &mut Report, dev: &Device, quick: bool) -> Result<()>
             worst_f <= tol,
         );
         report.check(SECTION, format!("base rows changed {dtype:?}"), changed.to_string(), "0 elements", changed == 0);
+        key.push(format!("{dtype:?} {:.0e}", worst_s.max(worst_f)));
     }
+    report.key(SECTION, format!("lora shrink / fused vs slow, worst: {} (≤ 1e-5 f32, 1e-2 16-bit)", key.join(", ")));
     Ok(())
 }
 
@@ -176,6 +172,7 @@ pub(crate) fn lora(report: &mut Report, dev: &Device, quick: bool) -> Result<()>
 pub(crate) fn attention(report: &mut Report, dev: &Device, quick: bool) -> Result<()> {
     let block_size = 16;
     let cases: &[(usize, usize)] = if quick { &[(1, 700), (16, 200)] } else { &[(1, 2048), (16, 700), (64, 300)] };
+    let mut key = Vec::new();
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let mut worst: f64 = 0.0;
         for &(n, max_ctx) in cases {
@@ -205,6 +202,8 @@ pub(crate) fn attention(report: &mut Report, dev: &Device, quick: bool) -> Resul
             &format!("≤ {tol:.0e} relative"),
             worst <= tol,
         );
+        key.push(format!("{dtype:?} {worst:.0e}"));
     }
+    report.key(SECTION, format!("paged decode attention vs gathered, worst: {}", key.join(", ")));
     Ok(())
 }

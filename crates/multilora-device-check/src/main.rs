@@ -2,25 +2,34 @@
 //! brief and rare times a GPU machine is at hand (`scripts/device-check.sh` builds it on a build
 //! machine, lays it out with the fixtures and a PEFT script, and runs it there).
 //!
-//! Sections, each a line per check or figure, then one summary table:
+//! Sections, each a line per check or figure, then one summary table (`--only` picks some: the
+//! script runs each in its own process):
 //! - `kernels`: every CUDA kernel against its slow tensor-op reference (Llama-3-8B shapes, 1…4096
 //!   tokens, 1…16 adapters of ranks 4…64 in rank-64 slots, base-model rows, f32 / bf16 / f16);
+//! - `timing`: each kernel of a decode step by CUDA events over back-to-back launches (shrink,
+//!   expand, base GEMM, KV write, attention), as measured / floor (bytes at 4.8 TB/s), beside the
+//!   host's enqueue time;
 //! - `golden`: the PEFT fixtures through the engine on CUDA, f32 and bf16;
-//! - `bandwidth`: the LoRA kernels in a decode step against a device-to-device copy;
-//! - `decode`: a Llama-3-8B-shaped bf16 decode step, LoRA / base at batch 1, 16, 64;
-//! - `engine`: end-to-end tokens/s, base and 8-adapter mixed, against PEFT on the same GPU;
+//! - `decode`: a Llama-3-8B-shaped bf16 decode step, LoRA / base at batch 1, 16, 64, against
+//!   its floor;
 //! - `gguf`: a random GGUF model with every served quantized type on CUDA (candle's quantized
-//!   matmul, this project's LoRA kernels) against its f32 dequantization, and its decode step.
+//!   matmul, this project's LoRA kernels) against its f32 dequantization, and its decode step;
+//! - `engine`: end-to-end tokens/s, base and 8-adapter mixed, against PEFT on the same GPU.
 //!
-//! Exit status: 0 when every check passed, 1 when one failed, 2 when there is no GPU (or the
-//! binary was built without CUDA).
+//! Exit status: 0 when every check passed; 1 when a correctness check failed or a section could
+//! not finish; 2 when there is no GPU (or the binary was built without CUDA); 3 when only a speed
+//! target was missed. `--report PREFIX` writes `PREFIX.json` (every line) and `PREFIX.key` (the
+//! key figures and every failed line, for the script's summary).
 
+mod clock;
+mod decode;
 mod engine;
+mod floor;
 mod gguf;
 mod golden;
 mod kernels;
 mod report;
-mod speed;
+mod timing;
 mod util;
 
 use std::path::PathBuf;
@@ -28,8 +37,12 @@ use std::process::ExitCode;
 
 use candle_core::Device;
 use clap::Parser;
+use clap::builder::PossibleValuesParser;
 
 use crate::report::Report;
+
+/// The sections, in the order they run; `none` only opens the device.
+const SECTIONS: [&str; 7] = ["kernels", "timing", "golden", "decode", "gguf", "engine", "none"];
 
 /// Checks and measures multilora on the first CUDA device.
 #[derive(Debug, Parser)]
@@ -44,9 +57,12 @@ struct Args {
     /// `bench_peft_cuda.py`'s JSON report.
     #[arg(long)]
     peft_json: Option<PathBuf>,
-    /// Sections to run, comma-separated (default all): kernels, golden, bandwidth, decode, engine, gguf.
-    #[arg(long, value_delimiter = ',')]
+    /// Sections to run, comma-separated (default all; `none` opens the device and stops).
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(SECTIONS))]
     only: Vec<String>,
+    /// Writes `PREFIX.json` and `PREFIX.key` at the end.
+    #[arg(long)]
+    report: Option<PathBuf>,
     /// Smaller grids and a 4-layer decode model (a smoke test).
     #[arg(long)]
     quick: bool,
@@ -91,20 +107,25 @@ fn main() -> ExitCode {
             report.error("kernels", &e);
         }
     }
+    if wants("timing")
+        && let Err(e) = timing::run(&mut report, &dev)
+    {
+        report.error("timing", &e);
+    }
     if wants("golden")
         && let Err(e) = golden::check(&mut report, &args.fixtures, &dev)
     {
-        report.error("peft fixtures", &e);
-    }
-    if wants("bandwidth")
-        && let Err(e) = speed::bandwidth(&mut report, &dev)
-    {
-        report.error("bandwidth", &e);
+        report.error("golden", &e);
     }
     if wants("decode")
-        && let Err(e) = speed::decode(&mut report, &dev, args.quick)
+        && let Err(e) = decode::decode(&mut report, &dev, args.quick)
     {
-        report.error("decode step", &e);
+        report.error("decode", &e);
+    }
+    if wants("gguf")
+        && let Err(e) = gguf::check(&mut report, &dev)
+    {
+        report.error("gguf", &e);
     }
     if wants("engine") {
         match (&args.peft_workdir, &args.peft_json) {
@@ -116,18 +137,21 @@ fn main() -> ExitCode {
                     report.error("engine", &e);
                 }
             }
-            _ => report.skipped("engine", "no --peft-workdir / --peft-json (bench_peft_cuda.py did not run)"),
+            _ => {
+                report.skipped("engine", "no --peft-workdir / --peft-json (bench_peft_cuda.py did not run)");
+                report.key("engine", "skipped: no PEFT figures (bench_peft_cuda.py did not run)");
+            }
         }
     }
-    if wants("gguf")
-        && let Err(e) = gguf::check(&mut report, &dev)
-    {
-        report.error("gguf", &e);
-    }
     println!("\n== summary\n{}", report.table());
-    let failed = report.failures();
-    println!("{failed} check(s) failed");
-    if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) }
+    println!("{}", report.totals());
+    if let Some(prefix) = &args.report
+        && let Err(e) = report.write(prefix)
+    {
+        eprintln!("error: {e:#}");
+        return ExitCode::from(1);
+    }
+    ExitCode::from(report.exit_code())
 }
 
 fn gib(b: u64) -> f64 {

@@ -24,7 +24,7 @@ pub mod emulate;
 pub mod kernel;
 pub mod params;
 
-pub use emulate::{Emulator, Error};
+pub use emulate::{Emulator, Error, FaultKind, Memory};
 pub use kernel::{KernelDtype, Module};
 
 /// The PTX of each `.cu` file, as nvcc made it for `CUDA_COMPUTE_CAP` (default 90).

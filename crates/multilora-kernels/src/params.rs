@@ -3,7 +3,7 @@
 //! what the host C++ compiler makes of the header, so the two can never drift apart.
 //!
 //! Pointer fields are device addresses; the host emulator reads them as buffer references
-//! ([`crate::emulate::buffer_ptr`]). Sizes are in elements.
+//! ([`crate::emulate::Memory`]). Sizes are in elements.
 
 /// Slices of a fused layer one launch covers (`ML_MAX_SLICES`).
 pub const MAX_SLICES: usize = 4;

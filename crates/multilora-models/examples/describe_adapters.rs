@@ -10,7 +10,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use candle_core::Device;
-use multilora_adapter::{AdapterSource, LoadOptions, load};
+use multilora_adapter::{LoadOptions, SourceExt, load};
+use multilora_types::AdapterSource;
 
 fn main() -> Result<()> {
     let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny");

@@ -22,8 +22,9 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter};
+use multilora_adapter::{LoadOptions, LoraAdapter};
 use multilora_models::{Batch, Model, ModelConfig, ModelOptions, ModelSource, SeqInput};
+use multilora_types::AdapterSource;
 use multilora_types::{LogitsWanted, LoraLimits, SlotId};
 use serde_json::Value;
 use smollm2::{cases as reference_cases, fixtures, ids};

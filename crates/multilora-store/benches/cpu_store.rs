@@ -47,7 +47,7 @@ fn setup() -> anyhow::Result<(tempfile::TempDir, Store, Vec<String>)> {
     let store = Store::builder(config).build()?;
     let names: Vec<String> = (0..REGISTERED).map(|i| format!("lora-{i:05}")).collect();
     for (i, name) in names.iter().enumerate() {
-        store.register(name, multilora_adapter::AdapterSource::Local(dirs[i % dirs.len()].clone()))?;
+        store.register(name, multilora_types::AdapterSource::Local(dirs[i % dirs.len()].clone()))?;
     }
     // Resolving a name starts its load; the loads finish (and are cached) without their tickets.
     for name in &names[..CACHED] {

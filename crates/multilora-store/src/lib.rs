@@ -31,7 +31,8 @@
 //!   ([`Store::runtime_source`] reads a client's source string without probing outside them).
 //!
 //! ```no_run
-//! use multilora_adapter::{AdapterSource, ModelShapes};
+//! use multilora_adapter::ModelShapes;
+//! use multilora_types::AdapterSource;
 //! use multilora_store::{Resolution, Store, StoreConfig};
 //! use multilora_types::LoraLimits;
 //! # fn main() -> multilora_store::Result<()> {

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use multilora_adapter::{AdapterSource, LoraAdapter};
+use multilora_adapter::LoraAdapter;
+use multilora_types::AdapterSource;
 use multilora_types::{AdapterGen, AdapterId, ModuleKind};
 
 use crate::backoff::Failure;

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, ModelShapes};
+use multilora_adapter::{LoadOptions, LoraAdapter, ModelShapes};
+use multilora_types::AdapterSource;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};

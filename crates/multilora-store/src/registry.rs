@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 
-use multilora_adapter::{AdapterSource, LoraAdapter};
+use multilora_adapter::LoraAdapter;
+use multilora_types::AdapterSource;
 use multilora_types::{AdapterGen, AdapterId, Fingerprint, ModuleKind};
 
 use crate::backoff::Failure;

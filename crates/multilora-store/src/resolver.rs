@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use multilora_adapter::{AdapterSource, CONFIG_FILE};
+use multilora_adapter::CONFIG_FILE;
+use multilora_types::AdapterSource;
 
 use crate::error::{Error, Result};
 use crate::registry::validate_name;

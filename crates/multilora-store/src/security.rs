@@ -7,7 +7,8 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use multilora_adapter::{AdapterSource, CONFIG_FILE, WEIGHTS_FILE};
+use multilora_adapter::{CONFIG_FILE, SourceExt, WEIGHTS_FILE};
+use multilora_types::AdapterSource;
 
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
@@ -21,11 +22,6 @@ pub(crate) fn confine(name: &str, source: &AdapterSource, config: &StoreConfig) 
         AdapterSource::Hub { .. } if config.allow_hub_at_runtime => Ok(source.clone()),
         AdapterSource::Hub { repo, .. } if config.allowed_hub_repos.iter().any(|r| r == repo) => Ok(source.clone()),
         AdapterSource::Hub { repo, .. } => Err(Error::HubDisabled { name: name.to_string(), repo: repo.clone() }),
-        // A kind of source added later is refused until this function knows how to confine it.
-        other => Err(Error::Adapter(multilora_adapter::Error::Source {
-            source_str: other.to_string(),
-            reason: "this kind of source is not allowed at run time".to_string(),
-        })),
     }
 }
 

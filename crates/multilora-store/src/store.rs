@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use lru::LruCache;
-use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, SlotSink};
+use multilora_adapter::{LoadOptions, LoraAdapter, SlotSink};
+use multilora_types::AdapterSource;
 use multilora_types::SlotId;
 use parking_lot::{Condvar, Mutex};
 

@@ -13,8 +13,9 @@ use std::time::Duration;
 use common::{
     CountingLoader, CountingSink, cached, next_event, synthetic, tiny_shapes, wait_for, wait_ready, with_events,
 };
-use multilora_adapter::{AdapterSource, SyntheticAdapter};
+use multilora_adapter::SyntheticAdapter;
 use multilora_store::{DirectoryResolver, Error, LoadEvent, Resolution, Store, StoreConfig};
+use multilora_types::AdapterSource;
 use multilora_types::{AdapterGen, LoraLimits, ModuleKind};
 
 /// Long enough that no test outlives it: within it, a failure is answered from memory.

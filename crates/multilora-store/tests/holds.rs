@@ -11,10 +11,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::{CountingSink, cached, next_event, synthetic, tiny_shapes, with_events};
-use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, ModelShapes};
+use multilora_adapter::{LoadOptions, LoraAdapter, ModelShapes};
 use multilora_store::{
     AdapterLoader, AdapterRef, FsLoader, LoadEvent, LoadTicket, Loaded, Resolution, Store, StoreBuilder, StoreConfig,
 };
+use multilora_types::AdapterSource;
 use multilora_types::LoraLimits;
 use parking_lot::{Condvar, Mutex};
 

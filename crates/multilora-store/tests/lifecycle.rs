@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use common::{BlockingLoader, CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_for};
 use common::{cached, wait_ready};
-use multilora_adapter::AdapterSource;
+use multilora_adapter::SourceExt;
 use multilora_store::{DirectoryResolver, HubResolver, LoadEvent, Resolution, Store, StoreConfig};
+use multilora_types::AdapterSource;
 use multilora_types::{AdapterGen, LoraLimits, SlotId};
 use parking_lot::Mutex;
 

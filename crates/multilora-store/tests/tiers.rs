@@ -6,8 +6,8 @@ mod common;
 use std::sync::OnceLock;
 
 use common::{CountingLoader, CountingSink, fixture, fixture_shapes, synthetic, tiny_shapes, wait_ready};
-use multilora_adapter::AdapterSource;
 use multilora_store::{Resolution, Store, StoreConfig};
+use multilora_types::AdapterSource;
 use multilora_types::{AdapterGen, LoraLimits, SlotId};
 use proptest::prelude::*;
 

@@ -4,6 +4,7 @@
 //!
 //! - [`AdapterId`], [`Fingerprint`] and [`AdapterGen`]: an adapter, its content, and the pair of
 //!   the two that occupies a slot and counts toward `max_loras`.
+//! - [`AdapterSource`]: where an adapter's files are (a directory, a GGUF LoRA file, a hub repo).
 //! - [`SlotId`]: a device slot. "No adapter" is `Option::<SlotId>::None`; only the kernels' own
 //!   index buffers spell it `-1`.
 //! - [`ModuleKind`] and [`LoraLimits`]: what can be adapted, and the LoRA limits checked once
@@ -21,6 +22,7 @@ mod module;
 mod request;
 mod rng;
 mod slot;
+mod source;
 mod step_time;
 
 pub use adapter::{AdapterGen, AdapterId, Fingerprint};
@@ -30,4 +32,5 @@ pub use module::ModuleKind;
 pub use request::{FinishReason, LogitsWanted};
 pub use rng::SplitMix64;
 pub use slot::SlotId;
+pub use source::AdapterSource;
 pub use step_time::{DEFAULT_STEP_FACTOR, StepTime};

@@ -9,10 +9,11 @@ use std::sync::mpsc::Sender;
 
 use candle_core::{DType, Device};
 use multilora_adapter::HubConfig;
-use multilora_adapter::{AdapterSource, LoadOptions};
+use multilora_adapter::{LoadOptions, SourceExt};
 use multilora_models::{Checkpoint, GenerationConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig};
 use multilora_store::{Store, StoreBuilder, StoreConfig};
+use multilora_types::AdapterSource;
 use multilora_types::{DEFAULT_MAX_LORA_RANK, DEFAULT_STEP_FACTOR, LoraLimits, ModuleKind, StepTime};
 
 use crate::command::{Command, EventCount};

@@ -8,10 +8,10 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use multilora_adapter::AdapterSource;
 use multilora_models::{KvCache, Model};
 use multilora_scheduler::Scheduler;
 use multilora_store::{Resolution, Store};
+use multilora_types::AdapterSource;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 

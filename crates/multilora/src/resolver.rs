@@ -2,50 +2,13 @@
 //! types: [`Resolver`] answers an [`AdapterSource`] or a [`ResolveError`], and lists what it
 //! offers; [`DirectoryResolver`] (vLLM's filesystem resolver) and [`HubResolver`] (an allow-list
 //! of hub repositories) are the built-in ones. The store below runs them on its loader threads
-//! through `StoreResolver`, which converts both ways, so an embedder names no crate below the
-//! engine.
+//! through `StoreResolver`, which converts the error, so an embedder names no crate below the
+//! engine ([`AdapterSource`] is the shared type of `multilora-types`, re-exported).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-/// Where an adapter's files are: what a [`Resolver`] answers for a name.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum AdapterSource {
-    /// A directory holding `adapter_config.json` and `adapter_model.safetensors`.
-    Local(PathBuf),
-    /// A llama.cpp LoRA file (`convert_lora_to_gguf.py`'s output, named `*.gguf`).
-    Gguf(PathBuf),
-    /// A hub repository at a revision (a branch, a tag or a commit).
-    Hub {
-        /// `org/name`.
-        repo: String,
-        /// The revision.
-        revision: String,
-    },
-}
-
-impl AdapterSource {
-    /// The adapter crate's spelling of the same source.
-    fn into_inner(self) -> multilora_adapter::AdapterSource {
-        match self {
-            AdapterSource::Local(dir) => multilora_adapter::AdapterSource::Local(dir),
-            AdapterSource::Gguf(file) => multilora_adapter::AdapterSource::Gguf(file),
-            AdapterSource::Hub { repo, revision } => multilora_adapter::AdapterSource::Hub { repo, revision },
-        }
-    }
-
-    /// The engine's spelling of a source the store's built-in resolvers answer; `None` for a
-    /// kind of source this enum does not have yet (the built-in resolvers answer none).
-    fn from_inner(source: multilora_adapter::AdapterSource) -> Option<AdapterSource> {
-        match source {
-            multilora_adapter::AdapterSource::Gguf(file) => Some(AdapterSource::Gguf(file)),
-            multilora_adapter::AdapterSource::Hub { repo, revision } => Some(AdapterSource::Hub { repo, revision }),
-            multilora_adapter::AdapterSource::Local(dir) => Some(AdapterSource::Local(dir)),
-            _ => None,
-        }
-    }
-}
+pub use multilora_types::AdapterSource;
 
 /// Why a resolver could not answer for a name. The request for that name fails with
 /// `adapter_error` (`cause_kind` `resolver`) and this error as its source; a path the built-in
@@ -182,7 +145,7 @@ impl HubResolver {
 impl Resolver for HubResolver {
     fn resolve(&self, name: &str) -> Result<Option<AdapterSource>, ResolveError> {
         match multilora_store::Resolver::resolve(&self.inner, name) {
-            Ok(source) => Ok(source.and_then(AdapterSource::from_inner)),
+            Ok(source) => Ok(source),
             Err(e) => Err(ResolveError(Repr::Store(e))),
         }
     }
@@ -190,29 +153,26 @@ impl Resolver for HubResolver {
     /// Every name on the list.
     fn offered(&self) -> Result<Vec<(String, AdapterSource)>, ResolveError> {
         match multilora_store::Resolver::offered(&self.inner) {
-            Ok(list) => {
-                Ok(list.into_iter().filter_map(|(name, s)| Some((name, AdapterSource::from_inner(s)?))).collect())
-            }
+            Ok(list) => Ok(list),
             Err(e) => Err(ResolveError(Repr::Store(e))),
         }
     }
 }
 
-/// An embedder's resolver as the store asks it: the answer converted to the adapter crate's
-/// source, the error to the store's.
+/// An embedder's resolver as the store asks it: the error converted to the store's.
 pub(crate) struct StoreResolver<R>(pub(crate) R);
 
 impl<R: Resolver> multilora_store::Resolver for StoreResolver<R> {
-    fn resolve(&self, name: &str) -> multilora_store::Result<Option<multilora_adapter::AdapterSource>> {
+    fn resolve(&self, name: &str) -> multilora_store::Result<Option<AdapterSource>> {
         match self.0.resolve(name) {
-            Ok(source) => Ok(source.map(AdapterSource::into_inner)),
+            Ok(source) => Ok(source),
             Err(e) => Err(e.into_store(name)),
         }
     }
 
-    fn offered(&self) -> multilora_store::Result<Vec<(String, multilora_adapter::AdapterSource)>> {
+    fn offered(&self) -> multilora_store::Result<Vec<(String, AdapterSource)>> {
         match self.0.offered() {
-            Ok(list) => Ok(list.into_iter().map(|(name, s)| (name, s.into_inner())).collect()),
+            Ok(list) => Ok(list),
             Err(e) => Err(e.into_store("(listing)")),
         }
     }
@@ -230,7 +190,7 @@ mod tests {
         let store = StoreResolver(DirectoryResolver::new(tmp.path()));
         let dir = tmp.path().join("sql").canonicalize().unwrap();
         let got = multilora_store::Resolver::resolve(&store, "sql").unwrap();
-        assert_eq!(got, Some(multilora_adapter::AdapterSource::Local(dir)));
+        assert_eq!(got, Some(AdapterSource::Local(dir)));
         assert_eq!(multilora_store::Resolver::resolve(&store, "absent").unwrap(), None);
 
         struct Failing;

@@ -25,8 +25,15 @@ pub struct Serve {
 /// `multilora serve --model <model> --port 0 --api-key test-key <args>`, its stderr echoed and
 /// kept (`lines`).
 pub fn serve_model(model: &Path, args: &[String], env: &[(&str, &str)]) -> Serve {
+    serve_model_on(0, model, args, env)
+}
+
+/// [`serve_model`] on loopback port `port` (0: a free one), as a restarted replica takes its
+/// old address again.
+pub fn serve_model_on(port: u16, model: &Path, args: &[String], env: &[(&str, &str)]) -> Serve {
+    let port = port.to_string();
     let mut child = Command::new(env!("CARGO_BIN_EXE_multilora"))
-        .args(["serve", "--model", model.to_str().expect("utf-8 path"), "--port", "0", "--api-key", "test-key"])
+        .args(["serve", "--model", model.to_str().expect("utf-8 path"), "--port", &port, "--api-key", "test-key"])
         .args(args)
         .env("RUST_LOG", "warn")
         .envs(env.iter().copied())
@@ -100,14 +107,18 @@ impl Drop for Serve {
 
 /// A raw HTTP/1.1 GET: the whole response.
 pub fn get(url: &str, path: &str) -> String {
+    try_get(url, path).unwrap_or_else(|e| panic!("GET {url}{path}: {e}"))
+}
+
+/// [`get`], or the error when nothing answers at `url`.
+pub fn try_get(url: &str, path: &str) -> std::io::Result<String> {
     use std::io::{Read, Write};
     let addr = url.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer test-key\r\nConnection: close\r\n\r\n")
-        .unwrap();
+    let mut s = std::net::TcpStream::connect(addr)?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer test-key\r\nConnection: close\r\n\r\n")?;
     let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
+    s.read_to_string(&mut out)?;
+    Ok(out)
 }
 
 /// A raw HTTP/1.1 POST (no client library needed): the whole response, headers included.

@@ -1,10 +1,22 @@
 // The kernel runner of the host emulation: reads a launch from a file (kernel name, grid, block,
-// the parameter struct's bytes and the buffers its pointers name), runs the kernel's own source
-// on the CPU through emu.h, and writes every buffer back. `harness --layout` prints the size and
+// the parameter struct's bytes, the buffers, the views of them its pointers name, a seed and a
+// number of schedules), runs the kernel's own source on the CPU through emu.h once per schedule,
+// compares the results, and writes every buffer back. `harness --layout` prints the size and
 // field offsets of every parameter struct, which the Rust side compares with its mirror.
 //
-// A pointer field of a parameter struct holds `(buffer + 1) << 48 | byte offset` instead of an
-// address (0 = null); the runner turns it into the address of that byte of that buffer.
+// Schedule 0 starts the blocks in order, one at a time, threads forwards, views against their
+// upper guard; schedule k >= 1 starts them in a seeded shuffle, up to three live at once and
+// interleaved at `__syncthreads`, threads backwards when k is odd, views against their lower
+// guard when k is odd. Every run starts from the same input. A result that differs between two
+// schedules is a race (the harness runs two more to tell a race between blocks from one between
+// threads of a block, and both from a read of poisoned bytes next to a view); every fault ends
+// the process with status 3 and `multilora emulator: fault: <kind>: <detail>` on stderr.
+//
+// A pointer field of a parameter struct holds `(view + 1) << 48 | byte offset in the view's
+// buffer` instead of an address (0 = null); `fix` turns it into this run's address (views.h).
+// A new parameter struct needs a `fix_ptrs` overload passing every pointer field through
+// `fix(p.field, "field")` (the name is what a report calls it), and its kernels a line in
+// `kernels()`.
 #include "../lora_embed.cu"
 #include "../lora_expand.cu"
 #include "../lora_shrink.cu"
@@ -12,6 +24,9 @@
 #include "../kv_write.cu"
 #include "../lora_bgmv.cu"
 #include "../paged_decode_split.cu"
+#ifdef MULTILORA_EMULATE_FAULTS
+#include "faults.cuh"
+#endif
 
 #include <cstddef>
 #include <cstdio>
@@ -19,22 +34,12 @@
 #include <map>
 #include <string>
 
+#include "views.h"
+
 namespace {
 
-std::vector<std::vector<uint8_t>> g_bufs;
-
-[[noreturn]] void fail(const std::string& why) {
-    std::fprintf(stderr, "multilora emulator: %s\n", why.c_str());
-    std::exit(2);
-}
-
-uint64_t fix(uint64_t v) {
-    if (v == 0) return 0;
-    const uint64_t idx = (v >> 48) - 1, off = v & ((1ull << 48) - 1);
-    if (idx >= g_bufs.size()) fail("pointer names buffer " + std::to_string(idx) + " of " + std::to_string(g_bufs.size()));
-    if (off > g_bufs[idx].size()) fail("pointer offset " + std::to_string(off) + " past buffer " + std::to_string(idx));
-    return (uint64_t)(uintptr_t)(g_bufs[idx].data() + off);
-}
+using ml_views::fail;
+using ml_views::fix;
 
 template <typename P>
 P read_params(const std::vector<uint8_t>& bytes) {
@@ -45,54 +50,65 @@ P read_params(const std::vector<uint8_t>& bytes) {
 }
 
 MlShrinkParams fix_ptrs(MlShrinkParams p) {
-    p.x = fix(p.x); p.rows = fix(p.rows); p.tiles = fix(p.tiles);
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.a[i] = fix(p.a[i]); p.out[i] = fix(p.out[i]); }
+    p.x = fix(p.x, "x"); p.rows = fix(p.rows, "rows"); p.tiles = fix(p.tiles, "tiles");
+    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.a[i] = fix(p.a[i], "a", i); p.out[i] = fix(p.out[i], "out", i); }
     return p;
 }
 MlExpandParams fix_ptrs(MlExpandParams p) {
-    p.y = fix(p.y); p.rows = fix(p.rows); p.tiles = fix(p.tiles);
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.b[i] = fix(p.b[i]); p.s[i] = fix(p.s[i]); }
+    p.y = fix(p.y, "y"); p.rows = fix(p.rows, "rows"); p.tiles = fix(p.tiles, "tiles");
+    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.b[i] = fix(p.b[i], "b", i); p.s[i] = fix(p.s[i], "s", i); }
     return p;
 }
 MlEmbedShrinkParams fix_ptrs(MlEmbedShrinkParams p) {
-    p.ids = fix(p.ids); p.rows = fix(p.rows); p.tiles = fix(p.tiles); p.a_t = fix(p.a_t); p.out = fix(p.out);
+    p.ids = fix(p.ids, "ids"); p.rows = fix(p.rows, "rows"); p.tiles = fix(p.tiles, "tiles");
+    p.a_t = fix(p.a_t, "a_t"); p.out = fix(p.out, "out");
     return p;
 }
 MlDecodeAttnParams fix_ptrs(MlDecodeAttnParams p) {
-    p.q = fix(p.q); p.k_cache = fix(p.k_cache); p.v_cache = fix(p.v_cache);
-    p.block_tables = fix(p.block_tables); p.ctx_lens = fix(p.ctx_lens); p.out = fix(p.out);
+    p.q = fix(p.q, "q"); p.k_cache = fix(p.k_cache, "k_cache"); p.v_cache = fix(p.v_cache, "v_cache");
+    p.block_tables = fix(p.block_tables, "block_tables"); p.ctx_lens = fix(p.ctx_lens, "ctx_lens"); p.out = fix(p.out, "out");
     return p;
 }
 
 MlKvWriteParams fix_ptrs(MlKvWriteParams p) {
-    p.src = fix(p.src); p.cache = fix(p.cache); p.slots = fix(p.slots);
+    p.src = fix(p.src, "src"); p.cache = fix(p.cache, "cache"); p.slots = fix(p.slots, "slots");
     return p;
 }
 
 MlBgmvShrinkParams fix_ptrs(MlBgmvShrinkParams p) {
-    p.x = fix(p.x); p.rows = fix(p.rows); p.slot_meta = fix(p.slot_meta);
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.a[i] = fix(p.a[i]); p.out[i] = fix(p.out[i]); }
+    p.x = fix(p.x, "x"); p.rows = fix(p.rows, "rows"); p.slot_meta = fix(p.slot_meta, "slot_meta");
+    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.a[i] = fix(p.a[i], "a", i); p.out[i] = fix(p.out[i], "out", i); }
     return p;
 }
 MlBgmvExpandParams fix_ptrs(MlBgmvExpandParams p) {
-    p.y = fix(p.y); p.rows = fix(p.rows); p.slot_meta = fix(p.slot_meta);
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.b[i] = fix(p.b[i]); p.s[i] = fix(p.s[i]); }
+    p.y = fix(p.y, "y"); p.rows = fix(p.rows, "rows"); p.slot_meta = fix(p.slot_meta, "slot_meta");
+    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.b[i] = fix(p.b[i], "b", i); p.s[i] = fix(p.s[i], "s", i); }
     return p;
 }
 
 MlDecodeSplitParams fix_ptrs(MlDecodeSplitParams p) {
-    p.q = fix(p.q); p.k_cache = fix(p.k_cache); p.v_cache = fix(p.v_cache); p.block_tables = fix(p.block_tables);
-    p.ctx_lens = fix(p.ctx_lens); p.out = fix(p.out); p.part_acc = fix(p.part_acc); p.part_ml = fix(p.part_ml);
+    p.q = fix(p.q, "q"); p.k_cache = fix(p.k_cache, "k_cache"); p.v_cache = fix(p.v_cache, "v_cache"); p.block_tables = fix(p.block_tables, "block_tables");
+    p.ctx_lens = fix(p.ctx_lens, "ctx_lens"); p.out = fix(p.out, "out"); p.part_acc = fix(p.part_acc, "part_acc"); p.part_ml = fix(p.part_ml, "part_ml");
     return p;
 }
 
-using Runner = std::function<void(dim3, dim3, const std::vector<uint8_t>&)>;
+#ifdef MULTILORA_EMULATE_FAULTS
+MlFaultParams fix_ptrs(MlFaultParams p) {
+    p.in = fix(p.in, "in"); p.out = fix(p.out, "out");
+    return p;
+}
+#define ML_REG_FAULT(name) k[#name] = runner(name);
+#endif
+
+// Runs a kernel once under a schedule: `name`, grid, block, the parameter bytes (pointers not yet
+// fixed: each run places the views anew).
+using Runner = std::function<void(const char*, dim3, dim3, const std::vector<uint8_t>&, const ml_emu::Schedule&)>;
 
 template <typename P>
 Runner runner(void (*kernel)(const P)) {
-    return [kernel](dim3 grid, dim3 block, const std::vector<uint8_t>& bytes) {
+    return [kernel](const char* name, dim3 grid, dim3 block, const std::vector<uint8_t>& bytes, const ml_emu::Schedule& s) {
         const P p = fix_ptrs(read_params<P>(bytes));
-        ml_emu::launch(grid, block, [&] { kernel(p); });
+        ml_emu::launch(name, grid, block, s, [&] { kernel(p); });
     };
 }
 
@@ -132,6 +148,9 @@ std::map<std::string, Runner> kernels() {
     k["paged_decode_reduce_" #t "_d" #d] = runner(paged_decode_reduce_##t##_d##d);
 #define ML_REG_SPLITS(t) ML_REG_SPLIT(t, 32) ML_REG_SPLIT(t, 64) ML_REG_SPLIT(t, 128) ML_REG_SPLIT(t, 256)
     ML_REG_SPLITS(f32) ML_REG_SPLITS(bf16) ML_REG_SPLITS(f16)
+#ifdef MULTILORA_EMULATE_FAULTS
+    ML_FAULT_KERNELS(ML_REG_FAULT)
+#endif
     return k;
 }
 
@@ -199,6 +218,122 @@ void layout() {
 
 }  // namespace
 
+// splitmix64: the schedules' random numbers, the same on every machine.
+uint64_t mix(uint64_t& state) {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// How one run goes: the schedule, where the views lie, and for the report the seed it came from.
+struct Run {
+    ml_emu::Schedule schedule;
+    ml_views::Place place = ml_views::Place::End;
+    std::string shuffle = "in order";
+};
+
+std::string hex64(uint64_t v) {
+    char b[24];
+    std::snprintf(b, sizeof b, "0x%016llx", (unsigned long long)v);
+    return b;
+}
+
+// A run in words, for reports.
+std::string describe(const Run& r) {
+    const unsigned live = r.schedule.live;
+    return "blocks " + r.shuffle + ", " + (live > 1 ? std::to_string(live) + " live at once, interleaved at __syncthreads"
+                                                    : std::string("one at a time")) +
+           ", threads " + (r.schedule.reverse_threads ? "backwards" : "forwards") + ", views against their " +
+           (r.place == ml_views::Place::Start ? "lower" : "upper") + " guard";
+}
+
+// Run k of a launch (see the file's header).
+Run plan_run(dim3 grid, unsigned k, uint64_t seed) {
+    Run r;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) r.schedule.blocks.push_back(dim3{x, y, z});
+    if (k == 0) return r;
+    uint64_t state = seed + k;
+    auto& b = r.schedule.blocks;
+    for (size_t i = b.size(); i > 1; --i) std::swap(b[i - 1], b[mix(state) % i]);
+    r.schedule.live = 3;
+    r.schedule.reverse_threads = k % 2 == 1;
+    r.place = k % 2 == 1 ? ml_views::Place::Start : ml_views::Place::End;
+    r.shuffle = "shuffled (seed " + hex64(seed) + ", schedule " + std::to_string(k) + ")";
+    return r;
+}
+
+// Runs the kernel once from the input buffers; every view's bytes afterwards.
+std::vector<std::vector<uint8_t>> run_once(const Runner& run, const char* name, dim3 grid, dim3 block,
+                                           const std::vector<uint8_t>& params, const Run& r) {
+    ml_views::map_all(r.place);
+    run(name, grid, block, params, r.schedule);
+    ml_views::check_slack(name);
+    auto out = ml_views::snapshot();
+    ml_views::unmap_all();
+    return out;
+}
+
+// The first view and byte where two runs differ, if any.
+bool first_difference(const std::vector<std::vector<uint8_t>>& a, const std::vector<std::vector<uint8_t>>& b,
+                      size_t& view, size_t& byte) {
+    for (view = 0; view < a.size(); ++view) {
+        const auto m = std::mismatch(a[view].begin(), a[view].end(), b[view].begin());
+        if (m.first != a[view].end()) {
+            byte = (size_t)(m.first - a[view].begin());
+            return true;
+        }
+    }
+    return false;
+}
+
+// Run k differs from run 0: says why, after running what tells the causes apart.
+[[noreturn]] void report_difference(const Runner& run, const char* name, dim3 grid, dim3 block,
+                                    const std::vector<uint8_t>& params, const Run& r0, const Run& rk, uint64_t seed,
+                                    const std::vector<std::vector<uint8_t>>& res0) {
+    size_t view = 0, byte = 0;
+    // Run 0's schedule with run k's placement: a difference comes from where the views lie.
+    Run placed = r0;
+    placed.place = rk.place;
+    // The threads as in run k, the blocks as in run 0: a difference comes from the thread order.
+    Run threads = placed;
+    threads.schedule.reverse_threads = rk.schedule.reverse_threads;
+    std::string kind = ml_emu::kRace, cause;
+    const Run* other = &rk;
+    if (first_difference(res0, run_once(run, name, grid, block, params, placed), view, byte)) {
+        kind = ml_emu::kOutOfBounds;
+        cause = "the result depends on where the views lie in memory: a read of the poisoned bytes next to a view";
+        other = &placed;
+    } else if (first_difference(res0, run_once(run, name, grid, block, params, threads), view, byte)) {
+        cause = "a race between threads of one block: one reads or writes what another writes without a barrier between";
+        other = &threads;
+    } else {
+        first_difference(res0, run_once(run, name, grid, block, params, rk), view, byte);
+        cause = "a race between blocks: one block reads or writes what another block writes";
+    }
+    const auto& v = ml_views::g_views[view];
+    ml_emu::fault(kind.c_str(), std::string(name) + ": " + cause + "; " + ml_views::describe(view) +
+                                    " differs at its byte " + std::to_string(byte) + " (buffer byte " +
+                                    std::to_string(v.start + byte) + ") between [" + describe(r0) + "] and [" +
+                                    describe(*other) + "]; MULTILORA_EMU_SEED=" + hex64(seed) + " reproduces it");
+}
+
+// CUDA's launch limits: a launch past them fails on the device, so it fails here.
+void check_limits(const char* name, dim3 grid, dim3 block) {
+    const uint64_t threads = (uint64_t)block.x * block.y * block.z;
+    std::string why;
+    if (threads == 0 || grid.x == 0 || grid.y == 0 || grid.z == 0) why = "an empty grid or block";
+    else if (threads > 1024) why = std::to_string(threads) + " threads per block (at most 1024)";
+    else if (block.z > 64) why = "block.z of " + std::to_string(block.z) + " (at most 64)";
+    else if (grid.y > 65535 || grid.z > 65535) why = "grid.y or grid.z past 65535";
+    else if (grid.x > 0x7fffffffu) why = "grid.x past 2^31 - 1";
+    if (!why.empty())
+        ml_emu::fault(ml_emu::kLaunch, std::string(name) + " launched with " + why + ": grid " + ml_emu::dim_str(grid) +
+                                           ", block " + ml_emu::dim_str(block));
+}
+
 int main(int argc, char** argv) {
     if (argc == 2 && std::string(argv[1]) == "--layout") {
         layout();
@@ -210,23 +345,46 @@ int main(int argc, char** argv) {
     Reader r{in};
     char magic[8];
     r.bytes(magic, 8);
-    if (std::memcmp(magic, "MLEMU1\0\0", 8) != 0) fail("not an emulator launch file");
+    if (std::memcmp(magic, "MLEMU2\0\0", 8) != 0) fail("not an emulator launch file (MLEMU2)");
     const std::string name = [&] { auto b = r.blob(r.u32()); return std::string(b.begin(), b.end()); }();
     dim3 grid, block;
     grid.x = r.u32(); grid.y = r.u32(); grid.z = r.u32();
     block.x = r.u32(); block.y = r.u32(); block.z = r.u32();
     const std::vector<uint8_t> params = r.blob(r.u32());
     const uint32_t nbufs = r.u32();
-    for (uint32_t i = 0; i < nbufs; ++i) g_bufs.push_back(r.blob(r.u64()));
+    for (uint32_t i = 0; i < nbufs; ++i) ml_views::g_bufs.push_back(r.blob(r.u64()));
+    const uint32_t nviews = r.u32();
+    for (uint32_t i = 0; i < nviews; ++i) {
+        ml_views::View v;
+        v.buffer = r.u32();
+        v.start = r.u64();
+        v.len = r.u64();
+        if (v.buffer >= nbufs || v.start > ml_views::g_bufs[v.buffer].size() ||
+            v.len > ml_views::g_bufs[v.buffer].size() - v.start)
+            fail("view " + std::to_string(i) + " lies outside its buffer");
+        ml_views::g_views.push_back(v);
+    }
+    const uint64_t seed = r.u64();
+    const uint32_t schedules = std::max<uint32_t>(1, r.u32());
     std::fclose(in);
     const auto table = kernels();
     const auto it = table.find(name);
     if (it == table.end()) fail("no kernel named " + name);
-    it->second(grid, block, params);
+    check_limits(name.c_str(), grid, block);
+    ml_views::install_handler();
+    const Run r0 = plan_run(grid, 0, seed);
+    const auto res0 = run_once(it->second, name.c_str(), grid, block, params, r0);
+    for (uint32_t k = 1; k < schedules; ++k) {
+        const Run rk = plan_run(grid, k, seed);
+        size_t view = 0, byte = 0;
+        if (first_difference(res0, run_once(it->second, name.c_str(), grid, block, params, rk), view, byte))
+            report_difference(it->second, name.c_str(), grid, block, params, r0, rk, seed, res0);
+    }
+    const auto bufs = ml_views::write_back(res0, name.c_str());
     FILE* out = std::fopen(argv[2], "wb");
     if (!out) fail(std::string("cannot create ") + argv[2]);
     std::fwrite(&nbufs, 4, 1, out);
-    for (const auto& b : g_bufs) {
+    for (const auto& b : bufs) {
         const uint64_t n = b.size();
         std::fwrite(&n, 8, 1, out);
         std::fwrite(b.data(), 1, b.size(), out);

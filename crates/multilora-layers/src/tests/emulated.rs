@@ -6,8 +6,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::ModuleId;
-use multilora_kernels::emulate::buffer_ptr;
-use multilora_kernels::{Emulator, KernelDtype, kernel};
+use multilora_kernels::{Emulator, KernelDtype, Memory, kernel};
 use multilora_types::ModuleKind;
 
 use super::ops::random_slots;
@@ -59,18 +58,18 @@ pub(crate) fn bytes_tensor(b: &[u8], dtype: DType, shape: &[usize]) -> anyhow::R
     })
 }
 
-/// The buffers of one emulated launch sequence; `add` returns the pointer value naming a buffer.
+/// The buffers of one emulated launch sequence; `add` returns the pointer value naming a buffer,
+/// in a view of the whole buffer: every access through it is checked against the buffer's length.
 #[derive(Default)]
-pub(crate) struct Buffers(pub(crate) Vec<Vec<u8>>);
+pub(crate) struct Buffers(pub(crate) Memory);
 
 impl Buffers {
     pub(crate) fn add(&mut self, bytes: Vec<u8>) -> u64 {
-        self.0.push(bytes);
-        buffer_ptr(self.0.len() - 1, 0)
+        self.0.add(bytes)
     }
 
     pub(crate) fn get(&self, ptr: u64) -> &[u8] {
-        &self.0[(ptr >> 48) as usize - 1]
+        self.0.get(ptr).expect("a pointer this memory made")
     }
 }
 

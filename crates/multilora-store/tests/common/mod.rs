@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use multilora_adapter::{AdapterSource, LoadOptions, LoraAdapter, ModelShapes, SlotSink, SyntheticAdapter};
+use multilora_adapter::{LoadOptions, LoraAdapter, ModelShapes, SlotSink, SyntheticAdapter};
 use multilora_store::{AdapterLoader, FsLoader, LoadEvent, Loaded, Store};
+use multilora_types::AdapterSource;
 use multilora_types::{AdapterGen, Fingerprint, ModuleKind, SlotId};
 use parking_lot::Mutex;
 
