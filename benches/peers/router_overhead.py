@@ -127,17 +127,20 @@ def main():
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_until("smg", router, lambda: '"healthy_workers":1' in get(routed, "/readiness")[1])
         else:
-            # The test's settings (crates/multilora-cli/tests/replicas.rs); JSON is YAML.
+            # The test's routing settings (crates/multilora-cli/tests/replicas.rs), with message logging
+            # and spend logs off: they cost the proxy CPU on the replica's cores. JSON is YAML.
             config = {"model_list": [{"model_name": "base", "litellm_params": {
                 "model": "openai/base", "api_base": direct + "/v1", "api_key": KEY, "max_retries": 0}}],
-                "router_settings": {"routing_strategy": "simple-shuffle", "num_retries": 1}}
+                "router_settings": {"routing_strategy": "simple-shuffle", "num_retries": 1},
+                "litellm_settings": {"turn_off_message_logging": True, "drop_params": True, "disable_token_counter": True},
+                "general_settings": {"disable_spend_logs": True, "disable_error_logs": True}}
             config_file = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
             with config_file:
                 json.dump(config, config_file)
             router = subprocess.Popen(
                 [a.litellm, "--config", config_file.name, "--host", "127.0.0.1", "--port", str(router_port),
                  "--num_workers", "1"],
-                env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True"),
+                env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR"),
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_until("litellm", router, lambda: get(routed, "/health/liveliness")[0] == 200)
         for url in (direct, routed):

@@ -78,8 +78,11 @@ fn open_device() -> Result<Device, String> {
     #[cfg(feature = "cuda")]
     {
         // candle's error may carry a backtrace on further lines; the first says what failed.
-        Device::new_cuda_with_stream(0)
-            .map_err(|e| format!("no CUDA device: {}", e.to_string().lines().next().unwrap_or_default().trim()))
+        let dev = Device::new_cuda_with_stream(0)
+            .map_err(|e| format!("no CUDA device: {}", e.to_string().lines().next().unwrap_or_default().trim()))?;
+        // One stream does all the work, as in the engine: no per-allocation events.
+        multilora_layers::disable_event_tracking(&dev);
+        Ok(dev)
     }
 }
 

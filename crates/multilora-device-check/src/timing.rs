@@ -2,9 +2,12 @@
 //! launches (`clock.rs`) at Llama-3-8B's decode shapes in bf16 (64 rows over 8 rank-16 adapters,
 //! `floor::DECODE`), each printed as measured / floor (the bytes it must move at 4.8 TB/s) beside
 //! the host's enqueue time per call:
-//! - `lora_shrink` and `lora_expand` on each of a decoder layer's four adapted layers;
+//! - the decode-shaped LoRA kernels (`lora_bgmv_shrink`, `lora_bgmv_expand`: what `lora_apply`
+//!   runs at decode) on each of a decoder layer's four adapted layers, and beside them the
+//!   segmented ones (`lora_shrink`, `lora_expand`: prefill's) at the same shapes;
 //! - the base GEMM of the same layers (`multilora_layers::linear`, cuBLAS on CUDA);
-//! - writing the step's keys and values into the paged caches ([`kv_write`]);
+//! - writing the step's keys and values into the paged caches (`paged_kv_write`, and candle's
+//!   `scatter_set`, which it replaced, for comparison);
 //! - paged decode attention at the step's batch and at long contexts (GQA 32 / 8, head 128).
 //!
 //! Nothing here is pass / fail: the figures say where a step's time goes, for the first device
@@ -14,7 +17,8 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::ModuleId;
 use multilora_layers::{
-    LoraMapping, LoraSlots, PagedDecodeDims, linear, lora_expand, lora_shrink, paged_decode_attention,
+    LoraMapping, LoraSlots, PagedDecodeDims, linear, lora_bgmv_expand, lora_bgmv_shrink, lora_expand, lora_shrink,
+    paged_decode_attention, paged_kv_write, paged_kv_write_slow,
 };
 use multilora_types::{ModuleKind, SlotId};
 
@@ -51,19 +55,6 @@ impl Sum {
     }
 }
 
-/// Writes a decode step's keys and values (`[rows, kv_width]`) into the paged caches at the
-/// rows `index` names (`[rows, kv_width]` u32, each row's cache row repeated along it).
-///
-/// Today this is candle's `scatter_set` along dim 0, as `multilora-models`' `write_kv` does (one
-/// block of `kv_width` threads, each looping over every token: the slow path issue #28 names). A
-/// KV-write kernel of `multilora-layers` is being added on another branch; when it lands, this
-/// one function switches to it and the section times the new kernel against the same floor.
-fn kv_write(cache_k: &Tensor, cache_v: &Tensor, index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
-    cache_k.scatter_set(index, k, 0)?;
-    cache_v.scatter_set(index, v, 0)?;
-    Ok(())
-}
-
 pub(crate) fn run(report: &mut Report, dev: &Device) -> Result<()> {
     let s = DECODE;
     let dtype = DType::BF16;
@@ -90,22 +81,33 @@ pub(crate) fn run(report: &mut Report, dev: &Device) -> Result<()> {
         let total: usize = outs.iter().sum();
         let x = randn(&[s.rows, inp], 1.0, dtype, dev)?;
         let y = Tensor::zeros((s.rows, total), dtype, dev)?;
+        let bytes = shrink_bytes(s, inp, outs);
+        let t = events(dev, ITERS, || {
+            lora_bgmv_shrink(&x, &refs, &mapping)?.ok_or_else(|| anyhow::anyhow!("not decode-shaped"))?;
+            Ok(())
+        })?;
+        report.timed(SECTION, format!("lora_bgmv_shrink {name}"), t, bytes);
+        shrink.add(t, bytes);
         let t = events(dev, ITERS, || {
             lora_shrink(&x, &refs, &mapping)?;
             Ok(())
         })?;
-        let bytes = shrink_bytes(s, inp, outs);
-        report.timed(SECTION, format!("lora_shrink {name}"), t, bytes);
-        shrink.add(t, bytes);
-        let sh = lora_shrink(&x, &refs, &mapping)?;
+        report.timed(SECTION, format!("lora_shrink (segmented) {name}"), t, bytes);
+        let bytes = expand_bytes(s, outs);
+        let sh = lora_bgmv_shrink(&x, &refs, &mapping)?.ok_or_else(|| anyhow::anyhow!("not decode-shaped"))?;
         let t = events(dev, ITERS, || {
             // In place: y accumulates, which changes nothing of what is read or written.
+            lora_bgmv_expand(&y, &sh, &refs, &mapping)?;
+            Ok(())
+        })?;
+        report.timed(SECTION, format!("lora_bgmv_expand {name}"), t, bytes);
+        expand.add(t, bytes);
+        let sh = lora_shrink(&x, &refs, &mapping)?;
+        let t = events(dev, ITERS, || {
             lora_expand(y.clone(), &sh, &refs, &mapping)?;
             Ok(())
         })?;
-        let bytes = expand_bytes(s, outs);
-        report.timed(SECTION, format!("lora_expand {name}"), t, bytes);
-        expand.add(t, bytes);
+        report.timed(SECTION, format!("lora_expand (segmented) {name}"), t, bytes);
         let w = randn(&[total, inp], 0.02, dtype, dev)?;
         let t = events(dev, ITERS, || {
             linear(&x, &w)?;
@@ -115,7 +117,7 @@ pub(crate) fn run(report: &mut Report, dev: &Device) -> Result<()> {
         report.timed(SECTION, format!("base GEMM {name} [{total}, {inp}]"), t, bytes);
         gemm.add(t, bytes);
     }
-    for (what, sum) in [("lora_shrink", &shrink), ("lora_expand", &expand), ("base GEMM", &gemm)] {
+    for (what, sum) in [("lora_bgmv_shrink", &shrink), ("lora_bgmv_expand", &expand), ("base GEMM", &gemm)] {
         let v = report.timed(SECTION, format!("{what}, a decoder layer (4 calls)"), sum.timed(), sum.bytes);
         report.key(SECTION, format!("{what} ×4: {v}"));
     }
@@ -132,20 +134,16 @@ fn kv(report: &mut Report, dev: &Device) -> Result<()> {
     let cache_rows = rows * blocks_per_seq * bs;
     let cache_k = Tensor::zeros((cache_rows, width), DType::BF16, dev)?;
     let cache_v = cache_k.zeros_like()?;
-    let index: Vec<u32> = (0..rows)
-        .flat_map(|i| std::iter::repeat_n(((i * blocks_per_seq + blocks_per_seq - 1) * bs + bs - 1) as u32, width))
-        .collect();
-    let index = Tensor::from_vec(index, (rows, width), dev)?;
+    let slots: Vec<u32> = (0..rows).map(|i| ((i * blocks_per_seq + blocks_per_seq - 1) * bs + bs - 1) as u32).collect();
+    let slots = Tensor::from_vec(slots, rows, dev)?;
     let k = randn(&[rows, width], 1.0, DType::BF16, dev)?;
     let v = randn(&[rows, width], 1.0, DType::BF16, dev)?;
-    let t = events(dev, ITERS, || kv_write(&cache_k, &cache_v, &index, &k, &v))?;
-    let value = report.timed(
-        SECTION,
-        format!("KV write, {rows} rows of {width} into both caches (candle scatter_set)"),
-        t,
-        kv_write_bytes(rows, width, 2),
-    );
-    report.key(SECTION, format!("KV write (scatter_set): {value}"));
+    let bytes = kv_write_bytes(rows, width, 2);
+    let t = events(dev, ITERS, || Ok(paged_kv_write(&cache_k, &cache_v, &k, &v, &slots)?))?;
+    let value = report.timed(SECTION, format!("KV write, {rows} rows of {width} into both caches"), t, bytes);
+    report.key(SECTION, format!("KV write: {value}"));
+    let t = events(dev, ITERS, || Ok(paged_kv_write_slow(&cache_k, &cache_v, &k, &v, &slots)?))?;
+    report.timed(SECTION, format!("KV write by candle's scatter_set (replaced), {rows} rows"), t, bytes);
     Ok(())
 }
 
