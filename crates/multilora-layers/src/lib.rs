@@ -16,7 +16,8 @@
 //! - [`LoraLinear`]: a plain or fused (qkv, gate_up) linear with one set of slots per module, and
 //!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
 //!   driven by a mapping over logit rows;
-//! - [`LoraEmbedding`]: the input embedding with PEFT's `lora_embedding_A/B`.
+//! - [`LoraEmbedding`]: the input embedding with PEFT's `lora_embedding_A/B`;
+//! - [`RowsToHost`]: a step's logits back to the host (through a kept page-locked buffer on CUDA).
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -48,6 +49,7 @@ mod linear;
 mod mapping;
 mod ops;
 mod pool;
+mod readback;
 mod slots;
 mod staging;
 
@@ -69,6 +71,7 @@ pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
 pub use ops::swiglu::silu_mul;
 pub use pool::with_hot_pool;
+pub use readback::RowsToHost;
 pub use slots::{LoraSlots, SlotConfig};
 pub use staging::stage as stage_adapter;
 

@@ -137,6 +137,8 @@ pub struct Model {
     lm_head: LoraLinear,
     rope: Rope,
     shapes: ModelShapes,
+    /// The logits' way back to the host (a kept page-locked buffer on CUDA).
+    readback: multilora_layers::RowsToHost,
 }
 
 impl Model {
@@ -298,6 +300,7 @@ impl Model {
             lm_head,
             rope,
             shapes,
+            readback: multilora_layers::RowsToHost::new(),
         })
     }
 
@@ -513,6 +516,12 @@ impl Model {
         };
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x, &plan.logit_mapping)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`Model::forward`]'s logits on the host, a `Vec` per row (on CUDA through a page-locked
+    /// buffer the model keeps, so the copy runs at the link's speed).
+    pub fn logits_to_host(&self, logits: &Tensor) -> Result<Vec<Vec<f32>>> {
+        Ok(self.readback.read(logits)?)
     }
 
     /// Places `adapter` in `slot` at every LoRA site, zeroing the modules it does not target.

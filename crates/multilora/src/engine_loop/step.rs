@@ -37,7 +37,7 @@ impl EngineLoop {
             let mut seconds = f64::NAN;
             for _ in 0..2 {
                 let t = Instant::now();
-                if let Err(e) = self.model.forward(&batch, &mut self.kv).and_then(|l| Ok(l.to_vec2::<f32>()?)) {
+                if let Err(e) = self.model.forward(&batch, &mut self.kv).and_then(|l| self.model.logits_to_host(&l)) {
                     tracing::warn!(error = %e, "warm-up step failed; the step cost model starts from traffic");
                     return;
                 }
@@ -97,7 +97,7 @@ impl EngineLoop {
             return true;
         }
         let batch = Batch::new(seqs);
-        let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| Ok(t.to_vec2::<f32>()?));
+        let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| self.model.logits_to_host(&t));
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
