@@ -4,8 +4,8 @@
 //! more, never shrunk): a DMA at the link's speed, where a copy into pageable memory is staged by
 //! the driver through its own small pinned buffer, chunk by chunk (at batch 64 and a 128k
 //! vocabulary that is 33 MB a step). On the CPU it is `to_vec2`. The rows then leave the buffer
-//! as the sampler's `Vec`s; the buffer is released on `Drop` (cudarc frees it after the last copy
-//! into it has finished).
+//! as the sampler's `Vec`s; the buffer is released on `Drop`; every read waits for its copy before
+//! it returns, so none is in flight then.
 
 use candle_core::{DType, Tensor};
 
@@ -70,7 +70,10 @@ impl RowsToHost {
         }
         let Some(buf) = guard.as_mut() else { unreachable!("allocated above") };
         stream.memcpy_dtoh(&src, buf).map_err(candle_core::Error::wrap)?;
-        // Waits for the copy (the buffer's event, recorded after it on the stream).
+        // The copy is asynchronous into page-locked memory. The buffer's own event cannot be
+        // waited on: cudarc records it only while it manages stream synchronization, which the
+        // model turns off (`disable_event_tracking`). So wait for the stream itself.
+        stream.synchronize().map_err(candle_core::Error::wrap)?;
         let host = buf.as_slice().map_err(candle_core::Error::wrap)?;
         Ok(host[..n].chunks_exact(cols).map(<[f32]>::to_vec).collect())
     }
