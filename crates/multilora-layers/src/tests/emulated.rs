@@ -156,40 +156,55 @@ fn check(emu: &Emulator, rng: &mut Rng, c: &Case) -> anyhow::Result<()> {
         anyhow::ensure!(plan.k_split == k, "{what}: planned split {}", plan.k_split);
     }
 
-    // Shrink: the partials summed in order, per slice, against the reference in packed order.
-    let s_slow = lora_shrink_slow(&x, &refs, &mapping)?;
+    check_layer(&what, &x, &y0, &y, &s, (&plan.s_offsets, &plan.active), &refs, &mapping, &slot_list, c.w)
+}
+
+/// What every emulated LoRA layer must show against the slow references: the shrink's partials
+/// (`s`, summed in order; each slice at `s_offsets[i]`, `active[i]` wide) equal the reference's
+/// in packed order, the expand's delta equals the reference's applied to the reference's own
+/// shrink, and base rows, and the columns of slices a row's adapter does not target, are
+/// bit-for-bit untouched.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_layer(
+    what: &str,
+    x: &Tensor,
+    y0: &Tensor,
+    y: &Tensor,
+    s: &Tensor,
+    (s_offsets, active): (&[usize], &[usize]),
+    refs: &[&LoraSlots],
+    mapping: &LoraMapping,
+    slot_list: &[i32],
+    w_dtype: DType,
+) -> anyhow::Result<()> {
+    let s_slow = lora_shrink_slow(x, refs, mapping)?;
     let index = mapping.lora_index().expect("lora rows");
     let summed = s.sum(0)?;
-    let tol = if c.x == DType::F32 && c.w == DType::F32 { 1e-5 } else { 2e-3 };
+    let tol = if x.dtype() == DType::F32 && w_dtype == DType::F32 { 1e-5 } else { 2e-3 };
     for (i, slow) in s_slow.iter().enumerate() {
-        let width = plan.active[i];
-        let got = summed.narrow(1, plan.s_offsets[i], width)?;
-        let want = slow.index_select(index, 0)?.narrow(1, 0, width)?;
+        let got = summed.narrow(1, s_offsets[i], active[i])?;
+        let want = slow.index_select(index, 0)?.narrow(1, 0, active[i])?;
         let err = rel_err(&got, &want)?;
         anyhow::ensure!(err <= tol, "{what}: slice {i} shrink relative error {err:e}");
     }
-
-    // Expand against the reference applied to the reference's own shrink.
-    let y_slow = lora_expand_slow(&y0, &s_slow, &refs, &mapping)?;
-    let tol = if c.x == DType::F32 { 1e-5 } else { 1e-2 };
-    let err = rel_err(&(&y - &y0)?.to_dtype(DType::F32)?, &(&y_slow - &y0)?.to_dtype(DType::F32)?)?;
+    let y_slow = lora_expand_slow(y0, &s_slow, refs, mapping)?;
+    let tol = if x.dtype() == DType::F32 { 1e-5 } else { 1e-2 };
+    let err = rel_err(&(y - y0)?.to_dtype(DType::F32)?, &(&y_slow - y0)?.to_dtype(DType::F32)?)?;
     anyhow::ensure!(err <= tol, "{what}: expand relative error of the delta {err:e}");
-    let (yb, bb) = (bits(&y)?, bits(&y0)?);
+    let total = y.dim(1)?;
+    let (yb, bb) = (bits(y)?, bits(y0)?);
     for (row, &slot) in slot_list.iter().enumerate() {
         let (own, base) = (&yb[row * total..(row + 1) * total], &bb[row * total..(row + 1) * total]);
         if slot < 0 {
             anyhow::ensure!(own == base, "{what}: base row {row} changed");
         }
-        // Columns of a slice the row's adapter does not target are untouched too.
         let mut at = 0;
-        for sl in &refs {
+        for sl in refs {
+            let w = sl.out_features();
             if slot >= 0 && sl.rank(slot as usize) == 0 {
-                anyhow::ensure!(
-                    own[at..at + sl.out_features()] == base[at..at + sl.out_features()],
-                    "{what}: row {row}"
-                );
+                anyhow::ensure!(own[at..at + w] == base[at..at + w], "{what}: row {row} of an untargeted slice");
             }
-            at += sl.out_features();
+            at += w;
         }
     }
     Ok(())

@@ -8,7 +8,7 @@ use multilora_adapter::ModuleId;
 use multilora_kernels::{Emulator, kernel};
 use multilora_types::ModuleKind;
 
-use super::emulated::{Buffers, bytes_tensor, kernel_dtype, tensor_bytes};
+use super::emulated::{Buffers, bytes_tensor, check_layer, kernel_dtype, tensor_bytes};
 use super::ops::random_slots;
 use super::{Rng, bits, rel_err, slot_map, test_device};
 use crate::mapping::slot_table;
@@ -16,8 +16,8 @@ use crate::ops::attention::split::split_plan;
 use crate::ops::bgmv::BgmvPlan;
 use crate::ops::kv_write::kv_write_launch;
 use crate::{
-    LoraMapping, LoraSlots, PagedDecodeDims, lora_apply, lora_bgmv_expand, lora_bgmv_shrink, lora_expand_slow,
-    lora_shrink_slow, paged_decode_attention, paged_decode_attention_slow, paged_kv_write, paged_kv_write_slow,
+    LoraMapping, LoraSlots, PagedDecodeDims, lora_apply, lora_bgmv_expand, lora_bgmv_shrink, paged_decode_attention,
+    paged_decode_attention_slow, paged_kv_write, paged_kv_write_slow,
 };
 
 /// The KV write against `scatter_set`: a strided source (V as a column range of the fused qkv
@@ -156,7 +156,6 @@ fn check_bgmv(seed: u64, cases: &[BgmvCase<'_>]) -> anyhow::Result<()> {
     let Some(emu) = Emulator::for_tests() else { return Ok(()) };
     let dev = &Device::Cpu;
     let mut rng = Rng::new(seed);
-    let f32_ = DType::F32;
     let kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
     for &(rows, inp, outs, max_loras, max_rank, xd, wd) in cases {
         let what = format!("rows {rows} in {inp} outs {outs:?} slots {max_loras} rank {max_rank} {xd:?}/{wd:?}");
@@ -183,36 +182,7 @@ fn check_bgmv(seed: u64, cases: &[BgmvCase<'_>]) -> anyhow::Result<()> {
         let written = s.flatten_all()?.to_vec1::<f32>()?.iter().all(|v| !v.is_nan());
         anyhow::ensure!(written, "{what}: the shrink left elements of its output unwritten");
 
-        let s_slow = lora_shrink_slow(&x, &refs, &mapping)?;
-        let index = mapping.lora_index().expect("lora rows");
-        let summed = s.sum(0)?;
-        let tol = if xd == f32_ && wd == f32_ { 1e-5 } else { 2e-3 };
-        for (i, slow) in s_slow.iter().enumerate() {
-            let width = plan.active[i];
-            let got = summed.narrow(1, plan.s_offsets[i], width)?;
-            let want = slow.index_select(index, 0)?.narrow(1, 0, width)?;
-            let err = rel_err(&got, &want)?;
-            anyhow::ensure!(err <= tol, "{what}: slice {i} shrink relative error {err:e}");
-        }
-        let y_slow = lora_expand_slow(&y0, &s_slow, &refs, &mapping)?;
-        let tol = if xd == f32_ { 1e-5 } else { 1e-2 };
-        let err = rel_err(&(&y - &y0)?.to_dtype(f32_)?, &(&y_slow - &y0)?.to_dtype(f32_)?)?;
-        anyhow::ensure!(err <= tol, "{what}: expand relative error of the delta {err:e}");
-        let (yb, bb) = (bits(&y)?, bits(&y0)?);
-        for (row, &slot) in slot_list.iter().enumerate() {
-            let (own, base) = (&yb[row * total..(row + 1) * total], &bb[row * total..(row + 1) * total]);
-            if slot < 0 {
-                anyhow::ensure!(own == base, "{what}: base row {row} changed");
-            }
-            let mut at = 0;
-            for sl in &refs {
-                if slot >= 0 && sl.rank(slot as usize) == 0 {
-                    let w = sl.out_features();
-                    anyhow::ensure!(own[at..at + w] == base[at..at + w], "{what}: row {row} of an untargeted slice");
-                }
-                at += sl.out_features();
-            }
-        }
+        check_layer(&what, &x, &y0, &y, &s, (&plan.s_offsets, &plan.active), &refs, &mapping, &slot_list, wd)?;
     }
     Ok(())
 }
