@@ -222,6 +222,23 @@ fn router_exe(exe: &str, var: &str, install: &str) -> Option<PathBuf> {
 /// New tokens of each stream caught in flight when a replica dies: at least 2.4 s of 5 ms steps.
 const STREAM_TOKENS: u64 = 480;
 
+/// Reads every stream of [`open_streams`] to its end, all at once: the models of those that did
+/// not complete their `STREAM_TOKENS` tokens (the streams lost).
+fn finish_streams<'m>(streams: &mut [(&'m str, Stream, Vec<String>)]) -> Vec<&'m str> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = streams
+            .iter_mut()
+            .map(|(m, stream, got)| {
+                s.spawn(move || {
+                    got.extend(stream.rest());
+                    (completed(got) != Some(STREAM_TOKENS)).then_some(*m)
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().expect("stream thread")).collect()
+    })
+}
+
 /// Opens a streaming chat request through `url` for each of `models`, all at once, and reads
 /// its first chunk: the streams, each with its model and what it sent so far.
 fn open_streams<'m>(url: &str, models: &[&'m str]) -> Vec<(&'m str, Stream, Vec<String>)> {
@@ -371,18 +388,7 @@ fn two_replicas_behind_smg_route_by_adapter_and_survive_one_dying() {
     let ((base_after, base_retried), (sql_after, sql_retried)) = (burst(r, "base", 4), burst(r, "shared-sql", 4));
     assert!(base_after.iter().chain(&sql_after).all(|&s| s == 200), "after b died: {base_after:?} {sql_after:?}");
     eprintln!("after replica b died: {} of 8 requests answered 503 first and were retried", base_retried + sql_retried);
-    let lost: Vec<&str> = std::thread::scope(|s| {
-        let handles: Vec<_> = streams
-            .iter_mut()
-            .map(|(m, stream, got)| {
-                s.spawn(move || {
-                    got.extend(stream.rest());
-                    (completed(got) != Some(STREAM_TOKENS)).then_some(*m)
-                })
-            })
-            .collect();
-        handles.into_iter().filter_map(|h| h.join().expect("stream thread")).collect()
-    });
+    let lost = finish_streams(&mut streams);
     let base_streams_on_a = (admitted(&a.url, "base") - base_on_a - 4) as usize;
     eprintln!("streams lost when replica b died: {lost:?} ({base_streams_on_a} of the 2 base streams were on a)");
     let mut expected = vec!["only-b"; 3];
@@ -544,18 +550,7 @@ fn two_replicas_behind_litellm_spread_the_base_move_off_a_drain_and_survive_one_
     let ((base, base_moved), (sql, sql_moved)) = (routed(r, "base", 4), routed(r, "shared-sql", 4));
     assert!(base.iter().chain(&sql).all(|&s| s == 200), "after b died: {base:?} {sql:?}");
     eprintln!("after replica b died: {} of 8 requests met it and were moved to a", base_moved + sql_moved);
-    let lost: Vec<&str> = std::thread::scope(|s| {
-        let handles: Vec<_> = streams
-            .iter_mut()
-            .map(|(m, stream, got)| {
-                s.spawn(move || {
-                    got.extend(stream.rest());
-                    (completed(got) != Some(STREAM_TOKENS)).then_some(*m)
-                })
-            })
-            .collect();
-        handles.into_iter().filter_map(|h| h.join().expect("stream thread")).collect()
-    });
+    let lost = finish_streams(&mut streams);
     let base_streams_on_a = (on_a("base") - base_on_a - 4) as usize;
     eprintln!("streams lost when replica b died: {lost:?} ({base_streams_on_a} of the 4 base streams were on a)");
     let mut expected = vec!["only-b"; 3];
