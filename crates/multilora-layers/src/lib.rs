@@ -17,7 +17,9 @@
 //!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
 //!   driven by a mapping over logit rows;
 //! - [`LoraEmbedding`]: the input embedding with PEFT's `lora_embedding_A/B`;
-//! - [`RowsToHost`]: a step's logits back to the host (through a kept page-locked buffer on CUDA).
+//! - [`RowsToHost`]: a step's logits back to the host (through a kept page-locked buffer on CUDA);
+//! - [`StepMeta`] / [`MetaToDevice`]: a step's small integer tables (ids, positions, cache rows,
+//!   block tables, the mappings' indexes) to the device in one copy (page-locked on CUDA).
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -52,11 +54,12 @@ mod pool;
 mod readback;
 mod slots;
 mod staging;
+mod upload;
 
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
 pub use linear::{LinearWeight, LoraLinear};
-pub use mapping::{LoraMapping, Segment};
+pub use mapping::{LoraMapping, PendingMapping, Segment};
 pub use ops::attention::cpu::decode_attention_rows;
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::bgmv::{lora_bgmv_expand, lora_bgmv_shrink};
@@ -74,6 +77,7 @@ pub use pool::with_hot_pool;
 pub use readback::RowsToHost;
 pub use slots::{LoraSlots, SlotConfig};
 pub use staging::stage as stage_adapter;
+pub use upload::{MetaPart, MetaToDevice, StepMeta, Uploaded};
 
 #[cfg(test)]
 mod tests;

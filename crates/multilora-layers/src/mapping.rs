@@ -6,13 +6,15 @@
 //! flag.
 //! The LoRA segments are also cut into [`Tile`]s of at most [`TILE_ROWS`] rows, the unit of work
 //! of the CUDA kernels. The index the ops gather and scatter with and the tiles are put on the
-//! device here, once per step, in one copy, so no layer copies anything between host and device.
+//! device once per step, in the step's one copy ([`LoraMapping::plan`] adds them to the step's
+//! [`StepMeta`]), so no layer copies anything between host and device.
 
 use candle_core::{Device, Tensor};
 use multilora_kernels::params::{TILE_ROWS, Tile};
 use multilora_types::SlotId;
 
 use crate::error::{Error, Result};
+use crate::upload::{MetaPart, StepMeta, Uploaded};
 
 /// A run of rows that share an adapter slot, in the sorted order of a [`LoraMapping`] (the base
 /// rows before them are not a segment: they are [`LoraMapping::num_base_rows`]).
@@ -52,10 +54,28 @@ pub struct LoraMapping {
 }
 
 impl LoraMapping {
-    /// Builds the mapping of a step. `slots[i]` is row `i`'s slot, `None` for the base model.
+    /// Builds the mapping of a step, its device index uploaded on its own (a step that has other
+    /// tables to upload builds it with [`LoraMapping::plan`] instead). `slots[i]` is row `i`'s
+    /// slot, `None` for the base model.
     ///
     /// Fails when a slot is `>= max_loras`: the one place a step's slots are checked.
     pub fn new(slots: &[Option<SlotId>], max_loras: usize, device: &Device) -> Result<LoraMapping> {
+        let mut meta = StepMeta::new();
+        let pending = LoraMapping::plan(slots, max_loras, device, &mut meta)?;
+        pending.finish(&Uploaded::plain(meta, device)?)
+    }
+
+    /// The mapping of a step, its device tables (the LoRA rows, then the tiles, and on CUDA the
+    /// slot table) appended to the step's `meta`, to be put on the device with the step's other
+    /// tables in one copy; [`PendingMapping::finish`] takes them back from that upload.
+    ///
+    /// Fails when a slot is `>= max_loras`: the one place a step's slots are checked.
+    pub fn plan(
+        slots: &[Option<SlotId>],
+        max_loras: usize,
+        device: &Device,
+        meta: &mut StepMeta,
+    ) -> Result<PendingMapping> {
         // A counting sort: stable, O(rows + slots), and no comparison of rows. Bucket 0 holds the
         // base rows, bucket `s + 1` slot `s`.
         let bucket = |slot: Option<SlotId>| slot.map_or(0, |s| s.index() + 1);
@@ -87,23 +107,12 @@ impl LoraMapping {
         let num_base = counts[0];
         let identity = sorted.iter().enumerate().all(|(i, &r)| r as usize == i);
         let tiles = tiles_of(&segments, num_base);
-        let (lora_index, tile_index, slot_index) = if num_base < slots.len() {
-            // One host-to-device copy for the step: the LoRA rows, then the tiles (and on CUDA
-            // the slot table).
-            let lora = &sorted[num_base..];
-            let table = if device.is_cuda() { slot_table(&segments, num_base, max_loras) } else { Vec::new() };
-            let mut meta = Vec::with_capacity(lora.len() + 4 * tiles.len() + table.len());
-            meta.extend_from_slice(lora);
-            meta.extend(tiles.iter().flat_map(|t| [t.slot, t.seg, t.start, t.len]));
-            meta.extend_from_slice(&table);
-            let at = lora.len() + 4 * tiles.len();
-            let meta = Tensor::from_vec(meta, at + table.len(), device)?;
-            let slot_index = if table.is_empty() { None } else { Some(meta.narrow(0, at, table.len())?) };
-            (Some(meta.narrow(0, 0, lora.len())?), Some(meta.narrow(0, lora.len(), 4 * tiles.len())?), slot_index)
-        } else {
-            (None, None, None)
-        };
-        Ok(LoraMapping {
+        let parts = (num_base < slots.len()).then(|| IndexParts {
+            lora: meta.push(sorted[num_base..].iter().copied()),
+            tiles: meta.push(tiles.iter().flat_map(|t| [t.slot, t.seg, t.start, t.len])),
+            slots: device.is_cuda().then(|| meta.push(slot_table(&segments, num_base, max_loras))),
+        });
+        let mapping = LoraMapping {
             slots: slots.to_vec(),
             sorted,
             segments,
@@ -112,10 +121,11 @@ impl LoraMapping {
             max_loras,
             device: device.clone(),
             tiles,
-            lora_index,
-            tile_index,
-            slot_index,
-        })
+            lora_index: None,
+            tile_index: None,
+            slot_index: None,
+        };
+        Ok(PendingMapping { mapping, parts })
     }
 
     /// The LoRA segments cut into [`Tile`]s (at most [`TILE_ROWS`] rows each), in sorted order;
@@ -222,6 +232,35 @@ impl LoraMapping {
     }
 }
 
+/// Where a pending mapping's device tables lie in its step's [`StepMeta`].
+#[derive(Clone, Copy, Debug)]
+struct IndexParts {
+    lora: MetaPart,
+    tiles: MetaPart,
+    slots: Option<MetaPart>,
+}
+
+/// A [`LoraMapping`] whose device tables are still in its step's [`StepMeta`] ([`LoraMapping::plan`]).
+#[derive(Debug)]
+pub struct PendingMapping {
+    mapping: LoraMapping,
+    /// `None` when no row uses an adapter (nothing to put on the device).
+    parts: Option<IndexParts>,
+}
+
+impl PendingMapping {
+    /// The mapping, its tables views of `up`, the upload of the step's [`StepMeta`].
+    pub fn finish(self, up: &Uploaded) -> Result<LoraMapping> {
+        let mut m = self.mapping;
+        if let Some(p) = self.parts {
+            m.lora_index = Some(up.part(p.lora)?);
+            m.tile_index = Some(up.part(p.tiles)?);
+            m.slot_index = p.slots.map(|t| up.part(t)).transpose()?;
+        }
+        Ok(m)
+    }
+}
+
 /// The decode-shaped kernels' slot table, `2 · max_loras` values: the first packed position of
 /// each slot's rows (0 for a slot with none), then its row count.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -304,5 +343,31 @@ mod tests {
         assert_eq!(e.kind(), "slot_out_of_range");
         assert!(e.to_string().contains("row 1: slot 4"), "{e}");
         assert!(LoraMapping::new(&slots(&[0]), 0, &Device::Cpu).is_err());
+    }
+
+    /// Two mappings planned into one step's tables after another table, uploaded once: each
+    /// holds what a mapping built on its own holds, as views of the one upload; a mapping with no
+    /// LoRA row adds nothing to the tables.
+    #[test]
+    fn planned_mappings_share_one_upload() {
+        let dev = Device::Cpu;
+        let mut meta = StepMeta::new();
+        let ids = meta.push([11, 12, 13]);
+        let a = LoraMapping::plan(&slots(&[2, 0, -1, 2, 3, 0]), 4, &dev, &mut meta).unwrap();
+        let before = meta.values().len();
+        let none = LoraMapping::plan(&slots(&[-1, -1]), 4, &dev, &mut meta).unwrap();
+        assert_eq!(meta.values().len(), before, "no LoRA row, no table");
+        let b = LoraMapping::plan(&slots(&[1, 1, 1]), 4, &dev, &mut meta).unwrap();
+        let up = crate::upload::MetaToDevice::new().upload(meta, &dev).unwrap();
+        let (a, none, b) = (a.finish(&up).unwrap(), none.finish(&up).unwrap(), b.finish(&up).unwrap());
+        assert_eq!(up.part(ids).unwrap().to_vec1::<u32>().unwrap(), [11, 12, 13]);
+        assert!(none.no_lora() && none.lora_index().is_none());
+        for (m, list) in [(&a, &[2, 0, -1, 2, 3, 0][..]), (&b, &[1, 1, 1][..])] {
+            let alone = LoraMapping::new(&slots(list), 4, &dev).unwrap();
+            let v = |t: Option<&Tensor>| t.unwrap().to_vec1::<u32>().unwrap();
+            assert_eq!(v(m.lora_index()), v(alone.lora_index()));
+            assert_eq!(v(m.tile_index()), v(alone.tile_index()));
+            assert_eq!((m.sorted_indices(), m.tiles()), (alone.sorted_indices(), alone.tiles()));
+        }
     }
 }

@@ -4,7 +4,7 @@
 //! `LoraMapping`s (per token, per logit row).
 
 use candle_core::{Device, Tensor};
-use multilora_layers::LoraMapping;
+use multilora_layers::{LoraMapping, MetaPart, MetaToDevice, PendingMapping, StepMeta, Uploaded};
 use multilora_types::{LogitsWanted, SlotId};
 
 use crate::error::{Error, Result};
@@ -163,7 +163,12 @@ pub(crate) struct StepPlan {
 }
 
 impl StepPlan {
-    pub(crate) fn new(batch: &Batch, lim: Limits, device: &Device) -> Result<StepPlan> {
+    /// The plan of `batch`, checked against `lim`. Its small integer tables (token ids,
+    /// positions, cache rows, the decode rows' block tables or context rows, the row orders, both
+    /// mappings' indexes) go to `device` in one copy through `upload`; only a prefill sequence's
+    /// f32 causal mask (and a decode group's, when its contexts differ and the paged kernel does
+    /// not serve) is a tensor of its own.
+    pub(crate) fn new(batch: &Batch, lim: Limits, device: &Device, upload: &MetaToDevice) -> Result<StepPlan> {
         let total = batch.num_tokens();
         if batch.seqs.is_empty() {
             return Err(Error::batch(0, "the batch holds no sequences"));
@@ -174,7 +179,8 @@ impl StepPlan {
         let mut token_slots = Vec::with_capacity(total);
         let mut logit_rows = Vec::new();
         let mut logit_slots = Vec::new();
-        let mut seqs = Vec::with_capacity(batch.seqs.len());
+        // (offset, len, context rows, mask) of each sequence with more than one new token.
+        let mut prefill: Vec<(usize, usize, Vec<u32>, Tensor)> = Vec::new();
         let mut decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
         let bs = lim.block_size;
         for (i, s) in batch.seqs.iter().enumerate() {
@@ -228,65 +234,68 @@ impl StepPlan {
                 })
                 .collect();
             let mask = Tensor::from_vec(m, (len, ctx - lo), device)?;
-            seqs.push(SeqPlan { offset, len, ctx_rows: Tensor::from_vec(ctx_rows, ctx - lo, device)?, mask });
+            prefill.push((offset, len, ctx_rows, mask));
         }
         let mut order: Vec<u32> = decode.iter().map(|d| d.0 as u32).collect();
-        for sp in &seqs {
-            order.extend((sp.offset..sp.offset + sp.len).map(|r| r as u32));
+        for (offset, len, ..) in &prefill {
+            order.extend((*offset..offset + len).map(|r| r as u32));
         }
-        let unpermute = if order.iter().enumerate().all(|(i, &r)| i as u32 == r) {
-            None
-        } else {
+        let mut meta = StepMeta::new();
+        let ids_part = meta.push(ids);
+        let positions_part = meta.push(positions);
+        // The CUDA KV-write kernel reads each token's row; the CPU's `scatter_set` wants it
+        // repeated along the row, built below, off the upload.
+        let rows_part = device.is_cuda().then(|| meta.push(write_rows.iter().copied()));
+        let unpermute = (!order.iter().enumerate().all(|(i, &r)| i as u32 == r)).then(|| {
             let mut inv = vec![0u32; order.len()];
             for (i, &r) in order.iter().enumerate() {
                 inv[r as usize] = i as u32;
             }
-            Some(Tensor::from_vec(inv, order.len(), device)?)
+            meta.push(inv)
+        });
+        let seq_parts: Vec<MetaPart> = prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.2))).collect();
+        let decode = decode_group(decode, lim.paged_decode, device, &mut meta)?;
+        let logit_part = (logit_rows.len() != total).then(|| meta.push(logit_rows));
+        let token_mapping = token_mapping(batch, &token_slots, lim.max_loras, device, &mut meta)?;
+        let logit_mapping = LoraMapping::plan(&logit_slots, lim.max_loras, device, &mut meta)?;
+        // The one copy of the step's tables to the device.
+        let up = upload.upload(meta, device)?;
+        let kv_writes = match rows_part {
+            Some(p) => KvWrites::Rows(up.part(p)?),
+            None => KvWrites::Scatter(
+                Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?,
+            ),
         };
-        let decode = decode_group(decode, lim.paged_decode, device)?;
-        let (ids, positions, kv_writes) = if device.is_cuda() {
-            // One host-to-device copy for the token ids, positions and cache rows of the step.
-            let mut meta = Vec::with_capacity(3 * total);
-            meta.extend_from_slice(&ids);
-            meta.extend_from_slice(&positions);
-            meta.extend_from_slice(&write_rows);
-            let meta = Tensor::from_vec(meta, 3 * total, device)?;
-            (
-                meta.narrow(0, 0, total)?,
-                meta.narrow(0, total, total)?,
-                KvWrites::Rows(meta.narrow(0, 2 * total, total)?),
-            )
-        } else {
-            let index =
-                Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?;
-            (
-                Tensor::from_vec(ids, total, device)?,
-                Tensor::from_vec(positions, total, device)?,
-                KvWrites::Scatter(index),
-            )
-        };
-        let all_rows = logit_rows.len() == total;
-        let logit_rows_t =
-            if all_rows { None } else { Some(Tensor::from_vec(logit_rows.clone(), logit_rows.len(), device)?) };
+        let seqs = prefill
+            .into_iter()
+            .zip(seq_parts)
+            .map(|((offset, len, _, mask), p)| Ok(SeqPlan { offset, len, ctx_rows: up.part(p)?, mask }))
+            .collect::<Result<_>>()?;
         Ok(StepPlan {
-            ids,
-            positions,
+            ids: up.part(ids_part)?,
+            positions: up.part(positions_part)?,
             kv_writes,
             seqs,
-            decode,
-            unpermute,
-            logit_rows: logit_rows_t,
-            token_mapping: token_mapping(batch, &token_slots, lim.max_loras, device)?,
-            logit_mapping: LoraMapping::new(&logit_slots, lim.max_loras, device)?,
+            decode: decode.map(|d| d.finish(&up)).transpose()?,
+            unpermute: unpermute.map(|p| up.part(p)).transpose()?,
+            logit_rows: logit_part.map(|p| up.part(p)).transpose()?,
+            token_mapping: token_mapping.finish(&up)?,
+            logit_mapping: logit_mapping.finish(&up)?,
         })
     }
 }
 
-/// The step's per-token mapping. `LoraMapping::new` is the one place a step's slots are checked;
+/// The step's per-token mapping. `LoraMapping::plan` is the one place a step's slots are checked;
 /// a slot out of range is reported as the batch error of the sequence whose token it is (every
 /// logit row's slot is some token's, so the logit mapping never meets one).
-fn token_mapping(batch: &Batch, slots: &[Option<SlotId>], max_loras: usize, device: &Device) -> Result<LoraMapping> {
-    LoraMapping::new(slots, max_loras, device).map_err(|e| match e {
+fn token_mapping(
+    batch: &Batch,
+    slots: &[Option<SlotId>],
+    max_loras: usize,
+    device: &Device,
+    meta: &mut StepMeta,
+) -> Result<PendingMapping> {
+    LoraMapping::plan(slots, max_loras, device, meta).map_err(|e| match e {
         multilora_layers::Error::SlotOutOfRange { row, slot, max_loras } => {
             let mut end = 0;
             let seq = batch.seqs.iter().position(|s| {
@@ -299,7 +308,47 @@ fn token_mapping(batch: &Batch, slots: &[Option<SlotId>], max_loras: usize, devi
     })
 }
 
-fn decode_group(rows: Vec<(usize, Vec<u32>, &[u32])>, paged: bool, device: &Device) -> Result<Option<DecodeGroup>> {
+/// A [`DecodeGroup`] whose tables are still in the step's [`StepMeta`].
+struct PendingDecode {
+    n: usize,
+    max_ctx: usize,
+    rows: Option<MetaPart>,
+    host_ctx: Vec<Vec<u32>>,
+    reads: PendingReads,
+}
+
+/// [`DecodeReads`] with its `u32` tables as parts of the step's [`StepMeta`].
+enum PendingReads {
+    Gathered { ctx_rows: MetaPart, mask: Option<Tensor> },
+    Paged { block_tables: MetaPart, max_blocks: usize, ctx_lens: MetaPart },
+}
+
+impl PendingDecode {
+    /// The group, its tables views of the step's upload.
+    fn finish(self, up: &Uploaded) -> Result<DecodeGroup> {
+        let reads = match self.reads {
+            PendingReads::Gathered { ctx_rows, mask } => DecodeReads::Gathered { ctx_rows: up.part(ctx_rows)?, mask },
+            PendingReads::Paged { block_tables, max_blocks, ctx_lens } => DecodeReads::Paged {
+                block_tables: up.part(block_tables)?.reshape((self.n, max_blocks))?,
+                ctx_lens: up.part(ctx_lens)?,
+            },
+        };
+        Ok(DecodeGroup {
+            n: self.n,
+            max_ctx: self.max_ctx,
+            rows: self.rows.map(|p| up.part(p)).transpose()?,
+            host_ctx: self.host_ctx,
+            reads,
+        })
+    }
+}
+
+fn decode_group(
+    rows: Vec<(usize, Vec<u32>, &[u32])>,
+    paged: bool,
+    device: &Device,
+    meta: &mut StepMeta,
+) -> Result<Option<PendingDecode>> {
     let n = rows.len();
     if n == 0 {
         return Ok(None);
@@ -308,39 +357,105 @@ fn decode_group(rows: Vec<(usize, Vec<u32>, &[u32])>, paged: bool, device: &Devi
     let in_order = rows.iter().enumerate().all(|(i, r)| r.0 == i);
     let reads = if paged {
         let max_blocks = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(1);
-        let mut meta = Vec::with_capacity(n * (max_blocks + 1));
-        for (_, _, table) in &rows {
-            meta.extend(table.iter().copied().chain(std::iter::repeat_n(0, max_blocks - table.len())));
-        }
-        meta.extend(rows.iter().map(|r| r.1.len() as u32));
-        let meta = Tensor::from_vec(meta, n * (max_blocks + 1), device)?;
-        DecodeReads::Paged {
-            block_tables: meta.narrow(0, 0, n * max_blocks)?.reshape((n, max_blocks))?,
-            ctx_lens: meta.narrow(0, n * max_blocks, n)?,
-        }
+        let block_tables =
+            meta.push(rows.iter().flat_map(|(_, _, table)| {
+                table.iter().copied().chain(std::iter::repeat_n(0, max_blocks - table.len()))
+            }));
+        let ctx_lens = meta.push(rows.iter().map(|r| r.1.len() as u32));
+        PendingReads::Paged { block_tables, max_blocks, ctx_lens }
     } else {
         let uniform = rows.iter().all(|r| r.1.len() == max_ctx);
-        let mut ctx_rows = Vec::with_capacity(n * max_ctx);
-        let mut mask = Vec::with_capacity(if uniform { 0 } else { n * max_ctx });
-        for (_, ctx, _) in &rows {
-            let pad = ctx[0];
-            ctx_rows.extend(ctx.iter().copied().chain(std::iter::repeat_n(pad, max_ctx - ctx.len())));
-            if !uniform {
-                mask.extend((0..max_ctx).map(|p| if p < ctx.len() { 0.0f32 } else { f32::NEG_INFINITY }));
-            }
-        }
-        DecodeReads::Gathered {
-            ctx_rows: Tensor::from_vec(ctx_rows, n * max_ctx, device)?,
-            mask: if uniform { None } else { Some(Tensor::from_vec(mask, (n, 1, 1, max_ctx), device)?) },
-        }
+        let ctx_rows = meta.push(
+            rows.iter()
+                .flat_map(|(_, ctx, _)| ctx.iter().copied().chain(std::iter::repeat_n(ctx[0], max_ctx - ctx.len()))),
+        );
+        let mask = if uniform {
+            None
+        } else {
+            let mask: Vec<f32> = rows
+                .iter()
+                .flat_map(|(_, ctx, _)| (0..max_ctx).map(|p| if p < ctx.len() { 0.0f32 } else { f32::NEG_INFINITY }))
+                .collect();
+            Some(Tensor::from_vec(mask, (n, 1, 1, max_ctx), device)?)
+        };
+        PendingReads::Gathered { ctx_rows, mask }
     };
-    let flat: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
+    let flat = (!in_order).then(|| meta.push(rows.iter().map(|r| r.0 as u32)));
     let host_ctx = rows.into_iter().map(|r| r.1).collect();
-    Ok(Some(DecodeGroup {
-        n,
-        max_ctx,
-        rows: if in_order { None } else { Some(Tensor::from_vec(flat, n, device)?) },
-        host_ctx,
-        reads,
-    }))
+    Ok(Some(PendingDecode { n, max_ctx, rows: flat, host_ctx, reads }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(paged_decode: bool) -> Limits {
+        Limits {
+            vocab: 100,
+            max_len: 64,
+            max_loras: 4,
+            num_blocks: 16,
+            block_size: 4,
+            kv_width: 8,
+            paged_decode,
+            window: None,
+        }
+    }
+
+    /// The address of the storage behind a tensor: views of one upload share it.
+    fn storage_of(t: &Tensor) -> usize {
+        let (s, _) = t.storage_and_layout();
+        std::ptr::from_ref(&*s) as usize
+    }
+
+    /// A mixed step (a prefill chunk with an adapter, decodes out of order with and without one,
+    /// a sequence wanting no logits) gets every `u32` table from one upload, each with its own
+    /// values: ids, positions, the row order, the logit rows, the decode group's block tables and
+    /// lengths (paged) or context rows (gathered), the prefill's context rows, both mappings.
+    #[test]
+    fn a_step_uploads_its_tables_once() -> Result<()> {
+        let dev = Device::Cpu;
+        let s = |i| Some(SlotId::new(i));
+        let batch = Batch::new(vec![
+            SeqInput::new(vec![5], 6, vec![3, 7], s(2)),
+            SeqInput::new(vec![1, 2, 3], 0, vec![9], s(1)),
+            SeqInput::new(vec![8], 2, vec![4], None),
+            SeqInput::new(vec![6, 7], 1, vec![2], s(2)).with_logits(LogitsWanted::None),
+        ]);
+        for paged in [true, false] {
+            let plan = StepPlan::new(&batch, limits(paged), &dev, &MetaToDevice::new())?;
+            let one = storage_of(&plan.ids);
+            let v = |t: &Tensor| -> Result<Vec<u32>> {
+                assert_eq!(storage_of(t), one, "a table outside the step's one upload");
+                Ok(t.flatten_all()?.to_vec1::<u32>()?)
+            };
+            assert_eq!(v(&plan.ids)?, [5, 1, 2, 3, 8, 6, 7]);
+            assert_eq!(v(&plan.positions)?, [6, 0, 1, 2, 2, 1, 2]);
+            // Decode rows (flat 0 and 4) first, then the two prefill sequences.
+            assert_eq!(v(plan.unpermute.as_ref().expect("an order"))?, [0, 2, 3, 4, 1, 5, 6]);
+            assert_eq!(v(plan.logit_rows.as_ref().expect("logit rows"))?, [0, 3, 4]);
+            assert_eq!(v(&plan.seqs[0].ctx_rows)?, [36, 37, 38]);
+            assert_eq!(v(&plan.seqs[1].ctx_rows)?, [8, 9, 10]);
+            let d = plan.decode.as_ref().expect("a decode group");
+            assert_eq!(v(d.rows.as_ref().expect("decode rows"))?, [0, 4]);
+            match &d.reads {
+                DecodeReads::Paged { block_tables, ctx_lens } => {
+                    assert!(paged);
+                    assert_eq!(block_tables.dims(), [2, 2]);
+                    assert_eq!((v(block_tables)?, v(ctx_lens)?), (vec![3, 7, 4, 0], vec![7, 3]));
+                }
+                DecodeReads::Gathered { ctx_rows, mask } => {
+                    assert!(!paged && mask.is_some());
+                    assert_eq!(v(ctx_rows)?, [12, 13, 14, 15, 28, 29, 30, 16, 17, 18, 16, 16, 16, 16]);
+                }
+            }
+            let m = &plan.token_mapping;
+            assert_eq!(v(m.lora_index().expect("LoRA rows"))?, m.lora_rows());
+            assert_eq!(m.lora_rows(), [1, 2, 3, 0, 5, 6]);
+            assert!(m.tile_index().is_some_and(|t| storage_of(t) == one));
+            assert_eq!(v(plan.logit_mapping.lora_index().expect("LoRA logit rows"))?, [1, 0]);
+            assert!(matches!(plan.kv_writes, KvWrites::Scatter(_)), "the CPU's scatter_set index");
+        }
+        Ok(())
+    }
 }

@@ -139,6 +139,8 @@ pub struct Model {
     shapes: ModelShapes,
     /// The logits' way back to the host (a kept page-locked buffer on CUDA).
     readback: multilora_layers::RowsToHost,
+    /// Each step's small integer tables to the device, in one copy (page-locked on CUDA).
+    upload: multilora_layers::MetaToDevice,
 }
 
 impl Model {
@@ -301,6 +303,7 @@ impl Model {
             rope,
             shapes,
             readback: multilora_layers::RowsToHost::new(),
+            upload: multilora_layers::MetaToDevice::new(),
         })
     }
 
@@ -460,7 +463,7 @@ impl Model {
             paged_decode: self.paged_decode(),
             window: self.cfg.sliding_window.filter(|&w| w > 0),
         };
-        let plan = StepPlan::new(batch, lim, &self.device)?;
+        let plan = StepPlan::new(batch, lim, &self.device, &self.upload)?;
         let tokens = batch.num_tokens();
         let (qs, kvs) = (self.cfg.q_size(), self.cfg.kv_size());
         let dims = AttnDims {
