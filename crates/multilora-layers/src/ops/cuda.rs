@@ -44,9 +44,10 @@ unsafe impl DeviceRepr for KernelArg<BgmvExpandParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for KernelArg<DecodeSplitParams> {}
 
-/// `len` f32s on `dev`, not zeroed: for a kernel output whose every element the kernel writes
-/// before anything reads it (the BGMV shrink's plan guarantees that; its emulated test checks it
-/// on a buffer filled with NaN).
+/// `len` f32s on `dev`, not zeroed: for a kernel output whose every element read is written by
+/// the kernel first (the BGMV shrink writes all of it; the segmented shrink of the fused path
+/// writes each row's columns below its rank, all the expand reads); their emulated tests check it
+/// on a buffer filled with NaN.
 pub(crate) fn alloc_written_f32(dev: &CudaDevice, len: usize) -> candle_core::Result<CudaStorage> {
     // SAFETY: device memory, never read on the host; the launch that follows writes all of it
     // before any kernel reads it (see above), and f32 has no invalid bit patterns.

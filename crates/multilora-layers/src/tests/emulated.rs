@@ -91,7 +91,9 @@ fn emulated_layer(
     let rows = bufs.add(tensor_bytes(mapping.lora_index().expect("lora rows"))?);
     let tiles = bufs.add(tensor_bytes(mapping.tile_index().expect("tiles"))?);
     let a: Vec<u64> = slices.iter().map(|s| Ok(bufs.add(tensor_bytes(s.a())?))).collect::<anyhow::Result<_>>()?;
-    let out = bufs.add(vec![0u8; 4 * plan.k_split * n * plan.s_width]);
+    // NaN first, as the fused path leaves it unzeroed: whatever the expand reads must have been
+    // written by the shrink.
+    let out = bufs.add(vec![0xff; 4 * plan.k_split * n * plan.s_width]);
     let sp = ShrinkPtrs::shared_output(&plan, (xp, x.dim(1)?), (rows, tiles), &a, out, n);
     for l in plan.shrink(&sp)? {
         emu.launch(&kernel::lora_shrink(tx, tw), l.grid, l.block, &l.params.to_bytes(), &mut bufs.0)?;
@@ -155,8 +157,37 @@ fn check(emu: &Emulator, rng: &mut Rng, c: &Case) -> anyhow::Result<()> {
     if let Some(k) = c.k_split {
         anyhow::ensure!(plan.k_split == k, "{what}: planned split {}", plan.k_split);
     }
+    let s = written_part(&s, &plan, &refs, &mapping)?;
 
     check_layer(&what, &x, &y0, &y, &s, (&plan.s_offsets, &plan.active), &refs, &mapping, &slot_list, c.w)
+}
+
+/// The segmented shrink's buffer with what the kernel does not write (a row's columns of a slice
+/// past its adapter's rank there, left as the allocation had them) set to zero, as the
+/// reference has them; every column it must write has to be a number.
+fn written_part(
+    s: &Tensor,
+    plan: &SegmentedPlan,
+    refs: &[&LoraSlots],
+    mapping: &LoraMapping,
+) -> anyhow::Result<Tensor> {
+    let (splits, n, width) = s.dims3()?;
+    let mut v = s.flatten_all()?.to_vec1::<f32>()?;
+    let mut slot_of = vec![0; n];
+    for seg in mapping.lora_segments() {
+        let p = seg.start - mapping.num_base_rows();
+        slot_of[p..p + seg.len].fill(seg.slot.index());
+    }
+    for (z, p) in (0..splits).flat_map(|z| (0..n).map(move |p| (z, p))) {
+        let row = &mut v[(z * n + p) * width..][..width];
+        for (i, sl) in refs.iter().enumerate() {
+            let rank = sl.rank(slot_of[p]);
+            let cols = &mut row[plan.s_offsets[i]..plan.s_offsets[i] + plan.active[i]];
+            anyhow::ensure!(cols[..rank].iter().all(|x| !x.is_nan()), "split {z} row {p} slice {i}: unwritten");
+            cols[rank..].fill(0.0);
+        }
+    }
+    Ok(Tensor::from_vec(v, (splits, n, width), s.device())?)
 }
 
 /// What every emulated LoRA layer must show against the slow references: the shrink's partials

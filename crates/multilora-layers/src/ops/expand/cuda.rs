@@ -57,7 +57,8 @@ impl Expand<'_> {
         if !plan.has_work() {
             return Ok(y);
         }
-        let s = shrink.cuda_shared(x, &plan)?;
+        // The expand reads each row's columns below its rank only: no memset before the shrink.
+        let s = shrink.cuda_shared(x, &plan, crate::ops::shrink::cuda::Zeroed::No)?;
         let y = if y.is_contiguous() { y } else { y.contiguous()? };
         self.launch(&y, &plan, ShrinkRows::Shared(&s))?;
         Ok(y)

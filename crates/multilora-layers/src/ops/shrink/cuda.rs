@@ -1,6 +1,8 @@
 //! CUDA shrink (feature `cuda`): [`Shrink`]'s `cuda_fwd`, one host plan and one launch of
-//! `lora_shrink` of `multilora-kernels` per group of segments, into one zeroed f32 buffer
-//! `[k_split, n_lora, s_width]` shared by the slices (slice `i` at column `plan.s_offsets[i]`);
+//! `lora_shrink` of `multilora-kernels` per group of segments, into one f32 buffer
+//! `[k_split, n_lora, s_width]` shared by the slices (slice `i` at column `plan.s_offsets[i]`;
+//! zeroed first for the op's own output, not for the layer's fused path, whose expand reads only
+//! what the shrink writes: each row's columns below its adapter's rank);
 //! and the embedding's gather (`lora_embed_shrink`), into the same kind of buffer. The launches
 //! are candle custom ops (`ShrinkKernel`, `EmbedShrinkKernel`), so candle holds the locks on the
 //! tensors they read and write.
@@ -26,15 +28,17 @@ impl Shrink<'_> {
         if !plan.has_work() {
             return self.slices.iter().map(|_| Ok(Tensor::zeros((n, 0), DType::F32, x.device())?)).collect();
         }
-        let s = self.cuda_shared(x, &plan)?.squeeze(0)?;
+        let s = self.cuda_shared(x, &plan, Zeroed::Yes)?.squeeze(0)?;
         (0..self.slices.len()).map(|i| Ok(s.narrow(1, plan.s_offsets[i], plan.active[i])?)).collect()
     }
 
     /// The shrink into `plan`'s shared buffer `[k_split, n_lora, s_width]` (partial sums over the
-    /// K split, which the expand adds up): what the layer's fused path expands from.
-    pub(crate) fn cuda_shared(&self, x: &Tensor, plan: &SegmentedPlan) -> Result<Tensor> {
+    /// K split, which the expand adds up): what the layer's fused path expands from. With
+    /// [`Zeroed::No`] the columns of a row past its adapter's rank in a slice are left as the
+    /// allocation had them: only the segmented expand, which never reads them, may take it.
+    pub(crate) fn cuda_shared(&self, x: &Tensor, plan: &SegmentedPlan, zeroed: Zeroed) -> Result<Tensor> {
         let x = x.contiguous()?;
-        Ok(x.apply_op1_no_bwd(&ShrinkKernel { plan, slices: self.slices, mapping: self.mapping })?)
+        Ok(x.apply_op1_no_bwd(&ShrinkKernel { plan, slices: self.slices, mapping: self.mapping, zeroed })?)
     }
 }
 
@@ -101,11 +105,21 @@ impl CustomOp1 for BgmvShrinkKernel<'_> {
     }
 }
 
+/// Whether the segmented shrink's buffer is zeroed before the launch writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Zeroed {
+    /// Every element defined (zero past each row's rank): the op's own output.
+    Yes,
+    /// Only what the kernel writes: for the segmented expand, which reads nothing else.
+    No,
+}
+
 /// The launch of [`Shrink::cuda_fwd`]: `x → s` for every slice of a layer.
 struct ShrinkKernel<'a> {
     plan: &'a SegmentedPlan,
     slices: &'a [&'a LoraSlots],
     mapping: &'a LoraMapping,
+    zeroed: Zeroed,
 }
 
 /// The mapping's device row index and tiles.
@@ -135,8 +149,10 @@ impl CustomOp1 for ShrinkKernel<'_> {
         let (rows, tiles) = mapping_meta(self.mapping)?;
         let n = self.mapping.num_lora_rows();
         let shape = Shape::from((self.plan.k_split, n, self.plan.s_width));
-        let out = dev.alloc_zeros::<f32>(shape.elem_count())?;
-        let mut out = CudaStorage::wrap_cuda_slice(out, dev.clone());
+        let mut out = match self.zeroed {
+            Zeroed::Yes => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(shape.elem_count())?, dev.clone()),
+            Zeroed::No => alloc_written_f32(dev, shape.elem_count())?,
+        };
         let mut a: Vec<&Tensor> = self.slices.iter().map(|s| s.a()).collect();
         a.extend([rows, tiles]);
         let locked = Locked::new(&a);
