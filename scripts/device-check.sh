@@ -174,6 +174,28 @@ rerun_wanted() {
     esac
 }
 
+# One run of section $1 (budget $2 s) before the deadline $3 (ms), blocking launches when $4 is 1
+# (the rerun: its own log and output folder): prints its line and sets A_ST (its status, or "not
+# run: no time" when less than MIN_START seconds are left), and A_RC / A_TIME (empty when it did
+# not run).
+attempt() {
+    local name="$1" budget="$2" deadline="$3" blocking="$4" left limit suffix="" label=""
+    A_RC="" A_TIME=""
+    left=$(((deadline - $(now_ms)) / 1000))
+    if [ "$left" -lt "$MIN_START" ]; then
+        A_ST="not run: no time"
+        return
+    fi
+    limit=$((budget < left ? budget : left))
+    if [ "$blocking" = 1 ]; then
+        suffix=".rerun" label="rerun, CUDA_LAUNCH_BLOCKING=1: "
+    fi
+    printf '  %-8s (≤ %3d s) %s' "$name" "$limit" "$label"
+    run_section "$name" "$limit" "$blocking" "$OUT_DIR/$name$suffix.log" "$OUT_DIR/$name$suffix"
+    A_ST="$(status_of "$RC")" A_RC="$RC" A_TIME="$(fmt_s "$TOOK_MS")"
+    printf '%s in %s s\n' "$A_ST" "$A_TIME"
+}
+
 # The budget of section $1 (DEVICE_CHECK_BUDGETS overrides).
 budget_of() {
     local name="$1" entry
@@ -474,37 +496,27 @@ run() {
     esac
 
     echo "== sections (a failed one is rerun at once with CUDA_LAUNCH_BLOCKING=1)"
-    local budget left limit
+    local budget
     for entry in "${SECTIONS[@]}"; do
         name="${entry%%:*}"
         budget="$(budget_of "$name")"
-        left=$(((deadline - $(now_ms)) / 1000))
         if [ "$name" = peft ] && [ "${MULTILORA_SKIP_PEFT:-0}" = 1 ]; then
             ST[$name]="skipped"
         elif [ "$name" != peft ] && [ "$BINARY_OK" = 0 ]; then
             ST[$name]="not run: no binary"
-        elif [ "$left" -lt "$MIN_START" ]; then
-            ST[$name]="not run: no time"
         else
-            limit=$((budget < left ? budget : left))
-            printf '  %-8s (≤ %3d s) ' "$name" "$limit"
-            run_section "$name" "$limit" 0 "$OUT_DIR/$name.log" "$OUT_DIR/$name"
-            ST[$name]="$(status_of "$RC")"
-            SRC[$name]="$RC"
-            STIME[$name]="$(fmt_s "$TOOK_MS")"
-            printf '%s in %s s\n' "${ST[$name]}" "${STIME[$name]}"
-            if rerun_wanted "$RC"; then
-                left=$(((deadline - $(now_ms)) / 1000))
-                if [ "$left" -lt "$MIN_START" ]; then
-                    RST[$name]="not run: no time"
-                else
-                    limit=$((budget < left ? budget : left))
-                    printf '  %-8s (≤ %3d s) rerun, CUDA_LAUNCH_BLOCKING=1: ' "$name" "$limit"
-                    run_section "$name" "$limit" 1 "$OUT_DIR/$name.rerun.log" "$OUT_DIR/$name.rerun"
-                    RST[$name]="$(status_of "$RC")"
-                    RRC[$name]="$RC"
-                    RTIME[$name]="$(fmt_s "$TOOK_MS")"
-                    printf '%s in %s s\n' "${RST[$name]}" "${RTIME[$name]}"
+            attempt "$name" "$budget" "$deadline" 0
+            ST[$name]="$A_ST"
+            if [ -n "$A_RC" ]; then
+                SRC[$name]="$A_RC"
+                STIME[$name]="$A_TIME"
+            fi
+            if [ -n "$A_RC" ] && rerun_wanted "$A_RC"; then
+                attempt "$name" "$budget" "$deadline" 1
+                RST[$name]="$A_ST"
+                if [ -n "$A_RC" ]; then
+                    RRC[$name]="$A_RC"
+                    RTIME[$name]="$A_TIME"
                 fi
             fi
         fi

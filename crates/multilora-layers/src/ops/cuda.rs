@@ -44,15 +44,17 @@ unsafe impl DeviceRepr for KernelArg<BgmvExpandParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for KernelArg<DecodeSplitParams> {}
 
-/// `len` f32s on `dev`, not zeroed: for a kernel output whose every element read is written by
-/// the kernel first (the BGMV shrink writes all of it; the segmented shrink of the fused path
-/// writes each row's columns below its rank, all the expand reads); their emulated tests check it
-/// on a buffer filled with NaN.
-pub(crate) fn alloc_written_f32(dev: &CudaDevice, len: usize) -> candle_core::Result<CudaStorage> {
-    // SAFETY: device memory, never read on the host; the launch that follows writes all of it
-    // before any kernel reads it (see above), and f32 has no invalid bit patterns.
-    let out = unsafe { dev.alloc::<f32>(len) }?;
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+/// `len` values of `dtype` on `dev`, not zeroed: for a kernel output whose every element read is
+/// written by the kernel first (the BGMV shrink writes all of it; the segmented shrink of the
+/// fused path writes each row's columns below its rank, all the expand reads; the decode
+/// attention writes every head of every sequence, and its split kernel every partition result
+/// the reduce reads); their emulated tests check it on a buffer filled with NaN.
+pub(crate) fn alloc_written(dev: &CudaDevice, len: usize, dtype: DType) -> candle_core::Result<CudaStorage> {
+    use candle_core::backend::BackendDevice;
+    // SAFETY: device memory, never read on the host; the launch that follows writes every
+    // element anything reads before it is read (see above), and the float dtypes the kernels
+    // use have no invalid bit patterns.
+    unsafe { dev.alloc_uninit(&candle_core::Shape::from(len), dtype) }
 }
 
 /// Turns off cudarc's per-allocation event tracking on `device`'s context (a CPU device is left

@@ -281,12 +281,44 @@ fn emulated_kernels_match_the_slow_reference() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One decode-attention case over a paged cache of `num_blocks` scattered blocks: its dims, `q`
+/// `[n, heads, head_dim]`, the caches, the block tables (`max_blocks` wide) and context lengths
+/// (the longest `max_len`), and the gathered reference's output.
+pub(super) struct PagedCase {
+    pub(super) d: PagedDecodeDims,
+    pub(super) q: Tensor,
+    pub(super) k: Tensor,
+    pub(super) v: Tensor,
+    pub(super) bt: Tensor,
+    pub(super) cl: Tensor,
+    pub(super) max_blocks: usize,
+    pub(super) want: Tensor,
+}
+
+/// A [`PagedCase`] of `(sequences, heads, kv_heads, head_dim, block_size, dtype)`, on the CPU.
+pub(super) fn paged_case(
+    rng: &mut Rng,
+    (n, heads, kv_heads, hd, bs, dtype): (usize, usize, usize, usize, usize, DType),
+    num_blocks: usize,
+    max_len: usize,
+) -> anyhow::Result<PagedCase> {
+    let dev = &Device::Cpu;
+    let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
+    let (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, max_len);
+    let q = rng.tensor(&[n, heads, hd], 0.5, dtype, dev)?;
+    let k = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
+    let v = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
+    let bt = Tensor::from_vec(tables, (n, max_blocks), dev)?;
+    let cl = Tensor::from_vec(lens, n, dev)?;
+    let want = paged_decode_attention_slow(&q, &k, &v, &bt, &cl, d)?;
+    Ok(PagedCase { d, q, k, v, bt, cl, max_blocks, want })
+}
+
 /// Decode attention over a paged cache whose blocks are scattered (the block table is a
 /// permutation), with contexts of different lengths, GQA groups and several head sizes.
 #[test]
 fn emulated_paged_decode_matches_the_slow_reference() -> anyhow::Result<()> {
     let Some(emu) = Emulator::for_tests() else { return Ok(()) };
-    let dev = &Device::Cpu;
     let mut rng = Rng::new(5);
     // (sequences, heads, kv_heads, head_dim, block_size, dtype)
     let cases = [
@@ -298,15 +330,8 @@ fn emulated_paged_decode_matches_the_slow_reference() -> anyhow::Result<()> {
         (1, 2, 1, 256, 16, DType::BF16),
     ];
     for (n, heads, kv_heads, hd, bs, dtype) in cases {
-        let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
-        let num_blocks = 24;
-        let (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, 80);
-        let q = rng.tensor(&[n, heads, hd], 0.5, dtype, dev)?;
-        let k = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
-        let v = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
-        let bt = Tensor::from_vec(tables, (n, max_blocks), dev)?;
-        let cl = Tensor::from_vec(lens, n, dev)?;
-        let want = paged_decode_attention_slow(&q, &k, &v, &bt, &cl, d)?;
+        let PagedCase { d, q, k, v, bt, cl, max_blocks, want } =
+            paged_case(&mut rng, (n, heads, kv_heads, hd, bs, dtype), 24, 80)?;
 
         let (grid, block, mut p) = decode_params(n, max_blocks, d);
         let mut bufs = Buffers::default();
@@ -315,7 +340,8 @@ fn emulated_paged_decode_matches_the_slow_reference() -> anyhow::Result<()> {
         p.v_cache = bufs.add(tensor_bytes(&v)?);
         p.block_tables = bufs.add(tensor_bytes(&bt)?);
         p.ctx_lens = bufs.add(tensor_bytes(&cl)?);
-        p.out = bufs.add(vec![0u8; n * heads * hd * dtype.size_in_bytes()]);
+        // NaN first, as the op allocates it unzeroed: the kernel must write every output.
+        p.out = bufs.add(vec![0xff; n * heads * hd * dtype.size_in_bytes()]);
         let name = kernel::paged_decode(kernel_dtype(dtype)?, hd).expect("a supported head size");
         emu.launch(&name, grid, block, &p.to_bytes(), &mut bufs.0)?;
         let got = bytes_tensor(bufs.get(p.out), dtype, &[n, heads * hd])?;

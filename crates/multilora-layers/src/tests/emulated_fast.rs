@@ -8,7 +8,7 @@ use multilora_adapter::ModuleId;
 use multilora_kernels::{Emulator, kernel};
 use multilora_types::ModuleKind;
 
-use super::emulated::{Buffers, bytes_tensor, check_layer, kernel_dtype, tensor_bytes};
+use super::emulated::{Buffers, PagedCase, bytes_tensor, check_layer, kernel_dtype, paged_case, tensor_bytes};
 use super::ops::random_slots;
 use super::{Rng, bits, rel_err, slot_map, test_device};
 use crate::mapping::slot_table;
@@ -189,7 +189,7 @@ fn check_bgmv(seed: u64, cases: &[BgmvCase<'_>]) -> anyhow::Result<()> {
 
 /// The split decode attention (partitions and their reduce) against the gathered reference over
 /// scattered blocks: long contexts (several thousand tokens, one KV head so the data stays
-/// small) under GQA 8 and 3, next to a one-token context; the scratch starts as NaN.
+/// small) under GQA 8 and 3, next to a one-token context; the output and scratch start as NaN.
 #[test]
 fn emulated_split_decode_long_contexts() -> anyhow::Result<()> {
     // The first sequence of each case is one token long, the second several thousand.
@@ -217,19 +217,11 @@ type SplitCase = (usize, usize, usize, usize, usize, DType, usize);
 
 fn check_split(seed: u64, cases: &[SplitCase]) -> anyhow::Result<()> {
     let Some(emu) = Emulator::for_tests() else { return Ok(()) };
-    let dev = &Device::Cpu;
     let mut rng = Rng::new(seed);
     for &(n, heads, kv_heads, hd, bs, dtype, max_len) in cases {
         let what = format!("n {n} heads {heads}/{kv_heads} d {hd} bs {bs} {dtype:?} ctx {max_len}");
-        let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
-        let num_blocks = max_len.div_ceil(bs) + 5;
-        let (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, max_len);
-        let q = rng.tensor(&[n, heads, hd], 0.5, dtype, dev)?;
-        let k = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
-        let v = rng.tensor(&[num_blocks * bs, kv_heads * hd], 1.0, dtype, dev)?;
-        let bt = Tensor::from_vec(tables, (n, max_blocks), dev)?;
-        let cl = Tensor::from_vec(lens, n, dev)?;
-        let want = paged_decode_attention_slow(&q, &k, &v, &bt, &cl, d)?;
+        let PagedCase { d, q, k, v, bt, cl, max_blocks, want } =
+            paged_case(&mut rng, (n, heads, kv_heads, hd, bs, dtype), max_len.div_ceil(bs) + 5, max_len)?;
 
         let mut plan = split_plan(n, max_blocks, d).ok_or_else(|| anyhow::anyhow!("{what}: no split plan"))?;
         anyhow::ensure!(plan.reduce.is_some() == (max_blocks * bs > 512), "{what}: reduce planned wrongly");
@@ -240,8 +232,9 @@ fn check_split(seed: u64, cases: &[SplitCase]) -> anyhow::Result<()> {
             bufs.add(tensor_bytes(&v)?),
             bufs.add(tensor_bytes(&bt)?),
             bufs.add(tensor_bytes(&cl)?),
-            bufs.add(vec![0u8; n * heads * hd * dtype.size_in_bytes()]),
-            // Scratch starts as NaN: whatever the reduce reads must have been written.
+            // The output and the scratch start as NaN (the op allocates them unzeroed): every
+            // output must be written, and whatever the reduce reads must have been.
+            bufs.add(vec![0xff; n * heads * hd * dtype.size_in_bytes()]),
             bufs.add(vec![0xff; 4 * plan.acc_len.max(1)]),
             bufs.add(vec![0xff; 4 * plan.ml_len.max(1)]),
         ];

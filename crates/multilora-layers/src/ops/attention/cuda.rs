@@ -4,14 +4,15 @@
 //! than one partition) for the head sizes it is built for, `paged_decode_<t>_d<head_dim>`
 //! otherwise.
 
-use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::DType;
+use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, CustomOp1, Layout, Shape, Tensor};
 use multilora_kernels::{Module, kernel};
 
 use super::split::split_plan;
 use super::{PagedDecodeDims, decode_params};
 use crate::error::Result;
-use crate::ops::cuda::{Locked, alloc_written_f32, kernel_dtype, launch, read_ptr, write_ptr};
+use crate::ops::cuda::{Locked, alloc_written, kernel_dtype, launch, read_ptr, write_ptr};
 use crate::ops::plan::Launch;
 
 struct DecodeOp<'a> {
@@ -43,30 +44,37 @@ impl CustomOp1 for DecodeOp<'_> {
         let d = self.dims;
         let shape = Shape::from((self.n, d.heads * d.head_dim));
         let t = kernel_dtype(q.dtype())?;
-        let mut out = q.device.zeros_impl(&shape, q.dtype())?;
+        // Both kernels write every head of every sequence: no memset first.
+        let mut out = alloc_written(&dev, shape.elem_count(), q.dtype())?;
         let locked = Locked::new(&[self.k, self.v, self.block_tables, self.ctx_lens]);
         let (ptrs, _syncs) = locked.ptrs(&stream)?;
         let (qp, _qs) = read_ptr(q, ql, &stream)?;
         // The split kernel reads q, K and V 16 bytes at a time: their first elements must be
         // 16-byte aligned (fresh tensors are; a view starting elsewhere takes the other kernel).
         let aligned = [qp, ptrs[0], ptrs[1]].iter().all(|p| p.is_multiple_of(16)) && ql.stride()[0].is_multiple_of(8);
+        // The operands both kernels' parameters name alike (two C structs, the same fields).
+        macro_rules! operands {
+            ($p:expr) => {
+                $p.q = qp;
+                $p.k_cache = ptrs[0];
+                $p.v_cache = ptrs[1];
+                $p.block_tables = ptrs[2];
+                $p.ctx_lens = ptrs[3];
+                $p.q_stride = ql.stride()[0] as u32;
+            };
+        }
         let plan = split_plan(self.n, self.max_blocks, d);
         let names = plan.and_then(|p| kernel::paged_decode_split(t, d.head_dim, p.heads_per_block));
         if let (true, Some(mut plan), Some((split, reduce))) = (aligned, plan, names) {
             // Scratch for the partitions' results: every element the reduce reads is written by
             // the split kernel first (a partition the context reaches writes all of its own).
-            let mut acc = alloc_written_f32(&dev, plan.acc_len.max(1))?;
-            let mut ml = alloc_written_f32(&dev, plan.ml_len.max(1))?;
+            let mut acc = alloc_written(&dev, plan.acc_len.max(1), DType::F32)?;
+            let mut ml = alloc_written(&dev, plan.ml_len.max(1), DType::F32)?;
             let (ap, _as) = write_ptr(&mut acc, &Layout::contiguous(plan.acc_len.max(1)), &stream)?;
             let (mp, _ms) = write_ptr(&mut ml, &Layout::contiguous(plan.ml_len.max(1)), &stream)?;
             let (op, _os) = write_ptr(&mut out, &Layout::contiguous(&shape), &stream)?;
             for p in std::iter::once(&mut plan.split.params).chain(plan.reduce.as_mut().map(|r| &mut r.params)) {
-                p.q = qp;
-                p.k_cache = ptrs[0];
-                p.v_cache = ptrs[1];
-                p.block_tables = ptrs[2];
-                p.ctx_lens = ptrs[3];
-                p.q_stride = ql.stride()[0] as u32;
+                operands!(p);
                 p.out = op;
                 p.part_acc = ap;
                 p.part_ml = mp;
@@ -80,12 +88,7 @@ impl CustomOp1 for DecodeOp<'_> {
             return Ok((out, shape));
         }
         let (grid, block, mut params) = decode_params(self.n, self.max_blocks, d);
-        params.q = qp;
-        params.k_cache = ptrs[0];
-        params.v_cache = ptrs[1];
-        params.block_tables = ptrs[2];
-        params.ctx_lens = ptrs[3];
-        params.q_stride = ql.stride()[0] as u32;
+        operands!(params);
         let name = kernel::paged_decode(t, d.head_dim)
             .ok_or_else(|| candle_core::Error::Msg(format!("no decode kernel for head_dim {}", d.head_dim)))?;
         {

@@ -16,7 +16,7 @@ use super::Shrink;
 use crate::error::Result;
 use crate::mapping::LoraMapping;
 use crate::ops::bgmv::BgmvPlan;
-use crate::ops::cuda::{Locked, alloc_written_f32, kernel_dtype, launch, read_ptr, write_ptr};
+use crate::ops::cuda::{Locked, alloc_written, kernel_dtype, launch, read_ptr, write_ptr};
 use crate::ops::plan::{Launch, SegmentedPlan, ShrinkPtrs};
 use crate::slots::LoraSlots;
 
@@ -85,7 +85,7 @@ impl CustomOp1 for BgmvShrinkKernel<'_> {
         let (rows, table) = bgmv_meta(self.mapping)?;
         let n = self.mapping.num_lora_rows();
         let shape = Shape::from((self.plan.k_split, n, self.plan.s_width));
-        let mut out = alloc_written_f32(dev, shape.elem_count())?;
+        let mut out = alloc_written(dev, shape.elem_count(), DType::F32)?;
         let mut a: Vec<&Tensor> = self.slices.iter().map(|s| s.a()).collect();
         a.extend([rows, table]);
         let locked = Locked::new(&a);
@@ -151,7 +151,7 @@ impl CustomOp1 for ShrinkKernel<'_> {
         let shape = Shape::from((self.plan.k_split, n, self.plan.s_width));
         let mut out = match self.zeroed {
             Zeroed::Yes => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(shape.elem_count())?, dev.clone()),
-            Zeroed::No => alloc_written_f32(dev, shape.elem_count())?,
+            Zeroed::No => alloc_written(dev, shape.elem_count(), DType::F32)?,
         };
         let mut a: Vec<&Tensor> = self.slices.iter().map(|s| s.a()).collect();
         a.extend([rows, tiles]);
