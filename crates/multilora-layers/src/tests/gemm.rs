@@ -329,3 +329,67 @@ fn packing_from_parts_is_packing_the_concatenation() -> anyhow::Result<()> {
     anyhow::ensure!(PackedWeight::pack_parts(&[])?.is_none());
     Ok(())
 }
+
+/// The decode-shaped LoRA kernel (`lora_rows`) against the general path it stands in for on a
+/// small segment: per row the shrink (`matmul_t_into`), the expand into a delta (`matmul_into`),
+/// the delta added into `y` — bit for bit, on each instruction set of this CPU, for 1 to 4 rows
+/// lying apart in a larger input, ranks on and off the shrink's groups of four, `k` and `out`
+/// with tails past the last vector.
+fn check_lora_rows<E: crate::Elem + candle_core::WithDType>(
+    dt: DType,
+    (rows, k, rank, out): (usize, usize, usize, usize),
+    seed: u64,
+) -> anyhow::Result<()> {
+    use crate::ops::gemm::{lora_rows, matmul_into_with, matmul_t_into_with};
+    let mut rng = Rng::new(seed);
+    let x: Vec<f32> = rng.tensor(&[3 * rows * k], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
+    let a: Vec<E> = rng.tensor(&[rank * k], 1.0, dt, &Device::Cpu)?.to_vec1()?;
+    let bt: Vec<E> = rng.tensor(&[rank * out], 1.0, dt, &Device::Cpu)?.to_vec1()?;
+    let y0: Vec<f32> = rng.tensor(&[rows * out], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
+    let xs: Vec<&[f32]> = (0..rows).map(|i| &x[(3 * i + 1) * k..][..k]).collect();
+    for isa in Isa::all_available() {
+        let mut got = y0.clone();
+        let mut cells: Vec<&mut [f32]> = got.chunks_mut(out).collect();
+        let mut scratch = vec![f32::NAN; rows * (rank + out)];
+        lora_rows(isa, &xs, (&a, &bt, rank), &mut cells, &mut scratch);
+        let mut want = y0.clone();
+        for (xr, yr) in xs.iter().zip(want.chunks_mut(out)) {
+            let (mut s, mut d) = (vec![f32::NAN; rank], vec![f32::NAN; out]);
+            matmul_t_into_with(isa, xr, k, &a, k, (1, rank, k), &mut s, rank);
+            matmul_into_with(isa, &s, rank, &bt, out, (1, out, rank), &mut d, out, false);
+            yr.iter_mut().zip(&d).for_each(|(o, v)| *o += v);
+        }
+        let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
+        anyhow::ensure!(same, "lora_rows {dt:?} {isa:?} {rows} × [{k} → {rank} → {out}] differs from the general path");
+    }
+    Ok(())
+}
+
+fn check_lora_rows_all(shape: (usize, usize, usize, usize), seed: u64) -> anyhow::Result<()> {
+    check_lora_rows::<f32>(DType::F32, shape, seed)?;
+    check_lora_rows::<half::bf16>(DType::BF16, shape, seed)?;
+    check_lora_rows::<half::f16>(DType::F16, shape, seed)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn lora_rows_match_the_general_path(
+        rows in 1usize..=4,
+        k in 1usize..80,
+        rank in 1usize..12,
+        out in 1usize..100,
+        seed in any::<u64>(),
+    ) {
+        check_lora_rows_all((rows, k, rank, out), seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+}
+
+#[test]
+fn lora_rows_match_the_general_path_on_model_shapes() -> anyhow::Result<()> {
+    // SmolLM2's projections at rank 16 (its down projection's k = 1,536), and a rank of 5.
+    check_lora_rows_all((2, 576, 16, 1536), 21)?;
+    check_lora_rows_all((4, 1536, 16, 576), 22)?;
+    check_lora_rows_all((3, 576, 5, 192), 23)
+}

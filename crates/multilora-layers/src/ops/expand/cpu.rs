@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::Expand;
 use crate::error::Result;
 use crate::mapping::LoraMapping;
-use crate::ops::gemm::{Elem, matmul_into, matmul_t_into};
+use crate::ops::gemm::{Elem, Isa, LORA_ROWS, lora_rows, matmul_into, matmul_t_into};
 use crate::ops::{cpu_values, run_tasks};
 use crate::slots::LoraSlots;
 
@@ -204,6 +204,15 @@ impl<E: Elem> AddDeltas<'_, E> {
         let a = &a[t.slot * max_r * k..][..r * k];
         let bt = &b[t.slot * max_r * out..][..r * out];
         let rows = &self.rows[t.start..t.start + t.len];
+        if rows.len() <= LORA_ROWS {
+            // A decode step's segment: both products in one pass over the slot.
+            let xs: Vec<&[f32]> = rows.iter().map(|&row| &self.x[row as usize * k..][..k]).collect();
+            SCRATCH.with_borrow_mut(|(s, _)| {
+                s.resize(rows.len() * (r + out), 0.0);
+                lora_rows(Isa::best(), &xs, (a, bt, r), &mut cells, s);
+            });
+            return;
+        }
         SCRATCH.with_borrow_mut(|(s, d)| {
             s.resize(t.len * r, 0.0);
             d.resize(t.len.min(DELTA_ROWS) * out, 0.0);

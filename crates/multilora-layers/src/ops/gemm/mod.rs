@@ -116,12 +116,27 @@ pub(crate) fn matmul_t_into<E: Elem>(
     ldx: usize,
     w: &[E],
     ldw: usize,
+    mnk: (usize, usize, usize),
+    y: &mut [f32],
+    ldy: usize,
+) {
+    matmul_t_into_with(Isa::best(), x, ldx, w, ldw, mnk, y, ldy);
+}
+
+/// [`matmul_t_into`] on a chosen instruction set (portable if the CPU lacks it).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_t_into_with<E: Elem>(
+    isa: Isa,
+    x: &[f32],
+    ldx: usize,
+    w: &[E],
+    ldw: usize,
     (m, n, k): (usize, usize, usize),
     y: &mut [f32],
     ldy: usize,
 ) {
     let o = kernel::Operands { x, ldx, w, ldw, k };
-    kernel::fill(Isa::best(), o, y, ldy, &[Rect { m0: 0, m1: m, n0: 0, n1: n }], 1, false, false);
+    kernel::fill(isa, o, y, ldy, &[Rect { m0: 0, m1: m, n0: 0, n1: n }], 1, false, false);
 }
 
 /// A weight `W: [n, k]` packed once for the CPU kernel: panels of 32 output columns, each stored
@@ -337,7 +352,41 @@ pub(crate) fn matmul_into<E: Elem>(
     ldy: usize,
     accumulate: bool,
 ) {
-    kernel::outer(Isa::best(), (x, ldx), (wt, ldw), mnk, y, ldy, accumulate);
+    matmul_into_with(Isa::best(), x, ldx, wt, ldw, mnk, y, ldy, accumulate);
+}
+
+/// [`matmul_into`] on a chosen instruction set (portable if the CPU lacks it).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_into_with<E: Elem>(
+    isa: Isa,
+    x: &[f32],
+    ldx: usize,
+    wt: &[E],
+    ldw: usize,
+    mnk: (usize, usize, usize),
+    y: &mut [f32],
+    ldy: usize,
+    accumulate: bool,
+) {
+    kernel::outer(isa, (x, ldx), (wt, ldw), mnk, y, ldy, accumulate);
+}
+
+/// Rows a [`lora_rows`] call takes at most.
+pub(crate) const LORA_ROWS: usize = kernel::LORA_ROWS;
+
+/// `ys[i] += (xs[i] · Aᵀ) · Bᵀ` for up to [`LORA_ROWS`] rows through one adapter's slot (`a`:
+/// `[rank, k]`, `bt`: `[rank, out]`, `k` and `out` the rows' lengths), on `isa` (portable if the
+/// CPU lacks it) with `scratch` of at least `rows · (rank + out)` values: bit for bit what
+/// [`matmul_t_into_with`] then [`matmul_into_with`] and an add give on the same `isa`, reading
+/// each operand once, in order.
+pub(crate) fn lora_rows<E: Elem>(
+    isa: Isa,
+    xs: &[&[f32]],
+    (a, bt, rank): (&[E], &[E], usize),
+    ys: &mut [&mut [f32]],
+    scratch: &mut [f32],
+) {
+    kernel::lora_rows(isa, xs, kernel::Slot { a, bt, rank }, ys, scratch);
 }
 
 /// The candle op around the kernel: lhs `x`, rhs `W`, both contiguous f32.
