@@ -28,10 +28,16 @@ impl Drop for Done {
 }
 
 /// Runs `f` (one model step) with the current rayon pool's other threads spinning for its
-/// parallel work instead of sleeping between its regions. Outside a rayon pool, or in a pool of
-/// one thread, it just runs `f`.
-pub fn with_hot_pool<R>(f: impl FnOnce() -> R) -> R {
-    let Some(me) = rayon::current_thread_index() else { return f() };
+/// parallel work instead of sleeping between its regions. Called from a thread outside any rayon
+/// pool (an embedder's own), it runs `f` on the global pool's threads, hot the same way: from
+/// outside, each of a step's parallel regions would be handed to the pool and waited for through
+/// a futex, with nobody keeping the workers awake (measured: 55 against 43 ms for the 16-row LoRA
+/// step of docs/BENCHMARKS.md's GGUF bench). In a pool of one thread it just runs `f`.
+pub fn with_hot_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let Some(me) = rayon::current_thread_index() else {
+        // `scope` called from outside a pool runs its body on one of the global pool's threads.
+        return rayon::scope(|_| with_hot_pool(f));
+    };
     if rayon::current_num_threads() < 2 {
         return f();
     }

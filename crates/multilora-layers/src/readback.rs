@@ -42,7 +42,7 @@ impl RowsToHost {
     }
 
     #[cfg(feature = "cuda")]
-    // The pinned buffer's allocation is the one unsafe call; see its SAFETY note.
+    // The kept pinned buffer's (re)allocation is the one unsafe call; see its SAFETY note.
     #[allow(unsafe_code)]
     fn read_cuda(&self, t: &Tensor, rows: usize, cols: usize) -> Result<Vec<Vec<f32>>> {
         use candle_core::Storage;
@@ -58,17 +58,11 @@ impl RowsToHost {
         let src = cs.as_cuda_slice::<f32>()?.slice(start..start + n);
         let stream = cs.device().cuda_stream();
         let mut guard = self.pinned.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if guard.as_ref().is_none_or(|b| b.len() < n) {
-            // Dropped first, so that two buffers are never held at once.
-            *guard = None;
-            // SAFETY: the buffer's contents are only read after a copy into it has filled the
-            // first `n` values (below); f32 has no invalid bit patterns. Flags 0: cached
-            // page-locked memory (write-combined memory is slow for the host to read).
-            let buf = unsafe { stream.context().alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }
-                .map_err(candle_core::Error::wrap)?;
-            *guard = Some(buf);
-        }
-        let Some(buf) = guard.as_mut() else { unreachable!("allocated above") };
+        // SAFETY: the buffer's contents are only read after a copy into it has filled the first
+        // `n` values (below); f32 has no invalid bit patterns; every read waits for its copy
+        // before it returns, so none is in flight. Flags 0: cached page-locked memory
+        // (write-combined memory is slow for the host to read).
+        let buf = unsafe { crate::ops::cuda::kept_pinned(&mut guard, n, 1, 0, &stream) }?;
         stream.memcpy_dtoh(&src, buf).map_err(candle_core::Error::wrap)?;
         // The copy is asynchronous into page-locked memory. The buffer's own event cannot be
         // waited on: cudarc records it only while it manages stream synchronization, which the

@@ -96,7 +96,7 @@ impl Uploaded {
 #[derive(Debug, Default)]
 pub struct MetaToDevice {
     #[cfg(feature = "cuda")]
-    staging: std::sync::Mutex<Option<cuda::Staging>>,
+    staging: std::sync::Mutex<cuda::Staging>,
 }
 
 impl MetaToDevice {
@@ -130,19 +130,23 @@ mod cuda {
     use candle_core::{CudaDevice, CudaStorage, Storage, Tensor};
 
     use crate::error::Result;
+    use crate::ops::cuda::kept_pinned;
 
-    /// The page-locked buffer and the event recorded after the last copy out of it.
-    #[derive(Debug)]
+    /// The page-locked buffer and the event recorded after the last copy out of it (none before
+    /// the first upload).
+    #[derive(Debug, Default)]
     pub(super) struct Staging {
-        buf: PinnedHostSlice<u32>,
-        copied: CudaEvent,
+        buf: Option<PinnedHostSlice<u32>>,
+        copied: Option<CudaEvent>,
     }
 
     impl Drop for Staging {
         fn drop(&mut self) {
             // The buffer is freed after this: no copy out of it may still be in flight. An error
             // here is the context's own (a sticky fault), which every later call reports.
-            let _ = self.copied.synchronize();
+            if let Some(e) = &self.copied {
+                let _ = e.synchronize();
+            }
         }
     }
 
@@ -152,35 +156,29 @@ mod cuda {
 
     /// `host` on `dev` through the kept staging buffer (grown to the next power of two when too
     /// small): one asynchronous copy on the device's stream, the event recorded after it.
-    pub(super) fn upload(staging: &mut Option<Staging>, host: &[u32], dev: &CudaDevice) -> Result<Tensor> {
+    pub(super) fn upload(s: &mut Staging, host: &[u32], dev: &CudaDevice) -> Result<Tensor> {
         let n = host.len();
         let stream = dev.cuda_stream();
-        if let Some(s) = staging.as_ref() {
+        if let Some(e) = &s.copied {
             // The last copy out of the buffer must be done before the buffer is written again.
-            wrap(s.copied.synchronize())?;
+            wrap(e.synchronize())?;
         }
-        if staging.as_ref().is_none_or(|s| s.buf.len() < n) {
-            // Dropped first, so that two buffers are never held at once.
-            *staging = None;
-            // SAFETY: only the first `n` values are ever copied out, each written just before
-            // (below); `u32` has no invalid bit patterns. Write-combined: the host only writes
-            // it, and the device reads it across the link.
-            let buf = wrap(unsafe {
-                stream
-                    .context()
-                    .alloc_pinned_with_flags::<u32>(n.next_power_of_two().max(1024), CU_MEMHOSTALLOC_WRITECOMBINED)
-            })?;
-            let copied = wrap(stream.context().new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)))?;
-            *staging = Some(Staging { buf, copied });
+        if s.copied.is_none() {
+            s.copied = Some(wrap(stream.context().new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)))?);
         }
-        let Some(s) = staging.as_mut() else { unreachable!("allocated above") };
-        let pinned = wrap(s.buf.as_mut_slice())?;
+        // SAFETY: only the first `n` values are ever copied out, each written just before (below);
+        // `u32` has no invalid bit patterns; the last copy out of the buffer is done (above).
+        // Write-combined: the host only writes it, and the device reads it across the link.
+        let buf = unsafe { kept_pinned(&mut s.buf, n, 1024, CU_MEMHOSTALLOC_WRITECOMBINED, &stream) }?;
+        let pinned = wrap(buf.as_mut_slice())?;
         pinned[..n].copy_from_slice(host);
         // SAFETY: the copy below writes all `n` values before any kernel of the stream reads them.
         let mut dst = wrap(unsafe { stream.alloc::<u32>(n) })?;
         // A plain slice of page-locked memory: the driver copies it by DMA, asynchronously.
         wrap(stream.memcpy_htod(&pinned[..n], &mut dst))?;
-        wrap(s.copied.record(&stream))?;
+        if let Some(e) = &s.copied {
+            wrap(e.record(&stream))?;
+        }
         let storage = CudaStorage::wrap_cuda_slice(dst, dev.clone());
         Ok(Tensor::from_storage(Storage::Cuda(storage), n, BackpropOp::none(), false))
     }

@@ -442,15 +442,9 @@ impl Model {
     /// Runs one step: writes the new tokens' K/V into their blocks and returns f32 logits
     /// `[batch.num_logit_rows(), vocab]`, rows in sequence order.
     pub fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Tensor> {
-        // On the CPU the pool's other threads wait for the step's parallel regions awake. Called
-        // from a thread outside any rayon pool (an embedder's own), the step moves onto the global
-        // pool first: run from outside, each of its ~150 parallel regions would be handed to the
-        // pool and waited for through a futex, with nobody keeping the workers awake (measured:
-        // 55 against 43 ms for the 16-row LoRA step of docs/BENCHMARKS.md's GGUF bench).
+        // On the CPU the pool's other threads wait for the step's parallel regions awake (on the
+        // global pool when called from outside any).
         if self.device.is_cpu() {
-            if rayon::current_thread_index().is_none() {
-                return rayon::scope(|_| multilora_layers::with_hot_pool(|| self.step(batch, cache)));
-            }
             return multilora_layers::with_hot_pool(|| self.step(batch, cache));
         }
         self.step(batch, cache)

@@ -9,7 +9,7 @@
 #![allow(unsafe_code)]
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaStream, SyncOnDrop};
+use candle_core::cuda::cudarc::driver::{CudaStream, PinnedHostSlice, SyncOnDrop};
 use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
 use multilora_kernels::params::{
@@ -55,6 +55,32 @@ pub(crate) fn alloc_written(dev: &CudaDevice, len: usize, dtype: DType) -> candl
     // element anything reads before it is read (see above), and the float dtypes the kernels
     // use have no invalid bit patterns.
     unsafe { dev.alloc_uninit(&candle_core::Shape::from(len), dtype) }
+}
+
+/// Makes the kept page-locked host buffer `buf` hold at least `n` values: kept when it does, else
+/// freed first (two are never held at once) and replaced by one of the next power of two, at
+/// least `min`, allocated with `flags` (`CU_MEMHOSTALLOC_*`). The step's uploader and the logits'
+/// reader each keep one this way.
+///
+/// # Safety
+/// The buffer's values start uninitialized: `T` must be valid for any bit pattern, and the caller
+/// reads only what it wrote or copied in; no copy into or out of the old buffer may still be in
+/// flight.
+pub(crate) unsafe fn kept_pinned<'a, T: DeviceRepr>(
+    buf: &'a mut Option<PinnedHostSlice<T>>,
+    n: usize,
+    min: usize,
+    flags: u32,
+    stream: &CudaStream,
+) -> candle_core::Result<&'a mut PinnedHostSlice<T>> {
+    if buf.as_ref().is_none_or(|b| b.len() < n) {
+        *buf = None;
+        // SAFETY: forwarded from the caller.
+        let fresh = unsafe { stream.context().alloc_pinned_with_flags::<T>(n.next_power_of_two().max(min), flags) };
+        *buf = Some(fresh.map_err(candle_core::Error::wrap)?);
+    }
+    let Some(b) = buf.as_mut() else { unreachable!("allocated above") };
+    Ok(b)
 }
 
 /// Turns off cudarc's per-allocation event tracking on `device`'s context (a CPU device is left

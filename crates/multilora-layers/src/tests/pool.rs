@@ -1,5 +1,6 @@
 //! [`crate::with_hot_pool`]: the step's value comes back, its parallel work runs on every thread
-//! of the pool, and the keepers let the threads go when it ends (or panics).
+//! of the pool (the global one when called from outside), and the keepers let the threads go
+//! when it ends (or panics).
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -42,9 +43,15 @@ fn hot_pool_runs_the_step_on_every_thread_and_lets_them_go() {
     assert_eq!(ids.len(), 2);
 }
 
+/// Called from a thread outside any pool, the step runs on one of the global pool's threads
+/// (not on the caller's, whose every parallel region would otherwise be handed over and waited
+/// for); after a panic the keepers are gone.
 #[test]
-fn hot_pool_outside_a_pool_or_after_a_panic_just_runs() {
+fn hot_pool_from_outside_runs_on_the_global_pool_and_a_panic_lets_the_threads_go() {
     assert_eq!(with_hot_pool(|| 7), 7);
+    assert_eq!(rayon::current_thread_index(), None, "the test's own thread");
+    let on = with_hot_pool(rayon::current_thread_index);
+    assert!(on.is_some(), "the step ran on a pool thread");
     let pool = pool();
     let caught = pool.install(|| std::panic::catch_unwind(|| with_hot_pool(|| panic!("a step failed"))));
     assert!(caught.is_err());

@@ -206,10 +206,13 @@ impl<E: Elem> AddDeltas<'_, E> {
         let rows = &self.rows[t.start..t.start + t.len];
         if rows.len() <= LORA_ROWS {
             // A decode step's segment: both products in one pass over the slot.
-            let xs: Vec<&[f32]> = rows.iter().map(|&row| &self.x[row as usize * k..][..k]).collect();
+            let mut xs: [&[f32]; LORA_ROWS] = [&[]; LORA_ROWS];
+            for (x, &row) in xs.iter_mut().zip(rows) {
+                *x = &self.x[row as usize * k..][..k];
+            }
             SCRATCH.with_borrow_mut(|(s, _)| {
                 s.resize(rows.len() * (r + out), 0.0);
-                lora_rows(Isa::best(), &xs, (a, bt, r), &mut cells, s);
+                lora_rows(Isa::best(), &xs[..rows.len()], (a, bt, r), &mut cells, s);
             });
             return;
         }
