@@ -26,10 +26,23 @@ fi
 # cudarc's bindings, as the lock file pins them.
 registry="${CARGO_HOME:-$HOME/.cargo}/registry/src"
 cudarc_version="$(sed -n '/^name = "cudarc"$/{n;s/^version = "\(.*\)"$/\1/p}' "$(dirname "${BASH_SOURCE[0]}")/../Cargo.lock")"
-cudarc="$(ls -d "$registry"/*/"cudarc-$cudarc_version" 2>/dev/null | head -n 1)"
+# A CPU build downloads no cudarc, so on a clean machine it is fetched here. A glob, not `ls`: the
+# caller may run under `set -euo pipefail`, where a failing `ls` in a pipeline ends the script
+# (CI exited 2 here on a clean machine).
+find_cudarc() {
+    local dir
+    for dir in "$registry"/*/"cudarc-$cudarc_version"; do
+        if [ -d "$dir" ]; then
+            echo "$dir"
+            return 0
+        fi
+    done
+}
+cudarc="$(find_cudarc)"
 if [ -z "$cudarc" ]; then
+    echo "== fetching cudarc $cudarc_version (a CPU build does not download it)"
     cargo fetch --quiet || return 1
-    cudarc="$(ls -d "$registry"/*/"cudarc-$cudarc_version" | head -n 1)"
+    cudarc="$(find_cudarc)"
 fi
 [ -n "$cudarc" ] || { echo "cuda-env: cudarc $cudarc_version not in $registry" >&2; return 1; }
 
