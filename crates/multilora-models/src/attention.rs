@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Tensor};
 
-use multilora_layers::{decode_attention_rows, paged_decode_attention, paged_kv_write};
+use multilora_layers::{decode_attention_rows, paged_decode_attention, paged_kv_write, write_kv_rows};
 
 use crate::batch::{DecodeGroup, DecodeReads, KvWrites, StepPlan};
 use crate::error::Result;
@@ -22,6 +22,7 @@ pub(crate) use multilora_layers::PagedDecodeDims as AttnDims;
 pub(crate) fn write_kv(plan: &StepPlan, cache_k: &Tensor, cache_v: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     let dt = cache_k.dtype();
     match &plan.kv_writes {
+        KvWrites::Host(rows) => write_kv_rows(cache_k, cache_v, k, v, rows)?,
         KvWrites::Scatter(index) => {
             cache_k.scatter_set(index, &k.to_dtype(dt)?.contiguous()?, 0)?;
             cache_v.scatter_set(index, &v.to_dtype(dt)?.contiguous()?, 0)?;

@@ -135,8 +135,11 @@ pub(crate) enum DecodeReads {
 /// The cache rows a step's new keys and values go to.
 #[derive(Debug)]
 pub(crate) enum KvWrites {
+    /// Each token's row, on the host: the CPU writes the rows in place (with the keys' rotation
+    /// when it can, `multilora_layers::rope_write_kv`).
+    Host(Vec<u32>),
     /// `[tokens, kv_width]` u32: each token's row repeated along the row, the shape candle's
-    /// `scatter_set` wants (the CPU, and any device without the kernel).
+    /// `scatter_set` wants (any device without the kernel).
     Scatter(Tensor),
     /// `u32 [tokens]`: each token's row, read directly by the CUDA KV-write kernel.
     Rows(Tensor),
@@ -243,8 +246,9 @@ impl StepPlan {
         let mut meta = StepMeta::new();
         let ids_part = meta.push(ids);
         let positions_part = meta.push(positions);
-        // The CUDA KV-write kernel reads each token's row; the CPU's `scatter_set` wants it
-        // repeated along the row, built below, off the upload.
+        // The CUDA KV-write kernel reads each token's row; the CPU writes from the host's copy, and
+        // another device's `scatter_set` wants it repeated along the row, built below, off the
+        // upload.
         let rows_part = device.is_cuda().then(|| meta.push(write_rows.iter().copied()));
         let unpermute = (!order.iter().enumerate().all(|(i, &r)| i as u32 == r)).then(|| {
             let mut inv = vec![0u32; order.len()];
@@ -262,6 +266,7 @@ impl StepPlan {
         let up = upload.upload(meta, device)?;
         let kv_writes = match rows_part {
             Some(p) => KvWrites::Rows(up.part(p)?),
+            None if device.is_cpu() => KvWrites::Host(write_rows),
             None => KvWrites::Scatter(
                 Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?,
             ),
@@ -454,7 +459,7 @@ mod tests {
             assert_eq!(m.lora_rows(), [1, 2, 3, 0, 5, 6]);
             assert!(m.tile_index().is_some_and(|t| storage_of(t) == one));
             assert_eq!(v(plan.logit_mapping.lora_index().expect("LoRA logit rows"))?, [1, 0]);
-            assert!(matches!(plan.kv_writes, KvWrites::Scatter(_)), "the CPU's scatter_set index");
+            assert!(matches!(plan.kv_writes, KvWrites::Host(_)), "the CPU's rows on the host");
         }
         Ok(())
     }

@@ -14,7 +14,7 @@ use multilora_layers::{LinearWeight, LoraEmbedding, LoraLinear, SlotConfig};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 use crate::attention::{AttnDims, paged_attention, write_kv};
-use crate::batch::{Batch, Limits, StepPlan};
+use crate::batch::{Batch, KvWrites, Limits, StepPlan};
 use crate::config::{HiddenAct, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
@@ -478,18 +478,28 @@ impl Model {
         let (cos, sin) = self.rope.gather(&plan.positions)?;
         let mut x = self.embed.forward(&plan.ids, map)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
+            let h = multilora_layers::rms_norm(&x, &layer.input_norm, eps)?;
             let qkv = layer.qkv.forward(&h, map)?;
-            let q = qkv.narrow(1, 0, qs)?.reshape((tokens, dims.heads, dims.head_dim))?;
-            let k = qkv.narrow(1, qs, kvs)?.reshape((tokens, dims.kv_heads, dims.head_dim))?;
-            let v = qkv.narrow(1, qs + kvs, kvs)?;
-            let q = Rope::apply(&q, &cos, &sin)?;
-            let k = Rope::apply(&k, &cos, &sin)?.reshape((tokens, kvs))?;
             let (ck, cv) = cache.layer(l);
-            write_kv(&plan, ck, cv, &k, &v)?;
+            // On the CPU, the rotation and the cache write in one pass; elsewhere as tensor ops.
+            let fused = match &plan.kv_writes {
+                KvWrites::Host(rows) => multilora_layers::rope_write_kv(&qkv, &cos, &sin, dims, ck, cv, rows)?,
+                _ => None,
+            };
+            let q = match fused {
+                Some(q) => q,
+                None => {
+                    let q = qkv.narrow(1, 0, qs)?.reshape((tokens, dims.heads, dims.head_dim))?;
+                    let k = qkv.narrow(1, qs, kvs)?.reshape((tokens, dims.kv_heads, dims.head_dim))?;
+                    let v = qkv.narrow(1, qs + kvs, kvs)?;
+                    let k = Rope::apply(&k, &cos, &sin)?.reshape((tokens, kvs))?;
+                    write_kv(&plan, ck, cv, &k, &v)?;
+                    Rope::apply(&q, &cos, &sin)?
+                }
+            };
             let attn = paged_attention(&plan, &q, ck, cv, dims)?;
             x = (x + layer.o.forward(&attn, map)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.post_norm, eps)?;
+            let h = multilora_layers::rms_norm(&x, &layer.post_norm, eps)?;
             let gu = layer.gate_up.forward(&h, map)?;
             let inter = self.cfg.intermediate_size;
             // SiLU in one pass on the CPU; otherwise the activation, then the product.
@@ -518,7 +528,7 @@ impl Model {
             Some(rows) => x.index_select(rows, 0)?,
             None => x,
         };
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        let x = multilora_layers::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x, &plan.logit_mapping)?.to_dtype(DType::F32)?)
     }
 

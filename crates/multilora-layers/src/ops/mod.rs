@@ -16,6 +16,7 @@ pub(crate) mod cuda;
 pub(crate) mod expand;
 pub(crate) mod gemm;
 pub(crate) mod kv_write;
+pub(crate) mod norm;
 // The CUDA glue and the emulated kernel tests use the plan; a CPU build only tests it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod plan;

@@ -35,12 +35,14 @@ use super::Isa;
 mod elem;
 mod exp;
 mod lora;
+mod norm;
 mod prepacked;
 pub use elem::{Elem, ElemKind};
 #[cfg(test)]
 pub(crate) use exp::exp;
 pub(crate) use exp::{exp_sum, silu_mul};
 pub(super) use lora::{LORA_ROWS, Slot, lora_rows};
+pub(crate) use norm::rms_rows;
 pub(super) use prepacked::{PANEL, fill_prepacked, outer};
 
 /// A rectangle of the output: rows `m0..m1`, columns `n0..n1`.

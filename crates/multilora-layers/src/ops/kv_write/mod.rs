@@ -9,8 +9,10 @@
 //! [`paged_kv_write`] launches `kv_write.cu` (one block per token, 16-byte stores, the row read
 //! from `slots` on the device), once for K and once for V; [`paged_kv_write_slow`] is candle's
 //! `scatter_set` along rows with the index broadcast to `[tokens, width]`, on any device, and is
-//! the oracle the kernel is checked against (and what the CPU path runs).
+//! the oracle the kernel is checked against. On the CPU, [`cpu::rope_write_kv`] rotates the keys
+//! and writes them with the values in one pass, and [`cpu::write_kv_rows`] writes given rows.
 
+pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 
