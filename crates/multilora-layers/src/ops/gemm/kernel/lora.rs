@@ -179,7 +179,7 @@ const LINE: usize = 64;
 /// step, from memory (a step's slots are tens of megabytes), as a few short streams; the
 /// hardware prefetchers stop at each 4 KiB page and start again slowly, so the kernel asks for
 /// the bytes a page or so ahead itself. Measured on the 16-row LoRA step of docs/BENCHMARKS.md
-/// (Zen 5, alternating steps): 1–1.4 ms of ~14 faster at 4 and 8 KiB, ~0.3 ms at 1 KiB.
+/// (Zen 5, alternating steps): 1–1.4 ms of ~14 faster at 4–16 KiB, 0.2–0.4 ms at 1–2 KiB.
 const PREFETCH_BYTES: usize = 4096;
 
 /// Asks for the line `PREFETCH_BYTES` past `p` into L1 (a hint: it never faults, whatever the
