@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -173,6 +174,9 @@ def main():
                     help="llama.cpp without weight repacking: where its AMX path crashes (a VM that reports AMX "
                          "but does not enable it), it then runs the AVX-512 VNNI / AVX2 code of any other CPU")
     ap.add_argument("--json")
+    ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "multilora-compare.log"),
+                    help="where both servers' output goes (default: the system's temporary folder, never the "
+                         "checkout)")
     a = ap.parse_args()
     cases = json.load(open(REFERENCE))["cases"]
     prompts = [c["prompt_ids"] for c in cases if c["adapter"] == "base"]
@@ -181,7 +185,8 @@ def main():
     files = sorted(f for f in os.listdir(a.adapters) if f.endswith(".gguf"))
     names = [f[:-5] for f in files]
     assert len(files) == 8, files
-    log = open("compare.log", "w")
+    log = open(a.log, "w")
+    print(f"servers' output: {a.log}", file=sys.stderr)
 
     port_l, port_m = 18600, 18500
     lora = ",".join(os.path.join(a.adapters, f) for f in files)

@@ -74,7 +74,6 @@ pub(crate) struct Limits {
     pub(crate) max_loras: usize,
     pub(crate) num_blocks: usize,
     pub(crate) block_size: usize,
-    pub(crate) kv_width: usize,
     /// Decode rows read the cache through their block tables on the device (the CUDA kernel);
     /// otherwise their context rows are listed (and, off the CPU, gathered).
     pub(crate) paged_decode: bool,
@@ -138,9 +137,6 @@ pub(crate) enum KvWrites {
     /// Each token's row, on the host: the CPU writes the rows in place (with the keys' rotation
     /// when it can, `multilora_layers::rope_write_kv`).
     Host(Vec<u32>),
-    /// `[tokens, kv_width]` u32: each token's row repeated along the row, the shape candle's
-    /// `scatter_set` wants (any device without the kernel).
-    Scatter(Tensor),
     /// `u32 [tokens]`: each token's row, read directly by the CUDA KV-write kernel.
     Rows(Tensor),
 }
@@ -246,9 +242,7 @@ impl StepPlan {
         let mut meta = StepMeta::new();
         let ids_part = meta.push(ids);
         let positions_part = meta.push(positions);
-        // The CUDA KV-write kernel reads each token's row; the CPU writes from the host's copy, and
-        // another device's `scatter_set` wants it repeated along the row, built below, off the
-        // upload.
+        // The CUDA KV-write kernel reads each token's row; the CPU writes from the host's copy.
         let rows_part = device.is_cuda().then(|| meta.push(write_rows.iter().copied()));
         let unpermute = (!order.iter().enumerate().all(|(i, &r)| i as u32 == r)).then(|| {
             let mut inv = vec![0u32; order.len()];
@@ -266,10 +260,7 @@ impl StepPlan {
         let up = upload.upload(meta, device)?;
         let kv_writes = match rows_part {
             Some(p) => KvWrites::Rows(up.part(p)?),
-            None if device.is_cpu() => KvWrites::Host(write_rows),
-            None => KvWrites::Scatter(
-                Tensor::from_vec(write_rows, (total, 1), device)?.broadcast_as((total, lim.kv_width))?.contiguous()?,
-            ),
+            None => KvWrites::Host(write_rows),
         };
         let seqs = prefill
             .into_iter()
@@ -401,7 +392,6 @@ mod tests {
             max_loras: 4,
             num_blocks: 16,
             block_size: 4,
-            kv_width: 8,
             paged_decode,
             window: None,
         }

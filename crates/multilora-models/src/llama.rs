@@ -460,7 +460,6 @@ impl Model {
             max_loras: self.lora.max_loras(),
             num_blocks: kc.num_blocks,
             block_size: kc.block_size,
-            kv_width: self.cfg.kv_size(),
             paged_decode: self.paged_decode(),
             window: self.cfg.sliding_window.filter(|&w| w > 0),
         };

@@ -183,7 +183,9 @@ const LINE: usize = 64;
 const PREFETCH_BYTES: usize = 4096;
 
 /// Asks for the line `PREFETCH_BYTES` past `p` into L1 (a hint: it never faults, whatever the
-/// address, so it may point past the slot's end).
+/// address, so it may point past the slot's end). Into L1, not L2 as [`Simd::prefetch`] asks for
+/// the streaming tiles' next rows: the slot's lines are used a few hundred cycles later, and the
+/// L2 hint measured 0.1–0.2 ms slower on the same step (three alternating runs).
 #[inline(always)]
 fn prefetch_ahead<E>(p: *const E) {
     let ahead = p.cast::<u8>().wrapping_add(PREFETCH_BYTES);
