@@ -386,15 +386,7 @@ mod tests {
     use super::*;
 
     fn limits(paged_decode: bool) -> Limits {
-        Limits {
-            vocab: 100,
-            max_len: 64,
-            max_loras: 4,
-            num_blocks: 16,
-            block_size: 4,
-            paged_decode,
-            window: None,
-        }
+        Limits { vocab: 100, max_len: 64, max_loras: 4, num_blocks: 16, block_size: 4, paged_decode, window: None }
     }
 
     /// The address of the storage behind a tensor: views of one upload share it.
