@@ -86,13 +86,13 @@ fn dropped_stream_returns_its_lease_and_blocks_at_any_point() -> Result<()> {
 
     // Waiting: one sequence at a time, behind a long request of another adapter.
     let engine = builder(4).max_num_seqs(1).build()?;
-    let blocker = engine.submit(GenerateRequest::new("qv_r8", prompt(8, 2)).params(greedy(400)))?;
+    let blockers = hold(&engine, "qv_r8", 4)?;
     let waiting = engine.submit(GenerateRequest::new("all_r16", prompt(8, 3)).params(greedy(4)))?;
-    until(&engine, "one running, one waiting", |m| m.running == 1 && m.waiting == 1);
+    until(&engine, "one running, the rest waiting", |m| m.running == 1 && m.waiting == 4);
     drop(waiting);
-    let m = wait_for(&engine, |m| m.waiting == 0);
-    assert_eq!((m.running, m.pinned_slots), (1, 1), "only the blocker's lease is left: {m:?}");
-    drop(blocker);
+    let m = wait_for(&engine, |m| m.waiting == 3);
+    assert_eq!((m.running, m.pinned_slots), (1, 1), "only the running blocker's lease is left: {m:?}");
+    drop(blockers);
     assert_idle(&wait_for(&engine, |m| m.running == 0));
 
     // Preempted: a KV pool of ~600 tokens (2 KiB each; the slots count against the budget) and
@@ -471,12 +471,11 @@ fn a_waiting_request_keeps_its_place_when_another_adapter_needs_its_cpu_entry() 
         .lora("sql", path("adapters/qv_r8"))
         .lora_resolver(multilora::DirectoryResolver::new(fixtures().join("adapters")))
         .build()?;
-    let blocker = engine.submit(GenerateRequest::new(BASE, vec![1, 2, 3]).params(greedy(400)))?;
-    until(&engine, "the blocker runs", |m| m.running == 1);
+    let blockers = hold(&engine, BASE, 8)?;
     let first = engine.submit(GenerateRequest::new("sql", vec![1, 294, 488]).params(greedy(4)))?;
     let mut second = engine.submit(GenerateRequest::new("all_r16", vec![1, 294, 488]).params(greedy(4)))?;
     until(&engine, "all_r16's load waits for the one cpu entry", |m| m.adapter_loads_waiting == 1);
-    drop(blocker);
+    drop(blockers);
     // One request at a time (max_num_seqs 1): when all_r16's first token arrives, sql, admitted
     // first, has generated all of its tokens. Told by the engine's own counters (answered between
     // two steps), not by the clocks of two reader threads, which on a loaded machine may wake in

@@ -111,23 +111,20 @@ fn an_accepted_request_finishes_on_its_generation_after_an_unload_or_a_reload() 
     }
     let (want, _) = run(&engine, "x", &prompt)?;
     // One sequence at a time, and the base model busy: both requests wait in the scheduler.
-    let mut long = SamplingParams::greedy(400);
-    long.ignore_eos = true;
-    let blocker = engine.submit(GenerateRequest::new(BASE, vec![1, 2, 3]).params(long))?;
-    until(&engine, "the blocker runs", |m| m.running == 1);
+    let blockers = hold(&engine, BASE, 8)?;
     let mut p = SamplingParams::greedy(8);
     p.ignore_eos = true;
     let x = engine.submit(GenerateRequest::new("x", prompt.clone()).params(p.clone()))?;
     let y = engine.submit(GenerateRequest::new("y", prompt.clone()).params(p))?;
     assert!(x.adapter_ready() && y.adapter_ready());
-    until(&engine, "both wait behind the blocker", |m| m.waiting == 2);
+    until(&engine, "both wait behind the blockers", |m| m.waiting == 7 + 2);
     h.unload_adapter("x")?;
     assert!(h.reload_adapter("y", &path("adapters/all_r16"))?);
     assert_eq!(engine.submit(GenerateRequest::new("x", prompt.clone())).unwrap_err().kind(), "model_not_found");
     let m = engine.metrics();
     assert_eq!(m.per_adapter.get("x").map(|u| u.generation_tokens), Some(want.len() as u64), "only the reference");
     assert_eq!(m.per_adapter.get("y").map_or(0, |u| u.generation_tokens), 0, "y has no token yet");
-    drop(blocker);
+    drop(blockers);
     assert_eq!(x.collect_blocking()?.token_ids, want, "x finished on the weights it was accepted with");
     assert_eq!(y.collect_blocking()?.token_ids, want, "y too, not on the reloaded ones");
     let (after, _) = run(&engine, "y", &prompt)?;

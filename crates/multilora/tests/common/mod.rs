@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use multilora::{Engine, EngineBuilder, MetricsSnapshot};
+use multilora::{Engine, EngineBuilder, GenerateRequest, MetricsSnapshot, RequestStream, SamplingParams};
 use serde_json::Value;
 
 /// The served base model's name in these tests.
@@ -95,6 +95,21 @@ pub fn bf16_checkpoint(src: &std::path::Path, dst: &std::path::Path) -> Result<(
         }
     }
     Ok(())
+}
+
+/// `n` requests of `model` that each run to the fixture's longest sequence (512 positions),
+/// submitted one behind another: with `max_num_seqs(1)` they keep the engine busy for about
+/// `n` × 500 steps, until dropped. One such request lasts ~50 ms on the tiny base, a window that
+/// a test thread descheduled on a loaded 2-core machine has outlived in CI; a queue of them
+/// makes the window seconds long.
+pub fn hold(engine: &Engine, model: &str, n: usize) -> Result<Vec<RequestStream>> {
+    let mut long = SamplingParams::greedy(500);
+    long.ignore_eos = true;
+    let streams = (0..n)
+        .map(|_| engine.submit(GenerateRequest::new(model, vec![1, 2, 3]).params(long.clone())))
+        .collect::<multilora::Result<Vec<_>>>()?;
+    until(engine, "the first held request runs", |m| m.running >= 1);
+    Ok(streams)
 }
 
 /// Polls metrics until `done` holds (the loop may still be releasing after a drop).
