@@ -11,7 +11,7 @@ mod common;
 use std::path::Path;
 
 use anyhow::Result;
-use common::{BASE, Server, builder, copy_dir, path, sse_events, value};
+use common::{BASE, Server, builder, copy_dir, hold, path, sse_events, value};
 use multilora::{ModelShapes, ModuleKind, SyntheticAdapter};
 use multilora_server::ServerConfig;
 use serde_json::{Value, json};
@@ -263,26 +263,24 @@ async fn refusals_come_before_any_stream_byte_and_streams_start_at_once() -> Res
 
     // One sequence at a time and the engine busy with a long request: a valid stream with a long
     // prompt waits behind it, and its headers arrive while it still waits, before its first token.
-    let mut p = multilora::SamplingParams::greedy(400);
-    p.ignore_eos = true;
-    let blocker = server.engine().submit(multilora::GenerateRequest::new(BASE, vec![1, 2, 3]).params(p))?;
+    let blockers = hold(server.engine(), BASE, 8)?;
     let long: Vec<u32> = (0..300).map(|i| 3 + (i * 7) % 400).collect();
     let body = json!({"model": "qv_r8", "prompt": long, "max_tokens": 2, "stream": true});
     let resp = server.client.post(&url).json(&body).send().await?;
     assert_eq!(resp.status(), 200);
     assert!(resp.headers()["content-type"].to_str()?.starts_with("text/event-stream"));
     let both = |s: &common::Scrape| {
-        value(s, "vllm:num_requests_running", &[]) + value(s, "vllm:num_requests_waiting", &[]) == 2.0
+        value(s, "vllm:num_requests_running", &[]) + value(s, "vllm:num_requests_waiting", &[]) == 8.0 + 1.0
     };
     let s = server.scrape_until(both).await?;
     let (running, waiting) = (value(&s, "vllm:num_requests_running", &[]), value(&s, "vllm:num_requests_waiting", &[]));
-    // Both requests are in the engine, at most the blocker runs: the stream's request still
+    // Every request is in the engine, at most one blocker runs: the stream's request still
     // waits, nothing of it computed, and its headers are here.
     assert!(
-        running + waiting == 2.0 && running <= 1.0,
+        running + waiting == 9.0 && running <= 1.0,
         "the stream's headers came while it still waited: {running} running, {waiting} waiting"
     );
-    drop(blocker);
+    drop(blockers);
     let events = sse_events(resp).await?;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let tokens: Vec<Value> = events.iter().filter_map(|e| serde_json::from_str::<Value>(e).ok()).collect();
@@ -344,9 +342,7 @@ async fn an_accepted_stream_finishes_on_its_generation_after_an_unload_or_a_relo
     }
     let want = greedy(&server, "qv_r8").await?.1["choices"][0]["text"].as_str().unwrap_or_default().to_string();
     // One sequence at a time, and the engine busy: both streams are accepted and wait.
-    let mut p = multilora::SamplingParams::greedy(400);
-    p.ignore_eos = true;
-    let blocker = server.engine().submit(multilora::GenerateRequest::new(BASE, vec![1, 2, 3]).params(p))?;
+    let blockers = hold(server.engine(), BASE, 8)?;
     let url = format!("{}/v1/completions", server.url);
     let mut streams = Vec::new();
     for name in ["x", "y"] {
@@ -356,15 +352,15 @@ async fn an_accepted_stream_finishes_on_its_generation_after_an_unload_or_a_relo
         assert_eq!(resp.status(), 200);
         streams.push(resp);
     }
-    let s = server.scrape_until(|s| value(s, "vllm:num_requests_waiting", &[]) == 2.0).await?;
-    assert_eq!(value(&s, "vllm:num_requests_waiting", &[]), 2.0, "both wait behind the blocker");
+    let s = server.scrape_until(|s| value(s, "vllm:num_requests_waiting", &[]) == 7.0 + 2.0).await?;
+    assert_eq!(value(&s, "vllm:num_requests_waiting", &[]), 9.0, "both wait behind the blockers");
     let (status, body) = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "x"})).await?;
     assert_eq!(status, 200, "{body}");
     let reload = json!({"lora_name": "y", "lora_path": root.join("v2").display().to_string(), "load_inplace": true});
     let (status, body) = server.post("/v1/load_lora_adapter", &reload).await?;
     assert_eq!(status, 200, "{body}");
     assert_eq!(greedy(&server, "x").await?.0, 404, "new requests see the unload");
-    drop(blocker);
+    drop(blockers);
     for resp in streams {
         assert_eq!(stream_text(resp).await?, want, "finished on the weights it was accepted with");
     }

@@ -19,7 +19,7 @@ mod engine_common;
 
 // Each test binary uses its own part of them.
 #[allow(unused_imports)]
-pub use engine_common::{BASE, cases, fixtures, path};
+pub use engine_common::{BASE, cases, fixtures, hold, path};
 
 /// The fixture adapters served from the start: the seven of `adapters/` (the engine tests' list
 /// also holds the two of `invalid_adapters/`).
