@@ -146,6 +146,12 @@ pub(crate) fn cpu_values<'a, E: gemm::Elem>(storage: &'a Storage, layout: &Layou
 /// Below this many multiply-adds in one op call, threads cost more than they save.
 pub(crate) const PARALLEL_WORK: usize = 1 << 18;
 
+/// An element-wise pass (norm, activation, rotation) over at least this many values is split
+/// across the pool: inside a step's kept-awake pool ([`crate::with_hot_pool`]) a region costs well
+/// under a microsecond, a pass over 4096 values one or two. Run alone on the step's thread, the
+/// three passes of a 16-row SmolLM2 layer left the other core waiting ~0.8 ms a step.
+pub(crate) const PARALLEL_VALUES: usize = 1 << 12;
+
 /// Runs `f` over `tasks`, on the rayon pool when `work` (multiply-adds in all) pays for it.
 pub(crate) fn run_tasks<T: Sync, R: Send>(
     tasks: &[T],

@@ -6,10 +6,11 @@
 //! of SmolLM2 took ~0.4 ms of ~12 (docs/BENCHMARKS.md). Anything else goes to candle-nn.
 
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::ops::cpu_values;
 use crate::ops::gemm::{Isa, rms_rows};
+use crate::ops::{PARALLEL_VALUES, cpu_values};
 
 /// `rms_norm(x, alpha, eps)` along `x`'s last dimension, as candle-nn's.
 ///
@@ -35,7 +36,15 @@ pub fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f32) -> Result<Tensor> {
     };
     let len = x.elem_count();
     let mut out = vec![0f32; len];
-    rms_rows(Isa::best(), &src[..len], &a[..n], eps, &mut out);
+    let (isa, group) = (Isa::best(), 8 * n);
+    if len >= PARALLEL_VALUES && len > group {
+        // Eight rows at a time (the kernel's group), each row's bits the same wherever it falls.
+        out.par_chunks_mut(group)
+            .zip(src[..len].par_chunks(group))
+            .for_each(|(o, s)| rms_rows(isa, s, &a[..n], eps, o));
+    } else {
+        rms_rows(isa, &src[..len], &a[..n], eps, &mut out);
+    }
     drop((xs, al));
     Ok(Tensor::from_vec(out, x.shape(), x.device())?)
 }

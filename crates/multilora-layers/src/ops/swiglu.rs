@@ -6,11 +6,8 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::ops::cpu_values;
 use crate::ops::gemm::{Isa, silu_mul as kernel};
-
-/// Values below which one thread does the whole activation.
-const PARALLEL_VALUES: usize = 1 << 16;
+use crate::ops::{PARALLEL_VALUES, cpu_values};
 
 /// `silu(gu[:, ..inter]) · gu[:, inter..]` → `[rows, inter]`, for an f32 `gu: [rows, 2 · inter]`
 /// on the CPU; `None` for any other (the caller then uses tensor ops).
@@ -32,7 +29,8 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
     let isa = Isa::best();
     let row = |(o, x): (&mut [f32], &[f32])| kernel(isa, &x[..inter], &x[inter..], o);
     if rows * inter >= PARALLEL_VALUES && inter > 0 {
-        out.par_chunks_mut(inter).zip(v.par_chunks(width)).for_each(row);
+        let min = rows.div_ceil(4 * rayon::current_num_threads()).max(1);
+        out.par_chunks_mut(inter).zip(v.par_chunks(width)).with_min_len(min).for_each(row);
     } else if inter > 0 {
         out.chunks_mut(inter).zip(v.chunks(width)).for_each(row);
     }

@@ -16,7 +16,7 @@ use half::{bf16, f16};
 use super::bad;
 use crate::error::{Error, Result};
 use crate::ops::attention::PagedDecodeDims;
-use crate::ops::cpu_values;
+use crate::ops::{PARALLEL_VALUES, cpu_values};
 
 /// `x: [tokens, heads · head_dim + 2 · kv_heads · head_dim]` f32 (the fused `q | k | v`
 /// projection), `cos`, `sin`: `[tokens, head_dim / 2]` f32 (each token's angles). Rotates the keys
@@ -63,10 +63,22 @@ pub fn rope_write_kv(
     };
     let ld = qs + 2 * kvs;
     let angles = Angles { cos: &cs[..tokens * hd / 2], sin: &sn[..tokens * hd / 2] };
-    let q = rotate(&x[..tokens * ld], ld, 0, d.heads, hd, angles);
-    let k = rotate(&x[..tokens * ld], ld, qs, d.kv_heads, hd, angles);
-    k_cache.inplace_op1(&WriteRows { rows, src: &k, ld: kvs, col: 0, width: kvs })?;
-    v_cache.inplace_op1(&WriteRows { rows, src: &x[..tokens * ld], ld, col: qs + kvs, width: kvs })?;
+    let x = &x[..tokens * ld];
+    let keys = || -> Result<()> {
+        let k = rotate(x, ld, qs, d.kv_heads, hd, angles);
+        k_cache.inplace_op1(&WriteRows { rows, src: &k, ld: kvs, col: 0, width: kvs })?;
+        v_cache.inplace_op1(&WriteRows { rows, src: x, ld, col: qs + kvs, width: kvs })?;
+        Ok(())
+    };
+    // The queries on one thread, the keys and values on another: about as many values each.
+    let q = if tokens * (qs + 2 * kvs) >= PARALLEL_VALUES {
+        let (q, written) = rayon::join(|| rotate(x, ld, 0, d.heads, hd, angles), keys);
+        written?;
+        q
+    } else {
+        keys()?;
+        rotate(x, ld, 0, d.heads, hd, angles)
+    };
     Ok(Some(Tensor::from_vec(q, (tokens, d.heads, hd), qkv.device())?))
 }
 
