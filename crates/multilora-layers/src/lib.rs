@@ -12,7 +12,7 @@
 //! - [`PackedWeight`]: an f32 base weight packed once for the CPU kernel, which every layer's
 //!   base product runs on, whatever the batch size;
 //! - [`QuantWeight`]: a GGUF (GGML block-quantized) base weight kept quantized, multiplied by
-//!   integer dot products against 8-bit activations, whatever the batch size;
+//!   integer dot products against activations quantized to about 16 bits, whatever the batch size;
 //! - [`LoraLinear`]: a plain or fused (qkv, gate_up) linear with one set of slots per module, and
 //!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
 //!   driven by a mapping over logit rows;
@@ -45,6 +45,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod ahead;
 mod embedding;
 mod error;
 mod linear;
@@ -56,6 +57,7 @@ mod slots;
 mod staging;
 mod upload;
 
+pub use ahead::{HostRows, ReadAhead};
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
 pub use linear::{LinearWeight, LoraLinear};

@@ -15,6 +15,7 @@ use candle_core::{DType, Module, Tensor};
 use multilora_adapter::{LoraAdapter, ModuleId, SlotSink};
 use multilora_types::SlotId;
 
+use crate::ReadAhead;
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
 use crate::ops::gemm::PackedWeight;
@@ -108,13 +109,13 @@ impl Base {
 
     /// `x · Wᵀ` in `x`'s dtype (a packed or quantized weight computes in f32, whatever its own
     /// dtype).
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, ahead: &ReadAhead) -> Result<Tensor> {
         let back =
             |y: Tensor| -> Result<Tensor> { Ok(if y.dtype() == x.dtype() { y } else { y.to_dtype(x.dtype())? }) };
         match self {
             Base::Dense(w) => crate::ops::gemm::linear(x, w),
             Base::Packed(p) => back(p.forward(x)?),
-            Base::Quant(q) => back(q.forward(x)?),
+            Base::Quant(q) => back(q.forward_ahead(x, ahead.ranges())?),
             Base::Device(parts) => {
                 let xf = x.to_dtype(DType::F32)?;
                 let ys = parts.iter().map(|p| Ok(p.mm.forward(&xf)?)).collect::<Result<Vec<_>>>()?;
@@ -324,9 +325,26 @@ impl LoraLinear {
 
     /// `x: [rows, in]` (or `[.., in]` with `rows` leading elements) → `[rows, out]`.
     pub fn forward(&self, x: &Tensor, mapping: &LoraMapping) -> Result<Tensor> {
+        self.forward_ahead(x, mapping, &mut ReadAhead::new())
+    }
+
+    /// [`LoraLinear::forward`], its base product asking along the way for the bytes of `ahead`
+    /// (what the step reads after this layer, e.g. the next attention's KV rows) and of the slots
+    /// its own LoRA part reads next to be brought into the caches ([`ReadAhead`]; only the
+    /// quantized CPU product asks, the others ignore it). `ahead` is left empty.
+    pub fn forward_ahead(&self, x: &Tensor, mapping: &LoraMapping, ahead: &mut ReadAhead) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let x2 = if dims.len() == 2 { x.clone() } else { x.flatten_to(dims.len().saturating_sub(2))? };
-        let mut y = self.base.forward(&x2)?;
+        if matches!(self.base, Base::Quant(_)) {
+            // The slots first: they are read first (right after the product), and they are what
+            // the cap on a product's hints keeps.
+            let given = ahead.len();
+            self.read_ahead(mapping, ahead);
+            ahead.move_to_front(given);
+        }
+        let y = self.base.forward(&x2, ahead);
+        ahead.clear();
+        let mut y = y?;
         if let Some(b) = &self.bias {
             y = if b.dtype() == y.dtype() { y.broadcast_add(b)? } else { y.broadcast_add(&b.to_dtype(y.dtype())?)? };
         }
@@ -381,6 +399,18 @@ impl LoraLinear {
         }
         let delta = Tensor::cat(&parts, 1)?.neg()?;
         Ok(y.to_dtype(DType::F32)?.index_add(&index, &delta, 0)?.to_dtype(y.dtype())?)
+    }
+
+    /// Adds the host memory this layer's LoRA part reads for `mapping`'s rows (its slots' `A`
+    /// and `Bᵀ` at their real ranks) to `ahead`. Nothing for slots on a device, or a merged layer.
+    fn read_ahead(&self, mapping: &LoraMapping, ahead: &mut ReadAhead) {
+        if let (Some(slots), None) = (&self.lora, &self.merged)
+            && !mapping.no_lora()
+        {
+            for sl in slots {
+                sl.read_ahead(mapping.lora_segments().map(|s| s.slot.index()), ahead);
+            }
+        }
     }
 
     /// Whether the layer has slot buffers.

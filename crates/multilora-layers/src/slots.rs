@@ -6,7 +6,7 @@
 //! dtype and device and zero-padding a smaller rank; clearing zeroes the region. The recorded rank
 //! lets the ops multiply at the adapter's own rank, so the padding costs memory, not time.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Storage, Tensor};
 use multilora_adapter::{LoraModule, ModuleId};
 
 use crate::error::{Error, Result};
@@ -272,6 +272,27 @@ impl LoraSlots {
         }
         self.b.narrow(0, slot, 1)?.slice_set(&Tensor::zeros((1, pad, o), dtype, device)?, 1, from)?;
         Ok(())
+    }
+
+    /// Adds where the `A` rows and `Bᵀ` rows of `slots` at their real ranks lie in host memory
+    /// to `ahead`, in the order the LoRA kernel reads them (nothing for slots on a device, of
+    /// another dtype, or the embedding's).
+    pub(crate) fn read_ahead(&self, slots: impl Iterator<Item = usize>, ahead: &mut crate::ReadAhead) {
+        if self.a_transposed {
+            return;
+        }
+        let esz = self.a.dtype().size_in_bytes();
+        let addr = |t: &Tensor| {
+            let (storage, layout) = t.storage_and_layout();
+            let Storage::Cpu(cpu) = &*storage else { return None };
+            Some(crate::ahead::cpu_addr(cpu)? + layout.start_offset() * esz)
+        };
+        let (Some(a), Some(b)) = (addr(&self.a), addr(&self.b)) else { return };
+        for slot in slots {
+            let r = self.rank(slot);
+            ahead.push(a + slot * self.max_rank * self.in_features * esz, r * self.in_features * esz);
+            ahead.push(b + slot * self.max_rank * self.out_features * esz, r * self.out_features * esz);
+        }
     }
 
     /// Slot `slot`'s `(A [r, in], B [out, r])` at its real rank, as views (B, and the embedding's

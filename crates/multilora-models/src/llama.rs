@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{LoraAdapter, ModelShapes, ModuleId};
 use multilora_adapter::{embedding_digest_of_rows, with_embedding_digest};
-use multilora_layers::{LinearWeight, LoraEmbedding, LoraLinear, SlotConfig};
+use multilora_layers::{HostRows, LinearWeight, LoraEmbedding, LoraLinear, ReadAhead, SlotConfig};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 use crate::attention::{AttnDims, paged_attention, write_kv};
@@ -476,6 +476,20 @@ impl Model {
         let map = &plan.token_mapping;
         let (cos, sin) = self.rope.gather(&plan.positions)?;
         let mut x = self.embed.forward(&plan.ids, map)?;
+        // Each sequence's cache rows before this step's tokens, as runs of rows (one per block).
+        let bs = kc.block_size;
+        let context_rows: Vec<(usize, usize)> = batch
+            .seqs
+            .iter()
+            .flat_map(|s| {
+                s.block_table
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &b)| (b as usize * bs, s.start_pos.saturating_sub(i * bs).min(bs)))
+            })
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        let mut ahead = ReadAhead::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let h = multilora_layers::rms_norm(&x, &layer.input_norm, eps)?;
             let qkv = layer.qkv.forward(&h, map)?;
@@ -499,7 +513,17 @@ impl Model {
             let attn = paged_attention(&plan, &q, ck, cv, dims)?;
             x = (x + layer.o.forward(&attn, map)?)?;
             let h = multilora_layers::rms_norm(&x, &layer.post_norm, eps)?;
-            let gu = layer.gate_up.forward(&h, map)?;
+            // The next layer's attention reads its sequences' cache rows: asked for while this
+            // compute-bound product runs (see `ReadAhead`).
+            if let Some((nk, nv)) = (l + 1 < self.layers.len()).then(|| cache.layer(l + 1))
+                && let (Some(k), Some(v)) = (HostRows::of(nk), HostRows::of(nv))
+            {
+                for &(first, n) in &context_rows {
+                    ahead.push_rows(&k, first, n);
+                    ahead.push_rows(&v, first, n);
+                }
+            }
+            let gu = layer.gate_up.forward_ahead(&h, map, &mut ahead)?;
             let inter = self.cfg.intermediate_size;
             // SiLU in one pass on the CPU; otherwise the activation, then the product.
             let fused = match self.cfg.hidden_act {

@@ -112,6 +112,28 @@ fn rows_do_not_depend_on_the_batch_the_threads_or_the_isa() -> anyhow::Result<()
     Ok(())
 }
 
+/// Read-ahead hints (over real buffers, and over addresses nothing is mapped at) change no bit
+/// of any product, on any instruction set, in a decode-sized and a prefill-sized batch.
+#[test]
+fn read_ahead_hints_change_nothing() -> anyhow::Result<()> {
+    let mut rng = Rng::new(12);
+    let other = vec![1u8; 3 << 20];
+    let ranges = [(other.as_ptr() as usize, other.len()), (64, 1 << 20), (usize::MAX - 4096, 4096)];
+    for (s, qt) in QuantType::ALL.into_iter().enumerate() {
+        let (n, k) = (72, 2 * qt.block_elems().max(128));
+        let (w, _, _) = ggml_weight(qt, n, k, 50 + s as u64)?;
+        for m in [16, 300] {
+            let x = rng.tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
+            for isa in QuantIsa::all_available() {
+                let plain = bits(&in_pool(2, || w.forward_with(&x, isa))??)?;
+                let ahead = bits(&in_pool(2, || w.forward_inner(&x, isa, &ranges))??)?;
+                anyhow::ensure!(plain == ahead, "{qt} {isa:?} {m} rows: the hints changed the product");
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn strided_and_non_f32_inputs() -> anyhow::Result<()> {
     let (w, _, _) = ggml_weight(QuantType::Q4_1, 20, 96, 4)?;

@@ -165,6 +165,17 @@ impl QuantWeight {
     /// [`QuantWeight::forward`] with a chosen instruction set (for tests and benchmarks); an
     /// error when the CPU lacks it. Every set gives the same bits.
     pub fn forward_with(&self, x: &Tensor, isa: QuantIsa) -> Result<Tensor> {
+        self.forward_inner(x, isa, &[])
+    }
+
+    /// [`QuantWeight::forward`], asking along the way, a little at each block, for the bytes of
+    /// `ahead` (`(address, bytes)` ranges of what the caller reads next) to be brought into L2.
+    pub(crate) fn forward_ahead(&self, x: &Tensor, ahead: &[(usize, usize)]) -> Result<Tensor> {
+        self.forward_inner(x, QuantIsa::best(), ahead)
+    }
+
+    /// [`QuantWeight::forward_with`] with [`QuantWeight::forward_ahead`]'s hints.
+    pub(crate) fn forward_inner(&self, x: &Tensor, isa: QuantIsa, ahead: &[(usize, usize)]) -> Result<Tensor> {
         if !isa.available() {
             return Err(Error::IsaUnavailable { op: "quantized linear".into(), isa: isa.describe().into() });
         }
@@ -197,7 +208,7 @@ impl QuantWeight {
         drop(storage);
         let jobs = self.plan(m, if parallel { threads } else { 1 });
         let segs = self.seg_views();
-        let y = kernel::run(isa, &act, &segs, n, &jobs, parallel);
+        let y = kernel::run(isa, &act, &segs, n, &jobs, parallel, ahead);
         Ok(Tensor::from_vec(y, (m, n), &Device::Cpu)?)
     }
 

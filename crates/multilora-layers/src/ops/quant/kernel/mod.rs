@@ -99,6 +99,50 @@ unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
 
+/// A job's share of the lines to bring into L2 ([`run`]'s `ahead`): lines `from..to` of the
+/// ranges laid end to end, handed out a contiguous run at a time.
+#[derive(Clone, Copy, Debug)]
+struct Ahead<'a> {
+    ranges: &'a [(usize, usize)],
+    /// The current range and the next line of it.
+    at: usize,
+    line: usize,
+    left: usize,
+}
+
+impl<'a> Ahead<'a> {
+    fn new(ranges: &'a [(usize, usize)], from: usize, to: usize) -> Ahead<'a> {
+        let (mut at, mut line) = (0, from);
+        while at < ranges.len() && line >= ranges[at].1.div_ceil(64) {
+            line -= ranges[at].1.div_ceil(64);
+            at += 1;
+        }
+        Ahead { ranges, at, line, left: to.saturating_sub(from) }
+    }
+
+    fn left(&self) -> usize {
+        self.left
+    }
+
+    /// Up to `max` lines from the current one, all in one range: `(address, lines)`.
+    fn take(&mut self, max: usize) -> (usize, usize) {
+        while self.left > 0 && self.at < self.ranges.len() {
+            let (addr, bytes) = self.ranges[self.at];
+            let rest = bytes.div_ceil(64) - self.line;
+            if rest == 0 {
+                (self.at, self.line) = (self.at + 1, 0);
+                continue;
+            }
+            let n = max.min(rest).min(self.left);
+            let a = addr + self.line * 64;
+            self.line += n;
+            self.left -= n;
+            return (a, n);
+        }
+        (0, 0)
+    }
+}
+
 /// The output columns of a job.
 fn cols(s: &Seg<'_>, j: &Job) -> (usize, usize) {
     (s.col0 + (j.t0 * TN).min(s.n), s.col0 + (j.t1 * TN).min(s.n))
@@ -146,14 +190,24 @@ fn check(act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
 /// # Panics
 /// When a job reaches outside the weights, the activations or the output, overlaps another, or
 /// the jobs leave an output uncovered.
-pub(crate) fn run(isa: QuantIsa, act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job], parallel: bool) -> Vec<f32> {
+pub(crate) fn run(
+    isa: QuantIsa,
+    act: &Act,
+    segs: &[Seg<'_>],
+    ldy: usize,
+    jobs: &[Job],
+    parallel: bool,
+    ahead: &[(usize, usize)],
+) -> Vec<f32> {
     check(act, segs, ldy, jobs);
     let len = act.m * ldy;
     let mut y: Vec<f32> = Vec::with_capacity(len);
     let isa = if isa.available() { isa } else { QuantIsa::Portable };
     let out = Out { ptr: y.as_mut_ptr(), ldy };
-    let go = |j: &Job| {
+    let total: usize = ahead.iter().map(|&(_, b)| b.div_ceil(64)).sum();
+    let go = |(i, j): (usize, &Job)| {
         let s = &segs[j.seg];
+        let pf = Ahead::new(ahead, i * total / jobs.len(), (i + 1) * total / jobs.len());
         if j.m0 == j.m1 || j.t0 == j.t1 {
             return;
         }
@@ -161,21 +215,21 @@ pub(crate) fn run(isa: QuantIsa, act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: 
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (`available`); `check`
             // put the job inside the operands and apart from every other.
-            QuantIsa::Avx512Vnni => unsafe { job_avx512(s, act, out, j) },
+            QuantIsa::Avx512Vnni => unsafe { job_avx512(s, act, out, j, pf) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX-VNNI, AVX2, FMA and F16C were detected; bounds as above.
-            QuantIsa::AvxVnni => unsafe { job_avxvnni(s, act, out, j) },
+            QuantIsa::AvxVnni => unsafe { job_avxvnni(s, act, out, j, pf) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2, FMA and F16C were detected; bounds as above.
-            QuantIsa::Avx2 => unsafe { job_avx2(s, act, out, j) },
+            QuantIsa::Avx2 => unsafe { job_avx2(s, act, out, j, pf) },
             // SAFETY: no instruction set needed; bounds as above.
-            _ => unsafe { job::<Portable>(s, act, out, j) },
+            _ => unsafe { job::<Portable>(s, act, out, j, pf) },
         }
     };
     if parallel && jobs.len() > 1 {
-        jobs.par_iter().for_each(go);
+        jobs.par_iter().enumerate().for_each(go);
     } else {
-        jobs.iter().for_each(go);
+        jobs.iter().enumerate().for_each(go);
     }
     // SAFETY: the capacity is `len`; the jobs are disjoint, inside `[m, ldy]` and their areas sum
     // to `m · ldy` (`check`), and each writes every output of its rectangle: all are initialized.
@@ -190,9 +244,12 @@ pub(crate) fn run(isa: QuantIsa, act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: 
 /// As `run` checked: the job is inside the segment, the activations and the output, nobody else
 /// writes its rectangle, and `S`'s instruction set is available.
 #[inline(always)]
-unsafe fn job_of<S: Simd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+unsafe fn job_of<S: Simd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, mut pf: Ahead<'_>) {
     let nsb = act.k / F::L.sb;
     let rec = nsb * F::L.bytes;
+    let calls = (j.t1 - j.t0) * TN.div_ceil(S::LANES) * (j.m1 - j.m0).div_ceil(S::RM.min(8));
+    let per_call = pf.left().div_ceil(calls.max(1));
+    let mut budget = 0;
     for t in j.t0..j.t1 {
         let tile_cols = (s.n - t * TN).min(TN);
         let mut c0 = 0;
@@ -200,6 +257,9 @@ unsafe fn job_of<S: Simd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) 
             let mut i = j.m0;
             while i < j.m1 {
                 let (xo, mo, slot) = act.at(i);
+                budget += per_call;
+                let (ahead, ahead_lines) = pf.take(budget);
+                budget -= ahead_lines;
                 // SAFETY: tile `t` of the segment, rows `i..` of the activations (within row `i`'s
                 // panel: `rows_any` stops at its end) and outputs `(i.., col0 + 16t + c0 ..)`, all
                 // inside the job (see `run`'s checks).
@@ -214,6 +274,8 @@ unsafe fn job_of<S: Simd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) 
                         y: out.ptr.add(i * out.ldy + s.col0 + t * TN + c0),
                         ldy: out.ldy,
                         cols: (tile_cols - c0).min(S::LANES),
+                        ahead,
+                        ahead_lines,
                     };
                     rows_any::<S, F>(j.m1 - i, rt)
                 };
@@ -228,20 +290,20 @@ unsafe fn job_of<S: Simd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) 
 /// # Safety
 /// As for [`job_of`].
 #[inline(always)]
-unsafe fn job<S: Simd>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+unsafe fn job<S: Simd>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match s.qt {
-            QuantType::Q4_0 => job_of::<S, Q4_0>(s, act, out, j),
-            QuantType::Q4_1 => job_of::<S, Q4_1>(s, act, out, j),
-            QuantType::Q5_0 => job_of::<S, Q5_0>(s, act, out, j),
-            QuantType::Q5_1 => job_of::<S, Q5_1>(s, act, out, j),
-            QuantType::Q8_0 => job_of::<S, Q8_0>(s, act, out, j),
-            QuantType::Q2K => job_of::<S, Q2K>(s, act, out, j),
-            QuantType::Q3K => job_of::<S, Q3K>(s, act, out, j),
-            QuantType::Q4K => job_of::<S, Q4K>(s, act, out, j),
-            QuantType::Q5K => job_of::<S, Q5K>(s, act, out, j),
-            QuantType::Q6K => job_of::<S, Q6K>(s, act, out, j),
+            QuantType::Q4_0 => job_of::<S, Q4_0>(s, act, out, j, pf),
+            QuantType::Q4_1 => job_of::<S, Q4_1>(s, act, out, j, pf),
+            QuantType::Q5_0 => job_of::<S, Q5_0>(s, act, out, j, pf),
+            QuantType::Q5_1 => job_of::<S, Q5_1>(s, act, out, j, pf),
+            QuantType::Q8_0 => job_of::<S, Q8_0>(s, act, out, j, pf),
+            QuantType::Q2K => job_of::<S, Q2K>(s, act, out, j, pf),
+            QuantType::Q3K => job_of::<S, Q3K>(s, act, out, j, pf),
+            QuantType::Q4K => job_of::<S, Q4K>(s, act, out, j, pf),
+            QuantType::Q5K => job_of::<S, Q5K>(s, act, out, j, pf),
+            QuantType::Q6K => job_of::<S, Q6K>(s, act, out, j, pf),
         }
     }
 }
@@ -250,25 +312,60 @@ unsafe fn job<S: Simd>(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
 /// As for [`job_of`], with AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn job_avx512(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+unsafe fn job_avx512(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { job::<x86::Avx512>(s, act, out, j) }
+    unsafe { job::<x86::Avx512>(s, act, out, j, pf) }
 }
 
 /// # Safety
 /// As for [`job_of`], with AVX-VNNI, AVX2, FMA and F16C available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avxvnni,avx2,fma,f16c")]
-unsafe fn job_avxvnni(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+unsafe fn job_avxvnni(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { job::<x86::Avx256<true>>(s, act, out, j) }
+    unsafe { job::<x86::Avx256<true>>(s, act, out, j, pf) }
 }
 
 /// # Safety
 /// As for [`job_of`], with AVX2, FMA and F16C available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn job_avx2(s: &Seg<'_>, act: &Act, out: Out, j: &Job) {
+unsafe fn job_avx2(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { job::<x86::Avx256<false>>(s, act, out, j) }
+    unsafe { job::<x86::Avx256<false>>(s, act, out, j, pf) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ahead;
+
+    /// Every line of every range is handed out once, in order, whatever the jobs and the sizes
+    /// asked for, and never past the job's share.
+    #[test]
+    fn the_jobs_shares_cover_every_line_once() {
+        let ranges: [(usize, usize); 5] = [(1 << 20, 100), (2 << 20, 64), (3 << 20, 0), (4 << 20, 6400), (5 << 20, 1)];
+        let want: Vec<usize> = ranges.iter().flat_map(|&(a, b)| (0..b.div_ceil(64)).map(move |l| a + 64 * l)).collect();
+        let total = want.len();
+        for jobs in [1, 2, 3, 7, 200] {
+            for max in [1, 3, 50] {
+                let mut got = Vec::new();
+                for i in 0..jobs {
+                    let mut a = Ahead::new(&ranges, i * total / jobs, (i + 1) * total / jobs);
+                    let share = a.left();
+                    let mut mine = 0;
+                    loop {
+                        let (addr, n) = a.take(max);
+                        if n == 0 {
+                            break;
+                        }
+                        assert!(n <= max);
+                        got.extend((0..n).map(|l| addr + 64 * l));
+                        mine += n;
+                    }
+                    assert_eq!(mine, share, "{jobs} jobs, job {i}");
+                }
+                assert_eq!(got, want, "{jobs} jobs, {max} lines at a time");
+            }
+        }
+    }
 }

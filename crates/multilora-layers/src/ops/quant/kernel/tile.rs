@@ -121,6 +121,10 @@ pub(super) struct RowTile {
     pub(super) y: *mut f32,
     pub(super) ldy: usize,
     pub(super) cols: usize,
+    /// Lines (64 bytes) from this address that the tile asks to be brought into L2, spread over
+    /// its blocks: what the caller reads after the product.
+    pub(super) ahead: usize,
+    pub(super) ahead_lines: usize,
 }
 
 /// How far ahead of the record it decodes a row tile asks for the weight's bytes. A tile's
@@ -146,6 +150,18 @@ fn prefetch(p: *const u8, len: usize) {
     let _ = (p, len);
 }
 
+/// Asks for the line at `addr` to be brought into L2 (no access: never faults).
+#[inline(always)]
+fn prefetch_l2(addr: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch hint reads nothing and cannot fault, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(addr as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addr;
+}
+
 /// `RM` rows against `S::LANES` columns of one weight tile.
 ///
 /// # Safety
@@ -161,6 +177,13 @@ pub(super) unsafe fn rows<S: Simd, F: Format, const RM: usize>(t: RowTile) {
         for sb in 0..t.nsb {
             let r = t.w.add(sb * F::L.bytes);
             prefetch(r.wrapping_add(PREFETCH), F::L.bytes);
+            if t.ahead_lines > 0 {
+                let per = t.ahead_lines.div_ceil(t.nsb);
+                let (a, b) = ((sb * per).min(t.ahead_lines), ((sb + 1) * per).min(t.ahead_lines));
+                for l in a..b {
+                    prefetch_l2(t.ahead + l * 64);
+                }
+            }
             let sbs = F::sb::<S>(r, t.c0);
             for s in 0..subs {
                 let (w, sc) = F::sub::<S>(r, t.c0, s, &sbs);
