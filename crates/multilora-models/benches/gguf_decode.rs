@@ -3,7 +3,8 @@
 //! 1, 16 and 64 with 64 tokens of context each: the base alone, and 8 adapters of rank 16 on all
 //! seven projections (rows spread over them), slots and KV cache in the model's defaults for the
 //! file (f16, as llama.cpp's; `MULTILORA_BENCH_F32=1` for f32 ones). After criterion, a summary measured in
-//! the same run prints tokens/s, the LoRA/base ratio, and each step against its floor: the larger
+//! the same run (the bandwidth and the peak: the better of a measurement before and after the
+//! steps) prints tokens/s, the LoRA/base ratio, and each step against its floor: the larger
 //! of its memory time (the quantized weights' bytes, the tied `lm_head` among them, plus the A and
 //! B of the adapters its rows use, at the read bandwidth of all threads) and its compute time (its
 //! multiply-adds at the peak of the quantized kernel on this CPU's best instruction set: the best
@@ -30,6 +31,8 @@ const BLOCK: usize = 16;
 const BATCHES: [usize; 3] = [1, 16, 64];
 const RANK: usize = 16;
 const ADAPTERS: usize = 8;
+/// Steps timed for each line of the summary (their median).
+const STEPS: usize = 31;
 
 struct Setup {
     model: Model,
@@ -134,9 +137,23 @@ fn main() {
         }
     }
     g.finish();
-    let (bw, peak) = (common::read_bandwidth(), kernel_peak());
+    // The machine's best before and after the steps: a moment of noise from another process
+    // during one measurement would otherwise lower the floor the steps are compared with.
+    let (bw0, peak0) = (common::read_bandwidth(), kernel_peak());
+    let mut rows = Vec::new();
+    for &n in &BATCHES {
+        let (bb, bl) = (batch(n, false), batch(n, true));
+        let tb = common::median_time(STEPS, || {
+            black_box(s.model.forward(&bb, &mut s.cache).expect("forward"));
+        });
+        let tl = common::median_time(STEPS, || {
+            black_box(s.model.forward(&bl, &mut s.cache).expect("forward"));
+        });
+        rows.push((n, tb, tl));
+    }
+    let (bw, peak) = (common::read_bandwidth().max(bw0), kernel_peak().max(peak0));
     println!(
-        "\nsummary (median of 9 steps, same run): read bandwidth of all threads {:.2} GB/s, quantized kernel peak \
+        "\nsummary (median of {STEPS} steps, same run): read bandwidth of all threads {:.2} GB/s, quantized kernel peak \
          {:.1} GMAC/s ({})",
         bw / 1e9,
         peak / 1e9,
@@ -156,14 +173,7 @@ fn main() {
         "base/floor",
         "lora/floor"
     );
-    for &n in &BATCHES {
-        let (bb, bl) = (batch(n, false), batch(n, true));
-        let tb = common::median_time(9, || {
-            black_box(s.model.forward(&bb, &mut s.cache).expect("forward"));
-        });
-        let tl = common::median_time(9, || {
-            black_box(s.model.forward(&bl, &mut s.cache).expect("forward"));
-        });
+    for (n, tb, tl) in rows {
         let floor = |bytes: f64, macs: f64| (bytes / bw).max(macs / peak);
         let (base_floor, lora_bytes) =
             (floor(s.weight_bytes, n as f64 * s.base_macs), s.weight_bytes + n.min(ADAPTERS) as f64 * s.adapter_bytes);
