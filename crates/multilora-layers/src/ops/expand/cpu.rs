@@ -211,7 +211,7 @@ impl<E: Elem> AddDeltas<'_, E> {
                 *x = &self.x[row as usize * k..][..k];
             }
             SCRATCH.with_borrow_mut(|(s, _)| {
-                s.resize(rows.len() * (r + out), 0.0);
+                s.resize(rows.len() * r, 0.0);
                 lora_rows(Isa::best(), &xs[..rows.len()], (a, bt, r), &mut cells, s);
             });
             return;

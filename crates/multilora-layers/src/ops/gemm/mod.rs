@@ -376,7 +376,7 @@ pub(crate) const LORA_ROWS: usize = kernel::LORA_ROWS;
 
 /// `ys[i] += (xs[i] · Aᵀ) · Bᵀ` for up to [`LORA_ROWS`] rows through one adapter's slot (`a`:
 /// `[rank, k]`, `bt`: `[rank, out]`, `k` and `out` the rows' lengths), on `isa` (portable if the
-/// CPU lacks it) with `scratch` of at least `rows · (rank + out)` values: bit for bit what
+/// CPU lacks it) with `scratch` of at least `rows · rank` values: bit for bit what
 /// [`matmul_t_into_with`] then [`matmul_into_with`] and an add give on the same `isa`, reading
 /// each operand once, in order.
 pub(crate) fn lora_rows<E: Elem>(
