@@ -32,7 +32,7 @@ impl ReadAhead {
     pub fn push_rows(&mut self, rows: &HostRows, first: usize, n: usize) {
         let end = (first + n).min(rows.rows);
         if first < end {
-            self.push(rows.addr + first * rows.row_bytes, (end - first) * rows.row_bytes);
+            self.push(rows.addr.wrapping_add(first * rows.row_bytes), (end - first) * rows.row_bytes);
         }
     }
 

@@ -17,6 +17,8 @@
 //!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
 //!   driven by a mapping over logit rows;
 //! - [`LoraEmbedding`]: the input embedding with PEFT's `lora_embedding_A/B`;
+//! - [`ReadAhead`] / [`HostRows`]: what a step reads next (LoRA slots, KV rows), handed to a
+//!   quantized product that asks for it to be cached while it computes;
 //! - [`RowsToHost`]: a step's logits back to the host (through a kept page-locked buffer on CUDA);
 //! - [`StepMeta`] / [`MetaToDevice`]: a step's small integer tables (ids, positions, cache rows,
 //!   block tables, the mappings' indexes) to the device in one copy (page-locked on CUDA).

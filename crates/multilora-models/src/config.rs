@@ -358,6 +358,13 @@ impl ModelConfig {
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(field("head_dim", format!("is {head_dim}; RoPE needs it positive and even")));
         }
+        // The query width (and so every key width: num_key_value_heads divides the heads).
+        if num_heads.checked_mul(head_dim).is_none() {
+            return Err(field(
+                "head_dim",
+                format!("is {head_dim}; num_attention_heads {num_heads} heads of it overflow"),
+            ));
+        }
         let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
         let rope_theta = raw
             .rope_parameters

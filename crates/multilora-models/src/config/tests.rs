@@ -150,6 +150,12 @@ fn refusals_name_the_field() {
         (json!({"num_hidden_layers": -1}), "config", "num_hidden_layers"),
         (json!({"num_key_value_heads": 3}), "config", "num_key_value_heads"),
         (json!({"head_dim": 7}), "config", "head_dim"),
+        // Found by the fuzz target: the query width overflowed in `q_size`.
+        (
+            json!({"num_attention_heads": 1u64 << 40, "num_key_value_heads": 1, "head_dim": 1u64 << 40}),
+            "config",
+            "head_dim",
+        ),
         (json!({"rope_parameters": "default"}), "config", "rope_parameters"),
     ];
     for (changes, kind, names) in table {

@@ -134,7 +134,7 @@ impl<'a> Ahead<'a> {
                 continue;
             }
             let n = max.min(rest).min(self.left);
-            let a = addr + self.line * 64;
+            let a = addr.wrapping_add(self.line * 64);
             self.line += n;
             self.left -= n;
             return (a, n);

@@ -181,7 +181,7 @@ pub(super) unsafe fn rows<S: Simd, F: Format, const RM: usize>(t: RowTile) {
                 let per = t.ahead_lines.div_ceil(t.nsb);
                 let (a, b) = ((sb * per).min(t.ahead_lines), ((sb + 1) * per).min(t.ahead_lines));
                 for l in a..b {
-                    prefetch_l2(t.ahead + l * 64);
+                    prefetch_l2(t.ahead.wrapping_add(l * 64));
                 }
             }
             let sbs = F::sb::<S>(r, t.c0);
