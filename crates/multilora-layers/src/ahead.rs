@@ -36,6 +36,19 @@ impl ReadAhead {
         }
     }
 
+    /// Every row each list names, of each of `tensors` (a run of consecutive rows as one range),
+    /// list by list: e.g. the cache rows, keys and values, a decode attention reads for each of
+    /// its sequences.
+    pub fn push_listed_rows(&mut self, tensors: &[HostRows], lists: &[Vec<u32>]) {
+        for list in lists {
+            for (_, first, n) in crate::ops::attention::cpu::runs(list) {
+                for t in tensors {
+                    self.push_rows(t, first, n);
+                }
+            }
+        }
+    }
+
     /// Bytes asked for so far.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -72,7 +85,7 @@ impl ReadAhead {
     }
 
     /// `len` bytes from address `addr`.
-    pub(crate) fn push(&mut self, addr: usize, len: usize) {
+    fn push(&mut self, addr: usize, len: usize) {
         if len > 0 {
             self.ranges.push((addr, len));
             self.bytes += len;
@@ -80,9 +93,10 @@ impl ReadAhead {
     }
 }
 
-/// Where the rows of a 2-D contiguous CPU tensor lie in memory: its first row's address, the
-/// bytes of a row and the number of rows. `None` for any other tensor (on a device, strided,
-/// not 2-D).
+/// Where the rows (along the last dimension) of a contiguous CPU tensor lie in memory: its first
+/// row's address, the bytes of a row and the number of rows. `None` for any other tensor (on a
+/// device, strided, of no dimension). The address stays valid as long as the tensor lives: candle
+/// never moves a storage, its in-place ops write into it.
 #[derive(Clone, Copy, Debug)]
 pub struct HostRows {
     addr: usize,
@@ -93,7 +107,8 @@ pub struct HostRows {
 impl HostRows {
     /// The rows of `t`.
     pub fn of(t: &Tensor) -> Option<HostRows> {
-        let (rows, cols) = t.dims2().ok()?;
+        let cols = *t.dims().last()?;
+        let rows = t.elem_count().checked_div(cols)?;
         let (storage, layout) = t.storage_and_layout();
         if !layout.is_contiguous() {
             return None;
@@ -105,7 +120,7 @@ impl HostRows {
 }
 
 /// The address of a CPU storage's first element, for the float types slots and caches use.
-pub(crate) fn cpu_addr(cpu: &CpuStorage) -> Option<usize> {
+fn cpu_addr(cpu: &CpuStorage) -> Option<usize> {
     Some(match cpu {
         CpuStorage::F32(v) => v.as_ptr() as usize,
         CpuStorage::F16(v) => v.as_ptr() as usize,
@@ -129,6 +144,13 @@ mod tests {
         assert_eq!(a.bytes(), 2 * 16, "rows 8 and 9 only");
         assert_eq!(a.ranges()[0].0, rows.addr + 8 * 16);
         assert!(HostRows::of(&t.t()?).is_none(), "a strided view");
+        let slots = HostRows::of(&Tensor::zeros((3, 4, 8), DType::F16, &Device::Cpu)?).expect("3-d");
+        assert_eq!((slots.rows, slots.row_bytes), (12, 16), "rows along the last dimension");
+        let mut listed = ReadAhead::new();
+        listed.push_listed_rows(&[rows, rows], &[vec![2, 3, 4, 7], vec![0]]);
+        let at = |r: usize| rows.addr + r * 16;
+        let want = [(at(2), 48), (at(2), 48), (at(7), 16), (at(7), 16), (at(0), 16), (at(0), 16)];
+        assert_eq!(listed.ranges(), want, "runs of consecutive rows, each tensor in turn");
         let mut big = ReadAhead::new();
         for i in 0..10 {
             big.push(i << 30, AHEAD_MAX / 4);

@@ -6,9 +6,10 @@
 //! dtype and device and zero-padding a smaller rank; clearing zeroes the region. The recorded rank
 //! lets the ops multiply at the adapter's own rank, so the padding costs memory, not time.
 
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{LoraModule, ModuleId};
 
+use crate::ahead::{HostRows, ReadAhead};
 use crate::error::{Error, Result};
 
 /// Where and how LoRA slots are allocated: shared by every layer of a model.
@@ -52,6 +53,9 @@ pub struct LoraSlots {
     out_features: usize,
     max_rank: usize,
     a_transposed: bool,
+    /// Where `a` and `b` lie in host memory (`None` on a device, or for the embedding's
+    /// transposed `a`), for [`LoraSlots::read_ahead`]: found once, the buffers never move.
+    host: Option<[HostRows; 2]>,
 }
 
 impl LoraSlots {
@@ -73,10 +77,13 @@ impl LoraSlots {
     fn zeros_impl(module: ModuleId, i: usize, o: usize, cfg: &SlotConfig, a_transposed: bool) -> Result<LoraSlots> {
         let (l, r) = (cfg.max_loras, cfg.max_rank);
         let a_shape = if a_transposed { (l, i, r) } else { (l, r, i) };
+        let (a, b) =
+            (Tensor::zeros(a_shape, cfg.dtype, &cfg.device)?, Tensor::zeros((l, r, o), cfg.dtype, &cfg.device)?);
         Ok(LoraSlots {
             module,
-            a: Tensor::zeros(a_shape, cfg.dtype, &cfg.device)?,
-            b: Tensor::zeros((l, r, o), cfg.dtype, &cfg.device)?,
+            host: host_rows(&a, &b, a_transposed),
+            a,
+            b,
             ranks: vec![0; l],
             clean_from: vec![0; l],
             in_features: i,
@@ -114,6 +121,7 @@ impl LoraSlots {
         let clean_from = ranks.clone();
         Ok(LoraSlots {
             module,
+            host: host_rows(&a, &b, false),
             a,
             b,
             ranks,
@@ -275,23 +283,14 @@ impl LoraSlots {
     }
 
     /// Adds where the `A` rows and `Bᵀ` rows of `slots` at their real ranks lie in host memory
-    /// to `ahead`, in the order the LoRA kernel reads them (nothing for slots on a device, of
-    /// another dtype, or the embedding's).
-    pub(crate) fn read_ahead(&self, slots: impl Iterator<Item = usize>, ahead: &mut crate::ReadAhead) {
-        if self.a_transposed {
-            return;
-        }
-        let esz = self.a.dtype().size_in_bytes();
-        let addr = |t: &Tensor| {
-            let (storage, layout) = t.storage_and_layout();
-            let Storage::Cpu(cpu) = &*storage else { return None };
-            Some(crate::ahead::cpu_addr(cpu)? + layout.start_offset() * esz)
-        };
-        let (Some(a), Some(b)) = (addr(&self.a), addr(&self.b)) else { return };
+    /// to `ahead`, in the order the LoRA kernel reads them (nothing for slots on a device or the
+    /// embedding's).
+    pub(crate) fn read_ahead(&self, slots: impl Iterator<Item = usize>, ahead: &mut ReadAhead) {
+        let Some([a, b]) = &self.host else { return };
         for slot in slots {
-            let r = self.rank(slot);
-            ahead.push(a + slot * self.max_rank * self.in_features * esz, r * self.in_features * esz);
-            ahead.push(b + slot * self.max_rank * self.out_features * esz, r * self.out_features * esz);
+            let (first, r) = (slot * self.max_rank, self.rank(slot));
+            ahead.push_rows(a, first, r);
+            ahead.push_rows(b, first, r);
         }
     }
 
@@ -310,4 +309,12 @@ impl LoraSlots {
         let b = self.b.get(slot)?.narrow(0, 0, r)?.t()?;
         Ok(Some((a, b)))
     }
+}
+
+/// [`LoraSlots::host`]: `a`'s rows (of `in`) and `b`'s (of `out`), both `max_rank` to a slot.
+fn host_rows(a: &Tensor, b: &Tensor, a_transposed: bool) -> Option<[HostRows; 2]> {
+    if a_transposed {
+        return None;
+    }
+    Some([HostRows::of(a)?, HostRows::of(b)?])
 }

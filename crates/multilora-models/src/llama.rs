@@ -476,19 +476,8 @@ impl Model {
         let map = &plan.token_mapping;
         let (cos, sin) = self.rope.gather(&plan.positions)?;
         let mut x = self.embed.forward(&plan.ids, map)?;
-        // Each sequence's cache rows before this step's tokens, as runs of rows (one per block).
-        let bs = kc.block_size;
-        let context_rows: Vec<(usize, usize)> = batch
-            .seqs
-            .iter()
-            .flat_map(|s| {
-                s.block_table
-                    .iter()
-                    .enumerate()
-                    .map(move |(i, &b)| (b as usize * bs, s.start_pos.saturating_sub(i * bs).min(bs)))
-            })
-            .filter(|&(_, n)| n > 0)
-            .collect();
+        // The cache rows each decode sequence's attention reads (the plan's own lists).
+        let context_rows = plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
         let mut ahead = ReadAhead::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let h = multilora_layers::rms_norm(&x, &layer.input_norm, eps)?;
@@ -518,10 +507,7 @@ impl Model {
             if let Some((nk, nv)) = (l + 1 < self.layers.len()).then(|| cache.layer(l + 1))
                 && let (Some(k), Some(v)) = (HostRows::of(nk), HostRows::of(nv))
             {
-                for &(first, n) in &context_rows {
-                    ahead.push_rows(&k, first, n);
-                    ahead.push_rows(&v, first, n);
-                }
+                ahead.push_listed_rows(&[k, v], context_rows);
             }
             let gu = layer.gate_up.forward_ahead(&h, map, &mut ahead)?;
             let inter = self.cfg.intermediate_size;

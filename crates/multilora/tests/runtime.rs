@@ -160,12 +160,7 @@ fn loads_into_a_pinned_cpu_tier_wait_for_room_and_serve_once_it_frees() -> Resul
         .lora("b", path("adapters/all_r16"))
         .build()?;
     let h = engine.handle();
-    let mut long = SamplingParams::greedy(400);
-    long.ignore_eos = true;
-    let running: Vec<_> = ["a", "b"]
-        .into_iter()
-        .map(|name| engine.submit(GenerateRequest::new(name, vec![1, 2, 3]).params(long.clone())))
-        .collect::<multilora::Result<_>>()?;
+    let running = [hold(&engine, "a", 1)?, hold(&engine, "b", 1)?];
     until(&engine, "both entries pinned by running requests", |m| m.running == 2 && m.pinned_slots == 2);
     assert!(!h.load_adapter("c", &path("adapters/rslora_r4"))?, "waits for room");
     assert!(!h.reload_adapter("c", &path("adapters/pattern_r8"))?, "the new version waits in its place");

@@ -126,7 +126,7 @@ fn read_ahead_hints_change_nothing() -> anyhow::Result<()> {
             let x = rng.tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
             for isa in QuantIsa::all_available() {
                 let plain = bits(&in_pool(2, || w.forward_with(&x, isa))??)?;
-                let ahead = bits(&in_pool(2, || w.forward_inner(&x, isa, &ranges))??)?;
+                let ahead = bits(&in_pool(2, || w.forward_ahead(&x, isa, &ranges))??)?;
                 anyhow::ensure!(plain == ahead, "{qt} {isa:?} {m} rows: the hints changed the product");
             }
         }

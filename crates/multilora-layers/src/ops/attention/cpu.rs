@@ -136,7 +136,7 @@ fn sequence<E: Elem>(
 }
 
 /// The runs of consecutive values of `rows`: `(index of the first, its value, length)`.
-fn runs(rows: &[u32]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+pub(crate) fn runs(rows: &[u32]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
     let mut t = 0;
     std::iter::from_fn(move || {
         let r0 = *rows.get(t)?;

@@ -165,17 +165,12 @@ impl QuantWeight {
     /// [`QuantWeight::forward`] with a chosen instruction set (for tests and benchmarks); an
     /// error when the CPU lacks it. Every set gives the same bits.
     pub fn forward_with(&self, x: &Tensor, isa: QuantIsa) -> Result<Tensor> {
-        self.forward_inner(x, isa, &[])
+        self.forward_ahead(x, isa, &[])
     }
 
-    /// [`QuantWeight::forward`], asking along the way, a little at each block, for the bytes of
-    /// `ahead` (`(address, bytes)` ranges of what the caller reads next) to be brought into L2.
-    pub(crate) fn forward_ahead(&self, x: &Tensor, ahead: &[(usize, usize)]) -> Result<Tensor> {
-        self.forward_inner(x, QuantIsa::best(), ahead)
-    }
-
-    /// [`QuantWeight::forward_with`] with [`QuantWeight::forward_ahead`]'s hints.
-    pub(crate) fn forward_inner(&self, x: &Tensor, isa: QuantIsa, ahead: &[(usize, usize)]) -> Result<Tensor> {
+    /// [`QuantWeight::forward_with`], asking along the way, a little at each block, for the bytes
+    /// of `ahead` (`(address, bytes)` ranges of what the caller reads next) to be brought into L2.
+    pub(crate) fn forward_ahead(&self, x: &Tensor, isa: QuantIsa, ahead: &[(usize, usize)]) -> Result<Tensor> {
         if !isa.available() {
             return Err(Error::IsaUnavailable { op: "quantized linear".into(), isa: isa.describe().into() });
         }
