@@ -5,12 +5,15 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{Rng, bits, rel_err};
+use crate::ops::attention::cpu::decode_attention_rows_with;
 use crate::ops::gemm::{Isa, exp, exp_sum};
 use crate::{PagedDecodeDims, decode_attention_rows, paged_decode_attention_slow};
 
-/// GQA groups of 1, 3 and 4, head sizes with and without a vector tail, blocks of 16 and 5
-/// tokens, contexts from 1 to past four blocks through shuffled block tables; f32, bf16 and f16
-/// caches. Each row is then run alone and must give the same bits as in the batch.
+/// GQA groups of 1 to 4, head sizes with and without a vector tail (and past one pass of the
+/// one-pass kernel's 64 columns), blocks of 16 and 5 tokens, contexts from 1 to past four blocks
+/// through shuffled block tables; f32, bf16 and f16 caches; on every instruction set this CPU has
+/// (AVX-512 takes the one-pass kernel where the shape allows). Each row is then run alone and
+/// must give the same bits as in the batch.
 #[test]
 fn decode_rows_match_the_oracle_and_are_batch_invariant() -> anyhow::Result<()> {
     let dev = Device::Cpu;
@@ -21,6 +24,9 @@ fn decode_rows_match_the_oracle_and_are_batch_invariant() -> anyhow::Result<()> 
         (4, 8, 2, 64, 16, DType::BF16),
         (2, 4, 1, 24, 16, DType::F16),
         (6, 2, 2, 128, 5, DType::F32),
+        (4, 9, 3, 64, 16, DType::F16),
+        (3, 6, 3, 80, 16, DType::F16),
+        (3, 10, 2, 96, 4, DType::BF16),
     ];
     for (n, heads, kv_heads, hd, bs, dtype) in cases {
         let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
@@ -47,13 +53,20 @@ fn decode_rows_match_the_oracle_and_are_batch_invariant() -> anyhow::Result<()> 
             &cl,
             d,
         )?;
-        let got = decode_attention_rows(&q, &k, &v, &rows, d)?.expect("f32 queries over a CPU cache");
-        let err = rel_err(&got, &want)?;
-        anyhow::ensure!(err <= 1e-6, "n {n} heads {heads}/{kv_heads} d {hd} bs {bs} {dtype:?}: relative error {err:e}");
-        for (i, r) in rows.iter().enumerate() {
-            let alone = decode_attention_rows(&q.narrow(0, i, 1)?, &k, &v, std::slice::from_ref(r), d)?.expect("cpu");
-            anyhow::ensure!(bits(&alone)? == bits(&got.narrow(0, i, 1)?)?, "row {i} differs alone ({dtype:?})");
+        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable].into_iter().filter(|i| i.available()) {
+            let got = decode_attention_rows_with(isa, &q, &k, &v, &rows, d)?.expect("f32 queries over a CPU cache");
+            let err = rel_err(&got, &want)?;
+            let case = format!("n {n} heads {heads}/{kv_heads} d {hd} bs {bs} {dtype:?} {isa:?}");
+            anyhow::ensure!(err <= 1e-6, "{case}: relative error {err:e}");
+            for (i, r) in rows.iter().enumerate() {
+                let q1 = q.narrow(0, i, 1)?;
+                let alone = decode_attention_rows_with(isa, &q1, &k, &v, std::slice::from_ref(r), d)?.expect("cpu");
+                anyhow::ensure!(bits(&alone)? == bits(&got.narrow(0, i, 1)?)?, "{case}: row {i} differs alone");
+            }
         }
+        let best = decode_attention_rows(&q, &k, &v, &rows, d)?.expect("cpu");
+        let on_best = decode_attention_rows_with(Isa::best(), &q, &k, &v, &rows, d)?.expect("cpu");
+        anyhow::ensure!(bits(&best)? == bits(&on_best)?, "the default is the best instruction set");
     }
     Ok(())
 }

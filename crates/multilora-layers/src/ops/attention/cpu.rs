@@ -2,13 +2,15 @@
 //! rows it names (no gather, no transpose, no padding; half-precision caches widened as they are
 //! read), on the crate's dispatched SIMD kernels.
 //!
-//! For each sequence and KV head, the `group` query heads that share it are one `[group, d]`
-//! matrix: the scores are `q_g · Kᵀ` over each run of consecutive cache rows (a cache block) with
-//! the streaming kernel, so a key is read once per KV head, not once per query head; the softmax
-//! runs in f32 (the gemm kernels' `exp_sum`, dispatched like the products); the output is `P · V` as outer
-//! products over the same runs, each run's chains continuing the last one's. Sequences run side
-//! by side on the rayon pool. Each output is the same chain of operations whatever the batch, so
-//! a row's result does not depend on the other rows.
+//! For each sequence and KV head, the `group` query heads that share it are read against each key
+//! once. On AVX-512, for groups of 1 to 4 and head sizes a multiple of 16, one pass of the gemm
+//! module's `attend` kernel does the scores, the softmax and `P · V` (see there). Otherwise the
+//! query heads are one `[group, d]` matrix: the scores are `q_g · Kᵀ` over each run of
+//! consecutive cache rows (a cache block) with the streaming kernel; the softmax runs in f32 (the
+//! gemm kernels' `exp_sum`, dispatched like the products); the output is `P · V` as outer products
+//! over the same runs, each run's chains continuing the last one's. Sequences run side by side on
+//! the rayon pool. Each output is the same chain of operations whatever the batch, so a row's
+//! result does not depend on the other rows.
 
 use candle_core::{DType, Tensor};
 use half::{bf16, f16};
@@ -17,7 +19,7 @@ use rayon::prelude::*;
 use super::PagedDecodeDims;
 use crate::error::{Error, Result};
 use crate::ops::cpu_values;
-use crate::ops::gemm::{Elem, Isa, exp_sum, matmul_into, matmul_t_into};
+use crate::ops::gemm::{Elem, Head, Isa, attend, attend_supports, exp_sum, matmul_into, matmul_t_into};
 
 /// `softmax(q · kᵀ) · v` of every decode row over its context: `q: [n, heads, head_dim]` f32 on
 /// the CPU, already scaled by `1/√head_dim`; `k_cache`, `v_cache`: `[rows, kv_heads · head_dim]`
@@ -35,14 +37,27 @@ pub fn decode_attention_rows(
     rows: &[Vec<u32>],
     d: PagedDecodeDims,
 ) -> Result<Option<Tensor>> {
+    decode_attention_rows_with(Isa::best(), q, k_cache, v_cache, rows, d)
+}
+
+/// [`decode_attention_rows`] on instruction set `isa` (the best one when it is not available).
+pub(crate) fn decode_attention_rows_with(
+    isa: Isa,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    rows: &[Vec<u32>],
+    d: PagedDecodeDims,
+) -> Result<Option<Tensor>> {
+    let isa = if isa.available() { isa } else { Isa::best() };
     let cpu = q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu();
     if q.dtype() != DType::F32 || !cpu || k_cache.dtype() != v_cache.dtype() {
         return Ok(None);
     }
     match k_cache.dtype() {
-        DType::F32 => rows_with::<f32>(q, k_cache, v_cache, rows, d),
-        DType::BF16 => rows_with::<bf16>(q, k_cache, v_cache, rows, d),
-        DType::F16 => rows_with::<f16>(q, k_cache, v_cache, rows, d),
+        DType::F32 => rows_with::<f32>(isa, q, k_cache, v_cache, rows, d),
+        DType::BF16 => rows_with::<bf16>(isa, q, k_cache, v_cache, rows, d),
+        DType::F16 => rows_with::<f16>(isa, q, k_cache, v_cache, rows, d),
         _ => Ok(None),
     }
 }
@@ -53,6 +68,7 @@ fn bad(reason: String) -> Error {
 
 /// [`decode_attention_rows`] over caches of element `E`.
 fn rows_with<E: Elem>(
+    isa: Isa,
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
@@ -92,7 +108,6 @@ fn rows_with<E: Elem>(
     let (k, v) = (&k[..cache_rows * width], &v[..cache_rows * width]);
     let per_row = d.heads * d.head_dim;
     let mut out = vec![0f32; n * per_row];
-    let isa = Isa::best();
     out.par_chunks_mut(per_row)
         .zip(qv.par_chunks(per_row))
         .zip(rows)
@@ -116,10 +131,16 @@ fn sequence<E: Elem>(
     let (hd, group) = (d.head_dim, d.heads / d.kv_heads);
     let width = d.kv_heads * hd;
     let ctx = rows.len();
-    scores.resize(group * ctx, 0.0);
+    let one_pass = attend_supports(isa, group, hd);
     for kvh in 0..d.kv_heads {
         let col = kvh * hd;
         let qh = &q[kvh * group * hd..][..group * hd];
+        let oh = &mut o[kvh * group * hd..][..group * hd];
+        if one_pass {
+            attend(isa, Head { q: qh, k, v, width, col, hd, rows }, oh, scores);
+            continue;
+        }
+        scores.resize(group * ctx, 0.0);
         for (t0, r0, len) in runs(rows) {
             matmul_t_into(qh, hd, &k[r0 * width + col..], width, (group, len, hd), &mut scores[t0..], ctx);
         }
@@ -128,7 +149,6 @@ fn sequence<E: Elem>(
             let inv = 1.0 / exp_sum(isa, row, max);
             row.iter_mut().for_each(|p| *p *= inv);
         }
-        let oh = &mut o[kvh * group * hd..][..group * hd];
         for (i, (t0, r0, len)) in runs(rows).enumerate() {
             matmul_into(&scores[t0..], ctx, &v[r0 * width + col..], width, (group, hd, len), oh, hd, i > 0);
         }

@@ -32,11 +32,13 @@ use rayon::prelude::*;
 
 use super::Isa;
 
+mod attend;
 mod elem;
 mod exp;
 mod lora;
 mod norm;
 mod prepacked;
+pub(crate) use attend::{Head, attend, supports as attend_supports};
 pub use elem::{Elem, ElemKind};
 #[cfg(test)]
 pub(crate) use exp::exp;

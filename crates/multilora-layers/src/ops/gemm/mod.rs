@@ -35,7 +35,7 @@ use kernel::Rect;
 #[cfg(test)]
 pub(crate) use kernel::exp;
 pub use kernel::{Elem, ElemKind};
-pub(crate) use kernel::{exp_sum, rms_rows, silu_mul};
+pub(crate) use kernel::{Head, attend, attend_supports, exp_sum, rms_rows, silu_mul};
 
 /// Which vector instructions the CPU linear kernel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -271,7 +271,7 @@ impl QuantWeight {
 
     /// How a product of `m` rows is cut into jobs: blocks of rows (all of them for a decode
     /// step), and in each the tiles of all segments cut into about `TASKS_PER_THREAD · threads`
-    /// column ranges (none across a segment boundary).
+    /// column ranges as equal as whole tiles allow (none across a segment boundary).
     fn plan(&self, m: usize, threads: usize) -> Vec<Job> {
         let row_bytes = 2 * self.k + self.k / 32 * std::mem::size_of::<kernel::act::Meta>() / kernel::act::PANEL;
         let mb = if m <= DECODE_ROWS { m } else { (X_BLOCK_BYTES / row_bytes).clamp(DECODE_ROWS, m) / 8 * 8 };
@@ -280,20 +280,20 @@ impl QuantWeight {
         let total: usize = tiles.iter().sum();
         let wanted = if threads > 1 { threads * TASKS_PER_THREAD } else { 1 };
         let chunks = wanted.div_ceil(row_blocks.len()).clamp(1, total);
-        let per = total.div_ceil(chunks);
         let mut jobs = Vec::new();
         for &(m0, m1) in &row_blocks {
-            let mut base = 0;
-            for (seg, &nt) in tiles.iter().enumerate() {
-                // Global tile ranges [c·per, (c+1)·per) intersected with this segment's.
-                let mut t = 0;
-                while t < nt {
-                    let end = ((base + t) / per + 1) * per - base;
-                    let t1 = end.min(nt);
-                    jobs.push(Job { seg, t0: t, t1, m0, m1 });
-                    t = t1;
+            for c in 0..chunks {
+                // Global tiles [c·total/chunks, (c+1)·total/chunks): the chunks differ by one tile
+                // at most, so that the threads' shares come out even.
+                let (g0, g1) = (c * total / chunks, (c + 1) * total / chunks);
+                let mut base = 0;
+                for (seg, &nt) in tiles.iter().enumerate() {
+                    let (t0, t1) = (g0.max(base).min(base + nt) - base, g1.max(base).min(base + nt) - base);
+                    if t0 < t1 {
+                        jobs.push(Job { seg, t0, t1, m0, m1 });
+                    }
+                    base += nt;
                 }
-                base += nt;
             }
         }
         jobs

@@ -84,7 +84,7 @@ const SUM_LANES: usize = 16;
 /// [`exp_sum`]'s body, written for the compiler to vectorise at the caller's instruction set
 /// (every operation is elementwise; the sum keeps [`SUM_LANES`] partial sums).
 #[inline(always)]
-fn exp_sub(s: &mut [f32], max: f32) -> f32 {
+pub(super) fn exp_sub(s: &mut [f32], max: f32) -> f32 {
     let mut acc = [0f32; SUM_LANES];
     let mut chunks = s.chunks_exact_mut(SUM_LANES);
     for c in &mut chunks {
