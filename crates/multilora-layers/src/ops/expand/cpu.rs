@@ -196,7 +196,7 @@ struct AddDeltas<'a, E> {
 
 impl<E: Elem> AddDeltas<'_, E> {
     /// Runs one task into its cells of `y` (one per row of the segment, in order).
-    fn run(&self, t: &Task, mut cells: Vec<&mut [f32]>) {
+    fn run(&self, t: &Task, cells: &mut [&mut [f32]]) {
         let sl = self.slices[t.slice];
         let (a, b) = self.ab[t.slice];
         let (k, r, max_r, out) = (self.in_features, sl.rank(t.slot), sl.max_rank(), sl.out_features());
@@ -212,7 +212,7 @@ impl<E: Elem> AddDeltas<'_, E> {
             }
             SCRATCH.with_borrow_mut(|(s, _)| {
                 s.resize(rows.len() * r, 0.0);
-                lora_rows(Isa::best(), &xs[..rows.len()], (a, bt, r), &mut cells, s);
+                lora_rows(Isa::best(), &xs[..rows.len()], (a, bt, r), cells, s);
             });
             return;
         }
@@ -261,32 +261,36 @@ impl<E: Elem> InplaceOp1 for AddDeltas<'_, E> {
         if self.x.len() < n * self.in_features {
             candle_core::bail!("lora deltas: {} input values for {n} rows of {}", self.x.len(), self.in_features);
         }
-        // Each row cut at the slices' offsets: cells[row][slice], each handed to one task.
-        let mut cells: Vec<Vec<Option<&mut [f32]>>> = dst[start..end]
-            .chunks_exact_mut(width.max(1))
-            .map(|mut row| {
-                let mut parts = Vec::with_capacity(self.slices.len());
-                for s in self.slices {
-                    let (cell, rest) = row.split_at_mut(s.out_features());
-                    parts.push(Some(cell));
-                    row = rest;
-                }
-                parts
-            })
-            .collect();
-        let mut jobs = Vec::with_capacity(self.tasks.len());
+        // Each row cut at the slices' offsets: cells[row · slices + slice], each handed to one task.
+        let ns = self.slices.len();
+        let mut cells: Vec<Option<&mut [f32]>> = Vec::with_capacity(n * ns);
+        for mut row in dst[start..end].chunks_exact_mut(width.max(1)) {
+            for s in self.slices {
+                let (cell, rest) = row.split_at_mut(s.out_features());
+                cells.push(Some(cell));
+                row = rest;
+            }
+        }
+        // Every task's cells, task after task, then cut into each task's run of them.
+        let mut mine: Vec<&mut [f32]> = Vec::with_capacity(self.tasks.iter().map(|t| t.len).sum());
         for t in &self.tasks {
-            let mut mine = Vec::with_capacity(t.len);
-            for &row in self.rows.get(t.start..t.start + t.len).unwrap_or(&[]) {
-                let Some(cell) = cells.get_mut(row as usize).and_then(|c| c[t.slice].take()) else {
+            let Some(rows) = self.rows.get(t.start..t.start + t.len) else {
+                candle_core::bail!("lora deltas: a segment of {} rows past the mapping's {}", t.len, self.rows.len());
+            };
+            for &row in rows {
+                // Past the last row the index is past the cells (`t.slice < ns`).
+                let Some(cell) = cells.get_mut(row as usize * ns + t.slice).and_then(Option::take) else {
                     candle_core::bail!("lora deltas: row {row} of {n} missing or in two segments");
                 };
                 mine.push(cell);
             }
-            if mine.len() != t.len {
-                candle_core::bail!("lora deltas: a segment of {} rows past the mapping's {}", t.len, self.rows.len());
-            }
-            jobs.push((t, mine));
+        }
+        let mut jobs = Vec::with_capacity(self.tasks.len());
+        let mut rest = mine.as_mut_slice();
+        for t in &self.tasks {
+            let (cells, tail) = rest.split_at_mut(t.len);
+            jobs.push((t, cells));
+            rest = tail;
         }
         if self.work < crate::ops::PARALLEL_WORK || jobs.len() < 2 {
             jobs.into_iter().for_each(|(t, mine)| self.run(t, mine));
