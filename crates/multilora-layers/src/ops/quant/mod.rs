@@ -280,7 +280,8 @@ impl QuantWeight {
         let total: usize = tiles.iter().sum();
         let wanted = if threads > 1 { threads * TASKS_PER_THREAD } else { 1 };
         let chunks = wanted.div_ceil(row_blocks.len()).clamp(1, total);
-        let mut jobs = Vec::new();
+        // A chunk is one job, or one more for each segment boundary inside it.
+        let mut jobs = Vec::with_capacity(row_blocks.len() * (chunks + tiles.len()));
         for &(m0, m1) in &row_blocks {
             for c in 0..chunks {
                 // Global tiles [c·total/chunks, (c+1)·total/chunks): the chunks differ by one tile

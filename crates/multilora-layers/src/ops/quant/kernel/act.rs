@@ -23,6 +23,8 @@
 //! one plain-Rust routine is compiled for each instruction set (IEEE operations, no contraction),
 //! and the AVX-512 one does the same operations, so every set quantizes to the same bits.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
 use crate::ops::quant::QuantIsa;
@@ -185,6 +187,35 @@ fn blocks_avx2(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
     blocks(x, qs, meta, r)
 }
 
+thread_local! {
+    /// The buffers of the last activations this thread dropped, for its next [`quantize`]: a
+    /// step quantizes a few hundred activations of a few sizes, and fresh zeroed buffers cost a
+    /// memset each on the step's serial path (~2 µs of a 16-row product of SmolLM2).
+    static SPARE: RefCell<(Vec<i8>, Vec<Meta>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Buffers above this many bytes are not kept for the next call (a long prompt's).
+const SPARE_MAX: usize = 8 << 20;
+
+/// `v` at `len` values: cut, or grown with `fill` (the values it keeps are overwritten or
+/// cleared by the caller).
+fn reuse<T: Clone>(v: &mut Vec<T>, len: usize, fill: T) {
+    if v.len() >= len {
+        v.truncate(len);
+    } else {
+        v.resize(len, fill);
+    }
+}
+
+impl Drop for Act {
+    fn drop(&mut self) {
+        if self.qs.capacity() + self.meta.capacity() * size_of::<Meta>() <= SPARE_MAX {
+            let bufs = (std::mem::take(&mut self.qs), std::mem::take(&mut self.meta));
+            SPARE.with_borrow_mut(|s| *s = bufs);
+        }
+    }
+}
+
 /// Quantizes `x: [m, k]` (row-major, `k` a multiple of 32) into panels, side by side on the
 /// rayon pool when `parallel`.
 ///
@@ -193,8 +224,15 @@ fn blocks_avx2(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
 pub(crate) fn quantize(isa: QuantIsa, x: &[f32], m: usize, k: usize, parallel: bool) -> Act {
     assert!(k.is_multiple_of(32) && x.len() == m * k, "quantized activations: {} values for [{m}, {k}]", x.len());
     let (nb, panels) = (k / 32, m.div_ceil(PANEL));
-    let mut qs = vec![0i8; panels * nb * BLOCK];
-    let mut meta = vec![Meta::default(); panels * nb];
+    let (mut qs, mut meta) = SPARE.with_borrow_mut(std::mem::take);
+    reuse(&mut qs, panels * nb * BLOCK, 0);
+    reuse(&mut meta, panels * nb, Meta::default());
+    if !m.is_multiple_of(PANEL) {
+        // The last panel's rows past `m` are never read, but kept zero so that the quantized
+        // activations are a function of `x` alone, whatever the buffers held before.
+        qs[(panels - 1) * nb * BLOCK..].fill(0);
+        meta[(panels - 1) * nb..].fill(Meta::default());
+    }
     let isa = if isa.available() { isa } else { QuantIsa::Portable };
     let row = |x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize| match isa {
         #[cfg(target_arch = "x86_64")]
@@ -271,6 +309,22 @@ mod tests {
                 assert!(bits(&quantize(isa, &x, m, k, parallel)) == want, "{isa:?}: m = {m}");
             }
         }
+    }
+
+    /// Activations quantized into the buffers another product left behind (larger, or of other
+    /// values) are the bits of ones quantized into fresh buffers, the rows past `m` included.
+    #[test]
+    fn reused_buffers_give_fresh_bits() {
+        let (x, k) = awkward(5);
+        let fresh =
+            std::thread::spawn(move || bits(&quantize(QuantIsa::best(), &x, 5, k, false))).join().expect("thread");
+        let (big, kb) = awkward(29);
+        let noise: Vec<f32> = big.iter().map(|v| v * 3.0 + 1.0).collect();
+        drop(quantize(QuantIsa::best(), &noise, 29, kb, false));
+        let (x, k) = awkward(5);
+        assert!(bits(&quantize(QuantIsa::best(), &x, 5, k, false)) == fresh, "after a larger product");
+        drop(quantize(QuantIsa::best(), &noise[..16 * kb], 16, kb, false));
+        assert!(bits(&quantize(QuantIsa::best(), &x, 5, k, false)) == fresh, "after a full panel");
     }
 
     /// Row `i`'s block `b`: its combined quants `254 · hi + lo`.
