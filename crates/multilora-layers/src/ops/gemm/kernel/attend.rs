@@ -137,12 +137,14 @@ unsafe fn attend_group<E: Elem, const G: usize, const KB: usize>(h: Head<'_, E>,
 }
 
 /// Where the head's values of context position `t < ctx` start in `cache` (`h.k` or `h.v`).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn row_at<E>(cache: &[E], h: &Head<'_, E>, t: usize) -> *const E {
     cache.as_ptr().wrapping_add(h.rows[t] as usize * h.width + h.col)
 }
 
 /// Rows a stream of cache rows is asked for ahead of its use.
+#[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 16;
 
 /// Asks for the lines of `len` values from `p` to be brought into L1 (a hint: never faults).
