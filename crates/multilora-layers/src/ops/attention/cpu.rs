@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::PagedDecodeDims;
 use crate::error::{Error, Result};
 use crate::ops::cpu_values;
-use crate::ops::gemm::{Elem, Head, Isa, attend, attend_supports, exp_sum, matmul_into, matmul_t_into};
+use crate::ops::gemm::{Elem, Head, Isa, attend, attend_supports, matmul_into, matmul_t_into, softmax};
 
 /// `softmax(q · kᵀ) · v` of every decode row over its context: `q: [n, heads, head_dim]` f32 on
 /// the CPU, already scaled by `1/√head_dim`; `k_cache`, `v_cache`: `[rows, kv_heads · head_dim]`
@@ -144,11 +144,7 @@ fn sequence<E: Elem>(
         for (t0, r0, len) in runs(rows) {
             matmul_t_into(qh, hd, &k[r0 * width + col..], width, (group, len, hd), &mut scores[t0..], ctx);
         }
-        for row in scores.chunks_exact_mut(ctx) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let inv = 1.0 / exp_sum(isa, row, max);
-            row.iter_mut().for_each(|p| *p *= inv);
-        }
+        scores.chunks_exact_mut(ctx).for_each(|row| softmax(isa, row));
         for (i, (t0, r0, len)) in runs(rows).enumerate() {
             matmul_into(&scores[t0..], ctx, &v[r0 * width + col..], width, (group, hd, len), oh, hd, i > 0);
         }

@@ -41,8 +41,8 @@ mod prepacked;
 pub(crate) use attend::{Head, attend, supports as attend_supports};
 pub use elem::{Elem, ElemKind};
 #[cfg(test)]
-pub(crate) use exp::exp;
-pub(crate) use exp::{exp_sum, silu_mul};
+pub(crate) use exp::{exp, exp_sum};
+pub(crate) use exp::{silu_mul, softmax};
 pub(super) use lora::{LORA_ROWS, Slot, lora_rows};
 pub(crate) use norm::rms_rows;
 pub(super) use prepacked::{PANEL, fill_prepacked, outer};

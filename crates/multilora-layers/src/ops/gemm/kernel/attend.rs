@@ -7,7 +7,7 @@
 //!   row's accumulators are then summed horizontally together, by a transposing reduction that
 //!   leaves the block's scores in one vector (about three shuffles and adds a score, where
 //!   separate horizontal sums take about eight).
-//! - Softmax: the row's maximum, [`super::exp::exp_sub`] and one scale, as the general path.
+//! - Softmax: [`super::softmax`], as the general path.
 //! - Values: each value row is read once, widened, and accumulated into every query row's
 //!   output held in registers (up to four vectors of the head dimension per pass).
 //!
@@ -118,11 +118,7 @@ unsafe fn attend_group<E: Elem, const G: usize, const KB: usize>(h: Head<'_, E>,
                 scores[r * ctx + b..][..n].copy_from_slice(&lanes[..n]);
             }
         }
-        for row in scores.chunks_exact_mut(ctx).take(G) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let inv = 1.0 / super::exp::exp_sub(row, max);
-            row.iter_mut().for_each(|p| *p *= inv);
-        }
+        scores.chunks_exact_mut(ctx).take(G).for_each(|row| super::softmax(Isa::Avx512, row));
         let (p, o) = (scores.as_ptr(), out.as_mut_ptr());
         let mut d = 0;
         while d + 64 <= hd {

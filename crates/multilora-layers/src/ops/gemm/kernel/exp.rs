@@ -1,5 +1,6 @@
 //! The exponential of the softmax and of SiLU: [`exp`], branch-free so that a loop of it
-//! vectorises; [`exp_sum`], `exp(s - max)` over a slice and its sum; [`silu_mul`], the gated
+//! vectorises; [`exp_sum`], `exp(s - max)` over a slice and its sum, and [`softmax`] of a row
+//! with it; [`silu_mul`], the gated
 //! MLP's `silu(g) · u`. The slice functions are compiled for each instruction set and picked at
 //! run time like the products. Every operation is elementwise and the sum keeps a fixed number of
 //! partial sums, so every instruction set gives the same bits.
@@ -18,6 +19,14 @@ pub(crate) fn exp_sum(isa: Isa, s: &mut [f32], max: f32) -> f32 {
         Isa::Avx2 => unsafe { exp_sum_avx2(s, max) },
         _ => exp_sub(s, max),
     }
+}
+
+/// The softmax of a row of scores in place: its maximum, `exp(s - max)` ([`exp_sum`]), one
+/// scale by the sum's inverse.
+pub(crate) fn softmax(isa: Isa, row: &mut [f32]) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let inv = 1.0 / exp_sum(isa, row, max);
+    row.iter_mut().for_each(|p| *p *= inv);
 }
 
 /// `out[j] = silu(g[j]) · u[j]` (`silu(g) = g / (1 + e⁻ᵍ)`, through `e^-|g|` only, which cannot
@@ -84,7 +93,7 @@ const SUM_LANES: usize = 16;
 /// [`exp_sum`]'s body, written for the compiler to vectorise at the caller's instruction set
 /// (every operation is elementwise; the sum keeps [`SUM_LANES`] partial sums).
 #[inline(always)]
-pub(super) fn exp_sub(s: &mut [f32], max: f32) -> f32 {
+fn exp_sub(s: &mut [f32], max: f32) -> f32 {
     let mut acc = [0f32; SUM_LANES];
     let mut chunks = s.chunks_exact_mut(SUM_LANES);
     for c in &mut chunks {
