@@ -32,10 +32,10 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use kernel::Rect;
-#[cfg(test)]
-pub(crate) use kernel::{exp, exp_sum};
 pub use kernel::{Elem, ElemKind};
 pub(crate) use kernel::{Head, attend, attend_supports, rms_rows, silu_mul, softmax};
+#[cfg(test)]
+pub(crate) use kernel::{exp, exp_sum};
 
 /// Which vector instructions the CPU linear kernel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
