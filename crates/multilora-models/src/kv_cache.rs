@@ -7,6 +7,7 @@
 //! Block ids come from the prefix cache's block pool; this type only stores what they address.
 
 use candle_core::{DType, Device, Tensor};
+use multilora_layers::HostRows;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -91,6 +92,9 @@ pub fn step_activation_bytes(cfg: &ModelConfig, dtype: DType, tokens: usize, max
 pub struct KvCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
+    /// Where each layer's K and V rows lie in host memory (`None` on a device), for the step's
+    /// read-ahead hints: found once, the buffers are written in place and never move.
+    host: Vec<Option<[HostRows; 2]>>,
     config: KvCacheConfig,
     kv_heads: usize,
     head_dim: usize,
@@ -123,7 +127,8 @@ impl KvCache {
         let alloc = || zeros(rows, cfg.kv_size(), dtype, device);
         let k = (0..cfg.num_layers).map(|_| alloc()).collect::<candle_core::Result<Vec<_>>>()?;
         let v = (0..cfg.num_layers).map(|_| alloc()).collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(KvCache { k, v, config, kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim })
+        let host = k.iter().zip(&v).map(|(k, v)| Some([HostRows::of(k)?, HostRows::of(v)?])).collect();
+        Ok(KvCache { k, v, host, config, kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim })
     }
 
     /// The sizes it was made with.
@@ -158,6 +163,11 @@ impl KvCache {
     /// The flat `[rows, kv_heads · head_dim]` K and V of a layer.
     pub(crate) fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
         (&self.k[layer], &self.v[layer])
+    }
+
+    /// Where a layer's K and V rows lie in host memory; `None` on a device or past the last layer.
+    pub(crate) fn host_rows(&self, layer: usize) -> Option<[HostRows; 2]> {
+        self.host.get(layer).copied().flatten()
     }
 
     pub(crate) fn check(&self, cfg: &ModelConfig, dtype: DType) -> Result<()> {

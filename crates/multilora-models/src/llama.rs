@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{LoraAdapter, ModelShapes, ModuleId};
 use multilora_adapter::{embedding_digest_of_rows, with_embedding_digest};
-use multilora_layers::{HostRows, LinearWeight, LoraEmbedding, LoraLinear, ReadAhead, SlotConfig};
+use multilora_layers::{LinearWeight, LoraEmbedding, LoraLinear, ReadAhead, SlotConfig};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 use crate::attention::{AttnDims, paged_attention, write_kv};
@@ -504,10 +504,8 @@ impl Model {
             let h = multilora_layers::rms_norm(&x, &layer.post_norm, eps)?;
             // The next layer's attention reads its sequences' cache rows: asked for while this
             // compute-bound product runs (see `ReadAhead`).
-            if let Some((nk, nv)) = (l + 1 < self.layers.len()).then(|| cache.layer(l + 1))
-                && let (Some(k), Some(v)) = (HostRows::of(nk), HostRows::of(nv))
-            {
-                ahead.push_listed_rows(&[k, v], context_rows);
+            if let Some(kv) = cache.host_rows(l + 1) {
+                ahead.push_listed_rows(&kv, context_rows);
             }
             let gu = layer.gate_up.forward_ahead(&h, map, &mut ahead)?;
             let inter = self.cfg.intermediate_size;

@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::ops::gemm::{Isa, rms_rows};
+use crate::ops::gemm::{Isa, NORM_ROWS, rms_rows};
 use crate::ops::{PARALLEL_VALUES, cpu_values};
 
 /// `rms_norm(x, alpha, eps)` along `x`'s last dimension, as candle-nn's.
@@ -36,9 +36,9 @@ pub fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f32) -> Result<Tensor> {
     };
     let len = x.elem_count();
     let mut out = vec![0f32; len];
-    let (isa, group) = (Isa::best(), 8 * n);
+    let (isa, group) = (Isa::best(), NORM_ROWS * n);
     if len >= PARALLEL_VALUES && len > group {
-        // Eight rows at a time (the kernel's group), each row's bits the same wherever it falls.
+        // The kernel's group of rows at a time, each row's bits the same wherever it falls.
         out.par_chunks_mut(group)
             .zip(src[..len].par_chunks(group))
             .for_each(|(o, s)| rms_rows(isa, s, &a[..n], eps, o));

@@ -53,7 +53,7 @@ fn decode_rows_match_the_oracle_and_are_batch_invariant() -> anyhow::Result<()> 
             &cl,
             d,
         )?;
-        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable].into_iter().filter(|i| i.available()) {
+        for isa in Isa::all_available() {
             let got = decode_attention_rows_with(isa, &q, &k, &v, &rows, d)?.expect("f32 queries over a CPU cache");
             let err = rel_err(&got, &want)?;
             let case = format!("n {n} heads {heads}/{kv_heads} d {hd} bs {bs} {dtype:?} {isa:?}");

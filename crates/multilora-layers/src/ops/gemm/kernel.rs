@@ -44,7 +44,7 @@ pub use elem::{Elem, ElemKind};
 pub(crate) use exp::{exp, exp_sum};
 pub(crate) use exp::{silu_mul, softmax};
 pub(super) use lora::{LORA_ROWS, Slot, lora_rows};
-pub(crate) use norm::rms_rows;
+pub(crate) use norm::{ROWS as NORM_ROWS, rms_rows};
 pub(super) use prepacked::{PANEL, fill_prepacked, outer};
 
 /// A rectangle of the output: rows `m0..m1`, columns `n0..n1`.

@@ -33,7 +33,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use kernel::Rect;
 pub use kernel::{Elem, ElemKind};
-pub(crate) use kernel::{Head, attend, attend_supports, rms_rows, silu_mul, softmax};
+pub(crate) use kernel::{Head, NORM_ROWS, attend, attend_supports, rms_rows, silu_mul, softmax};
 #[cfg(test)]
 pub(crate) use kernel::{exp, exp_sum};
 

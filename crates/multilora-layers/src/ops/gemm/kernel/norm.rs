@@ -4,7 +4,7 @@
 use super::Isa;
 
 /// Rows whose sums one pass carries side by side (independent chains that hide the add's latency).
-const ROWS: usize = 8;
+pub(crate) const ROWS: usize = 8;
 
 /// `out = src / m · alpha` row by row (rows of `alpha.len()` values), `m = sqrt(Σ v² / n + eps)`
 /// of the row.

@@ -30,6 +30,9 @@ use tile::{RowTile, rows_any};
 #[repr(C, align(64))]
 struct Line([u8; 64]);
 
+/// Bytes of a [`Line`]: the unit of the read-ahead hints too.
+const LINE: usize = size_of::<Line>();
+
 /// Weight tiles on 64-byte boundaries: a vector load of a record's field never straddles two
 /// cache lines where the layout aligns it (a `Vec<u8>` of this size comes from `mmap` 16 bytes
 /// past a page, which split every 64-byte load of every tile in two).
@@ -41,14 +44,14 @@ pub(crate) struct Lines {
 impl Lines {
     /// `len` zero bytes.
     pub(crate) fn zeroed(len: usize) -> Lines {
-        Lines { lines: vec![Line([0; 64]); len.div_ceil(64)], len }
+        Lines { lines: vec![Line([0; LINE]); len.div_ceil(LINE)], len }
     }
 }
 
 impl std::ops::Deref for Lines {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: `lines` holds `64 · lines.len() >= len` initialized bytes (`Line` is a plain
+        // SAFETY: `lines` holds `LINE · lines.len() >= len` initialized bytes (`Line` is a plain
         // byte array with no padding), borrowed with `self`.
         unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.len) }
     }
@@ -113,8 +116,8 @@ struct Ahead<'a> {
 impl<'a> Ahead<'a> {
     fn new(ranges: &'a [(usize, usize)], from: usize, to: usize) -> Ahead<'a> {
         let (mut at, mut line) = (0, from);
-        while at < ranges.len() && line >= ranges[at].1.div_ceil(64) {
-            line -= ranges[at].1.div_ceil(64);
+        while at < ranges.len() && line >= ranges[at].1.div_ceil(LINE) {
+            line -= ranges[at].1.div_ceil(LINE);
             at += 1;
         }
         Ahead { ranges, at, line, left: to.saturating_sub(from) }
@@ -128,13 +131,13 @@ impl<'a> Ahead<'a> {
     fn take(&mut self, max: usize) -> (usize, usize) {
         while self.left > 0 && self.at < self.ranges.len() {
             let (addr, bytes) = self.ranges[self.at];
-            let rest = bytes.div_ceil(64) - self.line;
+            let rest = bytes.div_ceil(LINE) - self.line;
             if rest == 0 {
                 (self.at, self.line) = (self.at + 1, 0);
                 continue;
             }
             let n = max.min(rest).min(self.left);
-            let a = addr.wrapping_add(self.line * 64);
+            let a = addr.wrapping_add(self.line * LINE);
             self.line += n;
             self.left -= n;
             return (a, n);
@@ -204,7 +207,7 @@ pub(crate) fn run(
     let mut y: Vec<f32> = Vec::with_capacity(len);
     let isa = if isa.available() { isa } else { QuantIsa::Portable };
     let out = Out { ptr: y.as_mut_ptr(), ldy };
-    let total: usize = ahead.iter().map(|&(_, b)| b.div_ceil(64)).sum();
+    let total: usize = ahead.iter().map(|&(_, b)| b.div_ceil(LINE)).sum();
     let go = |(i, j): (usize, &Job)| {
         let s = &segs[j.seg];
         let pf = Ahead::new(ahead, i * total / jobs.len(), (i + 1) * total / jobs.len());

@@ -121,7 +121,7 @@ pub(super) struct RowTile {
     pub(super) y: *mut f32,
     pub(super) ldy: usize,
     pub(super) cols: usize,
-    /// Lines (64 bytes) from this address that the tile asks to be brought into L2, spread over
+    /// Lines ([`super::LINE`] bytes) from this address that the tile asks to be brought into L2, spread over
     /// its blocks: what the caller reads after the product.
     pub(super) ahead: usize,
     pub(super) ahead_lines: usize,
@@ -181,7 +181,7 @@ pub(super) unsafe fn rows<S: Simd, F: Format, const RM: usize>(t: RowTile) {
                 let per = t.ahead_lines.div_ceil(t.nsb);
                 let (a, b) = ((sb * per).min(t.ahead_lines), ((sb + 1) * per).min(t.ahead_lines));
                 for l in a..b {
-                    prefetch_l2(t.ahead.wrapping_add(l * 64));
+                    prefetch_l2(t.ahead.wrapping_add(l * super::LINE));
                 }
             }
             let sbs = F::sb::<S>(r, t.c0);
