@@ -74,7 +74,7 @@ pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
 pub use ops::kv_write::cpu::{rope_write_kv, write_kv_rows};
 pub use ops::kv_write::{paged_kv_write, paged_kv_write_slow};
 pub use ops::lora_apply;
-pub use ops::norm::rms_norm;
+pub use ops::norm::{add_rms_norm, rms_norm};
 pub use ops::quant::{QuantIsa, QuantType, QuantWeight};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};

@@ -479,8 +479,17 @@ impl Model {
         // The cache rows each decode sequence's attention reads (the plan's own lists).
         let context_rows = plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
         let mut ahead = ReadAhead::new();
+        // The last layer's output, added into `x` together with the next norm.
+        let mut residual: Option<Tensor> = None;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = multilora_layers::rms_norm(&x, &layer.input_norm, eps)?;
+            let h = match residual.take() {
+                Some(d) => {
+                    let (sum, h) = multilora_layers::add_rms_norm(&x, &d, &layer.input_norm, eps)?;
+                    x = sum;
+                    h
+                }
+                None => multilora_layers::rms_norm(&x, &layer.input_norm, eps)?,
+            };
             let qkv = layer.qkv.forward(&h, map)?;
             let (ck, cv) = cache.layer(l);
             // On the CPU, the rotation and the cache write in one pass; elsewhere as tensor ops.
@@ -500,8 +509,9 @@ impl Model {
                 }
             };
             let attn = paged_attention(&plan, &q, ck, cv, dims)?;
-            x = (x + layer.o.forward(&attn, map)?)?;
-            let h = multilora_layers::rms_norm(&x, &layer.post_norm, eps)?;
+            let o = layer.o.forward(&attn, map)?;
+            let (sum, h) = multilora_layers::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
+            x = sum;
             // The next layer's attention reads its sequences' cache rows: asked for while this
             // compute-bound product runs (see `ReadAhead`).
             if let Some(kv) = cache.host_rows(l + 1) {
@@ -526,16 +536,20 @@ impl Model {
                     (gate * gu.narrow(1, inter, inter)?)?
                 }
             };
-            x = (x + layer.down.forward(&act, map)?)?;
+            residual = Some(layer.down.forward(&act, map)?);
         }
         if batch.num_logit_rows() == 0 {
             return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
         }
-        let x = match &plan.logit_rows {
-            Some(rows) => x.index_select(rows, 0)?,
-            None => x,
+        // Only the rows that give logits go on: the last residual added to them alone.
+        let (x, residual) = match &plan.logit_rows {
+            Some(rows) => (x.index_select(rows, 0)?, residual.map(|d| d.index_select(rows, 0)).transpose()?),
+            None => (x, residual),
         };
-        let x = multilora_layers::rms_norm(&x, &self.norm, eps)?;
+        let x = match residual {
+            Some(d) => multilora_layers::add_rms_norm(&x, &d, &self.norm, eps)?.1,
+            None => multilora_layers::rms_norm(&x, &self.norm, eps)?,
+        };
         Ok(self.lm_head.forward(&x, &plan.logit_mapping)?.to_dtype(DType::F32)?)
     }
 

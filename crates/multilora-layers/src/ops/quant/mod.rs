@@ -53,6 +53,14 @@ struct Segment {
     tiles: kernel::Lines,
 }
 
+/// A product cut for the threads ([`QuantWeight::plan`]): its jobs, and the runs of them that
+/// make one parallel task each.
+#[derive(Debug)]
+struct Plan {
+    jobs: Vec<Job>,
+    tasks: Vec<std::ops::Range<usize>>,
+}
+
 /// A GGML-quantized weight `W: [n, k]` (PyTorch's `[out, in]`), held in its blocks and multiplied
 /// by [`QuantWeight::forward`] without dequantizing. Several weights of the same `k` and any types
 /// stack into one ([`QuantWeight::stack`]: fused q/k/v or gate/up) without copying. Cloning is
@@ -201,9 +209,9 @@ impl QuantWeight {
         let parallel = threads > 1 && m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK;
         let act = kernel::act::quantize(isa, xs, m, k, parallel);
         drop(storage);
-        let jobs = self.plan(m, if parallel { threads } else { 1 });
+        let plan = self.plan(m, if parallel { threads } else { 1 });
         let segs = self.seg_views();
-        let y = kernel::run(isa, &act, &segs, n, &jobs, parallel, ahead);
+        let y = kernel::run(isa, &act, &segs, n, (&plan.jobs, &plan.tasks), parallel, ahead);
         Ok(Tensor::from_vec(y, (m, n), &Device::Cpu)?)
     }
 
@@ -269,10 +277,12 @@ impl QuantWeight {
             .collect()
     }
 
-    /// How a product of `m` rows is cut into jobs: blocks of rows (all of them for a decode
-    /// step), and in each the tiles of all segments cut into about `TASKS_PER_THREAD · threads`
-    /// column ranges as equal as whole tiles allow (none across a segment boundary).
-    fn plan(&self, m: usize, threads: usize) -> Vec<Job> {
+    /// How a product of `m` rows is cut: blocks of rows (all of them for a decode step), and in
+    /// each the tiles of all segments cut into about `TASKS_PER_THREAD · threads` column ranges as
+    /// equal as whole tiles allow. A range is one parallel task; it is one job, or one more for
+    /// each segment boundary inside it (a job never crosses one), run one after the other, so
+    /// the tasks stay even whatever the segments (q, k and v of a fused projection).
+    fn plan(&self, m: usize, threads: usize) -> Plan {
         let row_bytes = 2 * self.k + self.k / 32 * std::mem::size_of::<kernel::act::Meta>() / kernel::act::PANEL;
         let mb = if m <= DECODE_ROWS { m } else { (X_BLOCK_BYTES / row_bytes).clamp(DECODE_ROWS, m) / 8 * 8 };
         let row_blocks: Vec<(usize, usize)> = (0..m).step_by(mb.max(1)).map(|m0| (m0, (m0 + mb).min(m))).collect();
@@ -280,23 +290,74 @@ impl QuantWeight {
         let total: usize = tiles.iter().sum();
         let wanted = if threads > 1 { threads * TASKS_PER_THREAD } else { 1 };
         let chunks = wanted.div_ceil(row_blocks.len()).clamp(1, total);
-        // A chunk is one job, or one more for each segment boundary inside it.
-        let mut jobs = Vec::with_capacity(row_blocks.len() * (chunks + tiles.len()));
+        let mut plan = Plan {
+            jobs: Vec::with_capacity(row_blocks.len() * (chunks + tiles.len())),
+            tasks: Vec::with_capacity(row_blocks.len() * chunks),
+        };
         for &(m0, m1) in &row_blocks {
             for c in 0..chunks {
                 // Global tiles [c·total/chunks, (c+1)·total/chunks): the chunks differ by one tile
                 // at most, so that the threads' shares come out even.
                 let (g0, g1) = (c * total / chunks, (c + 1) * total / chunks);
+                let first = plan.jobs.len();
                 let mut base = 0;
                 for (seg, &nt) in tiles.iter().enumerate() {
                     let (t0, t1) = (g0.max(base).min(base + nt) - base, g1.max(base).min(base + nt) - base);
                     if t0 < t1 {
-                        jobs.push(Job { seg, t0, t1, m0, m1 });
+                        plan.jobs.push(Job { seg, t0, t1, m0, m1 });
                     }
                     base += nt;
                 }
+                plan.tasks.push(first..plan.jobs.len());
             }
         }
-        jobs
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fused q/k/v as SmolLM2's (36, 12 and 12 tiles): the tasks are as even as whole tiles
+    /// allow although the chunk boundaries fall inside segments, each task's jobs stay inside
+    /// one segment each and follow each other, and together they take every tile once.
+    #[test]
+    fn tasks_are_even_across_segment_boundaries() -> anyhow::Result<()> {
+        let part = |n: usize| -> anyhow::Result<QuantWeight> {
+            let bytes = vec![0u8; n * 2 * QuantType::Q8_0.block_bytes()];
+            Ok(QuantWeight::from_bytes(QuantType::Q8_0, n, 64, &bytes)?)
+        };
+        let w = QuantWeight::stack(vec![part(576)?, part(192)?, part(192)?])?;
+        let tiles = [36, 12, 12];
+        for (m, threads) in [(16, 2), (1, 2), (16, 3), (200, 2), (16, 1)] {
+            let plan = w.plan(m, threads);
+            let mut next = 0;
+            let mut seen = vec![vec![0usize; 60]; m];
+            let mut sizes = Vec::new();
+            for t in &plan.tasks {
+                anyhow::ensure!(t.start == next && t.start < t.end, "{m} rows, {threads} threads: task {t:?}");
+                next = t.end;
+                let (m0, m1) = (plan.jobs[t.start].m0, plan.jobs[t.start].m1);
+                let mut size = 0;
+                for j in &plan.jobs[t.clone()] {
+                    anyhow::ensure!(j.t1 <= tiles[j.seg] && (j.m0, j.m1) == (m0, m1), "job {j:?}");
+                    let base: usize = tiles[..j.seg].iter().sum();
+                    for tile in base + j.t0..base + j.t1 {
+                        seen[j.m0..j.m1].iter_mut().for_each(|r| r[tile] += 1);
+                    }
+                    size += j.t1 - j.t0;
+                }
+                sizes.push(size);
+            }
+            anyhow::ensure!(next == plan.jobs.len(), "the tasks leave jobs out");
+            anyhow::ensure!(seen.iter().flatten().all(|&c| c == 1), "{m} rows: every tile of every row once");
+            let (lo, hi) = (sizes.iter().min().copied(), sizes.iter().max().copied());
+            anyhow::ensure!(hi.zip(lo).is_some_and(|(h, l)| h - l <= 1), "{m} rows, {threads} threads: {sizes:?}");
+            if threads > 1 && m == 16 {
+                anyhow::ensure!(plan.tasks.len() == threads * TASKS_PER_THREAD, "{} tasks", plan.tasks.len());
+            }
+        }
+        Ok(())
     }
 }

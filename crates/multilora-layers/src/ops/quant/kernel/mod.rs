@@ -15,6 +15,8 @@ mod tile;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::QuantType;
@@ -187,30 +189,44 @@ fn check(act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
     assert!(area == m * ldy, "quant kernel: the jobs cover {area} of {} outputs", m * ldy);
 }
 
-/// Computes every job into a new `[m, ldy]` output, on the rayon pool when `parallel`. The jobs
-/// must cover the output exactly: it is written once, never zeroed first.
+/// Computes every job into a new `[m, ldy]` output, on the rayon pool when `parallel`: each of
+/// `tasks` (runs of `jobs`, together every job once) one parallel task running its jobs in order.
+/// The jobs must cover the output exactly: it is written once, never zeroed first.
 ///
 /// # Panics
-/// When a job reaches outside the weights, the activations or the output, overlaps another, or
-/// the jobs leave an output uncovered.
+/// When a job reaches outside the weights, the activations or the output, overlaps another, the
+/// jobs leave an output uncovered, or the tasks do not take every job once.
 pub(crate) fn run(
     isa: QuantIsa,
     act: &Act,
     segs: &[Seg<'_>],
     ldy: usize,
-    jobs: &[Job],
+    (jobs, tasks): (&[Job], &[Range<usize>]),
     parallel: bool,
     ahead: &[(usize, usize)],
 ) -> Vec<f32> {
     check(act, segs, ldy, jobs);
+    let mut next = 0;
+    for t in tasks {
+        assert!(t.start == next && t.start <= t.end && t.end <= jobs.len(), "quant kernel: task {t:?}");
+        next = t.end;
+    }
+    assert!(next == jobs.len(), "quant kernel: the tasks take {next} of {} jobs", jobs.len());
     let len = act.m * ldy;
     let mut y: Vec<f32> = Vec::with_capacity(len);
     let isa = if isa.available() { isa } else { QuantIsa::Portable };
     let out = Out { ptr: y.as_mut_ptr(), ldy };
-    let total: usize = ahead.iter().map(|&(_, b)| b.div_ceil(LINE)).sum();
-    let go = |(i, j): (usize, &Job)| {
+    // Each job's share of the lines to ask for, by its outputs: `work[i]` outputs before job `i`.
+    let area = |j: &Job| {
+        let (c0, c1) = cols(&segs[j.seg], j);
+        (j.m1 - j.m0) * (c1 - c0)
+    };
+    let work: Vec<usize> = jobs.iter().scan(0, |w, j| Some(std::mem::replace(w, *w + area(j)))).collect();
+    let (total, all) = (ahead.iter().map(|&(_, b)| b.div_ceil(LINE)).sum::<usize>(), (act.m * ldy).max(1));
+    let go = |i: usize| {
+        let j = &jobs[i];
         let s = &segs[j.seg];
-        let pf = Ahead::new(ahead, i * total / jobs.len(), (i + 1) * total / jobs.len());
+        let pf = Ahead::new(ahead, work[i] * total / all, (work[i] + area(j)) * total / all);
         if j.m0 == j.m1 || j.t0 == j.t1 {
             return;
         }
@@ -229,10 +245,10 @@ pub(crate) fn run(
             _ => unsafe { job::<Portable>(s, act, out, j, pf) },
         }
     };
-    if parallel && jobs.len() > 1 {
-        jobs.par_iter().enumerate().for_each(go);
+    if parallel && tasks.len() > 1 {
+        tasks.par_iter().for_each(|t| t.clone().for_each(go));
     } else {
-        jobs.iter().enumerate().for_each(go);
+        (0..jobs.len()).for_each(go);
     }
     // SAFETY: the capacity is `len`; the jobs are disjoint, inside `[m, ldy]` and their areas sum
     // to `m · ldy` (`check`), and each writes every output of its rectangle: all are initialized.
