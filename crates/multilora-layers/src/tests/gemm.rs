@@ -391,5 +391,8 @@ fn lora_rows_match_the_general_path_on_model_shapes() -> anyhow::Result<()> {
     // SmolLM2's projections at rank 16 (its down projection's k = 1,536), and a rank of 5.
     check_lora_rows_all((2, 576, 16, 1536), 21)?;
     check_lora_rows_all((4, 1536, 16, 576), 22)?;
-    check_lora_rows_all((3, 576, 5, 192), 23)
+    check_lora_rows_all((3, 576, 5, 192), 23)?;
+    // One and two rows take 4-vector panels, then 2-vector ones, then the scalar tail.
+    check_lora_rows_all((1, 96, 7, 4 * 16 + 2 * 16 + 5), 24)?;
+    check_lora_rows_all((2, 576, 16, 1536 + 32 + 3), 25)
 }

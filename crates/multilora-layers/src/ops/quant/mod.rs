@@ -35,7 +35,7 @@ mod kernel;
 mod layout;
 mod types;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -54,9 +54,11 @@ struct Segment {
 }
 
 /// A product cut for the threads ([`QuantWeight::plan`]): its jobs, and the runs of them that
-/// make one parallel task each.
+/// make one parallel task each, for `m` rows on `threads` threads.
 #[derive(Debug)]
 struct Plan {
+    m: usize,
+    threads: usize,
     jobs: Vec<Job>,
     tasks: Vec<std::ops::Range<usize>>,
 }
@@ -71,6 +73,9 @@ pub struct QuantWeight {
     k: usize,
     /// The segments in output-column order, each shared with the weights it was stacked from.
     segs: Arc<Vec<Arc<Segment>>>,
+    /// The last plan made ([`QuantWeight::plan`]), for the next product of as many rows on as
+    /// many threads: a decode step's products repeat their shapes step after step.
+    last_plan: Arc<Mutex<Option<Arc<Plan>>>>,
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -94,6 +99,11 @@ const PARALLEL_WORK: usize = 1 << 19;
 const TASKS_PER_THREAD: usize = 4;
 
 impl QuantWeight {
+    /// A weight over `segs` (in output-column order, `n` columns in all), no plan kept yet.
+    fn with_segs(n: usize, k: usize, segs: Vec<Arc<Segment>>) -> QuantWeight {
+        QuantWeight { n, k, segs: Arc::new(segs), last_plan: Arc::default() }
+    }
+
     /// One `[n, k]` weight from GGML block bytes, rows in order, each row `k / block_elems`
     /// blocks (the GGUF layout). The bytes are regrouped, not kept.
     pub fn from_bytes(qtype: QuantType, n: usize, k: usize, bytes: &[u8]) -> Result<QuantWeight> {
@@ -124,7 +134,7 @@ impl QuantWeight {
                 }
             }
         });
-        Ok(QuantWeight { n, k, segs: Arc::new(vec![Arc::new(Segment { qt: qtype, n, tiles })]) })
+        Ok(QuantWeight::with_segs(n, k, vec![Arc::new(Segment { qt: qtype, n, tiles })]))
     }
 
     /// The weights' rows one after another (e.g. q, k and v of a fused projection): one weight
@@ -140,7 +150,7 @@ impl QuantWeight {
         }
         let n = parts.iter().map(|p| p.n).sum();
         let segs = parts.iter().flat_map(|p| p.segs.iter().cloned()).collect();
-        Ok(QuantWeight { n, k, segs: Arc::new(segs) })
+        Ok(QuantWeight::with_segs(n, k, segs))
     }
 
     /// `(n, k)`: output and input features.
@@ -209,7 +219,7 @@ impl QuantWeight {
         let parallel = threads > 1 && m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK;
         let act = kernel::act::quantize(isa, xs, m, k, parallel);
         drop(storage);
-        let plan = self.plan(m, if parallel { threads } else { 1 });
+        let plan = self.plan_for(m, if parallel { threads } else { 1 });
         let segs = self.seg_views();
         let y = kernel::run(isa, &act, &segs, n, (&plan.jobs, &plan.tasks), parallel, ahead);
         Ok(Tensor::from_vec(y, (m, n), &Device::Cpu)?)
@@ -277,6 +287,15 @@ impl QuantWeight {
             .collect()
     }
 
+    /// [`QuantWeight::plan`], or the last one made when it was for the same rows and threads.
+    fn plan_for(&self, m: usize, threads: usize) -> Arc<Plan> {
+        let mut last = self.last_plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*last {
+            Some(p) if p.m == m && p.threads == threads => Arc::clone(p),
+            _ => Arc::clone(last.insert(Arc::new(self.plan(m, threads)))),
+        }
+    }
+
     /// How a product of `m` rows is cut: blocks of rows (all of them for a decode step), and in
     /// each the tiles of all segments cut into about `TASKS_PER_THREAD · threads` column ranges as
     /// equal as whole tiles allow. A range is one parallel task; it is one job, or one more for
@@ -291,6 +310,8 @@ impl QuantWeight {
         let wanted = if threads > 1 { threads * TASKS_PER_THREAD } else { 1 };
         let chunks = wanted.div_ceil(row_blocks.len()).clamp(1, total);
         let mut plan = Plan {
+            m,
+            threads,
             jobs: Vec::with_capacity(row_blocks.len() * (chunks + tiles.len())),
             tasks: Vec::with_capacity(row_blocks.len() * chunks),
         };
@@ -318,6 +339,21 @@ impl QuantWeight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kept plan is the one for the rows and threads asked for: reused while they repeat,
+    /// made anew when they change, shared by the weight's clones.
+    #[test]
+    fn the_kept_plan_follows_the_shape() -> anyhow::Result<()> {
+        let w = QuantWeight::from_bytes(QuantType::Q8_0, 40, 64, &vec![0u8; 40 * 2 * QuantType::Q8_0.block_bytes()])?;
+        let a = w.plan_for(16, 2);
+        anyhow::ensure!(Arc::ptr_eq(&a, &w.clone().plan_for(16, 2)), "reused, also by a clone");
+        for (m, threads) in [(17, 2), (16, 1), (16, 2), (300, 3)] {
+            let (got, want) = (w.plan_for(m, threads), w.plan(m, threads));
+            anyhow::ensure!((got.m, got.threads) == (m, threads), "{m} rows, {threads} threads");
+            anyhow::ensure!(got.jobs == want.jobs && got.tasks == want.tasks, "{m} rows, {threads} threads");
+        }
+        Ok(())
+    }
 
     /// A fused q/k/v as SmolLM2's (36, 12 and 12 tiles): the tasks are as even as whole tiles
     /// allow although the chunk boundaries fall inside segments, each task's jobs stay inside

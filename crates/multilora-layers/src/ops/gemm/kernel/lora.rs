@@ -133,8 +133,16 @@ unsafe fn product<S: Simd, E: Elem, const R: usize>(a: Args<E>) {
         // in a register (as `outer`'s: FMAs from zero, in rank order), its end added into `y`.
         let full = out / (2 * S::LANES) * (2 * S::LANES);
         let mut c = 0;
+        // One or two rows keep only 2 or 4 chains in a 2-vector panel, fewer than the FMA's
+        // latency needs: they take 4 vectors at a time while they fit (the same chains).
+        if R <= 2 {
+            while c + 4 * S::LANES <= full {
+                expand_panel::<S, E, R, 4>(y, bt, s, rank, out, c);
+                c += 4 * S::LANES;
+            }
+        }
         while c < full {
-            expand_panel::<S, E, R>(y, bt, s, rank, out, c);
+            expand_panel::<S, E, R, 2>(y, bt, s, rank, out, c);
             c += 2 * S::LANES;
         }
         for (i, &yr) in y.iter().enumerate().take(R) {
@@ -149,16 +157,16 @@ unsafe fn product<S: Simd, E: Elem, const R: usize>(a: Args<E>) {
     }
 }
 
-/// Output columns `c .. c + 2 · LANES` of every row: each output's chain over the rank in a
+/// Output columns `c .. c + P · LANES` of every row: each output's chain over the rank in a
 /// register (FMAs from zero in rank order), its end added into `y` (`fma(v, 1, y)` is the rounded
 /// `v + y`, as the fused path's add). The panel's `rank` rows of `Bᵀ` are as many short streams,
 /// each asked for a page ahead. (Chains kept in a scratch row instead cost a load and a store per
 /// FMA: 0.1–0.25 ms of a ~11.5 ms 16-row step once the slots come from cache.)
 ///
 /// # Safety
-/// As for [`product`], with `c + 2 · LANES <= out`.
+/// As for [`product`], with `c + P · LANES <= out`.
 #[inline(always)]
-unsafe fn expand_panel<S: Simd, E: Elem, const R: usize>(
+unsafe fn expand_panel<S: Simd, E: Elem, const R: usize, const P: usize>(
     y: [*mut f32; LORA_ROWS],
     bt: *const E,
     s: *const f32,
@@ -168,15 +176,15 @@ unsafe fn expand_panel<S: Simd, E: Elem, const R: usize>(
 ) {
     // SAFETY: every access is inside the operands the caller vouches for.
     unsafe {
-        let mut acc = [[S::zero(); 2]; R];
+        let mut acc = [[S::zero(); P]; R];
         for j in 0..rank {
             let w = bt.add(j * out + c);
-            for h in 0..2 {
+            for h in 0..P {
                 if ((c + h * S::LANES) * size_of::<E>()).is_multiple_of(LINE) {
                     prefetch_ahead(w.add(h * S::LANES));
                 }
             }
-            let wv: [S::V; 2] = std::array::from_fn(|h| S::load_elem(w.add(h * S::LANES)));
+            let wv: [S::V; P] = std::array::from_fn(|h| S::load_elem(w.add(h * S::LANES)));
             for (i, a) in acc.iter_mut().enumerate() {
                 let b = S::splat(*s.add(i * rank + j));
                 for (v, &wh) in a.iter_mut().zip(&wv) {

@@ -138,7 +138,11 @@ fn blocks(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
 }
 
 /// [`blocks`] with AVX-512: the same operations on 16 lanes, so the same bits (a NaN product
-/// is masked to 0 as `as i32` makes it, and integral values convert exactly).
+/// is masked to 0 as `as i32` makes it, integral values convert exactly, and the quants' sums,
+/// integers below 2²⁴ all along, are exact in f32 in any order). The row is taken 16 blocks at a
+/// time: first their largest `|x|`, then the 16 scales and reciprocals with one vector division
+/// each (IEEE, as the scalar ones), then each block's quants, so no block waits on a scalar
+/// division chain.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL must be available.
@@ -146,37 +150,49 @@ fn blocks(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn blocks_avx512(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
     use std::arch::x86_64::*;
-    let qs = planes(qs, r);
-    for ((xb, (hb, lb)), mt) in x.chunks_exact(32).zip(qs).zip(meta) {
-        // SAFETY: `xb` holds 32 f32, `hb` and `lb` 32 bytes each; AVX-512 F/BW/VL are available
-        // (the caller).
+    const GROUP: usize = 16;
+    let mut qs = planes(qs, r);
+    for (xg, mg) in x.chunks(32 * GROUP).zip(meta.chunks_mut(GROUP)) {
+        // SAFETY: every block of `xg` holds 32 f32, every `hb` and `lb` 32 bytes; AVX-512 F/BW/VL
+        // are available (the caller).
         unsafe {
-            let (lo, hi) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
             let abs = _mm512_set1_epi32(0x7fff_ffff);
-            let bits = _mm512_max_epu32(
-                _mm512_and_si512(_mm512_castps_si512(lo), abs),
-                _mm512_and_si512(_mm512_castps_si512(hi), abs),
-            );
-            let d = f32::from_bits(_mm512_reduce_max_epu32(bits)) / QMAX;
-            let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-            // `(Q, hi, lo)` as i32, NaN quants masked to 0.
-            let quant = |v: __m512| {
-                let t = _mm512_mul_ps(v, id);
-                let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(t, t);
-                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
-                let t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-QMAX)), _mm512_set1_ps(QMAX));
-                let t = _mm512_maskz_mov_ps(ordered, t);
-                let h = _mm512_div_ps(_mm512_add_ps(t, _mm512_set1_ps(127.0)), _mm512_set1_ps(254.0));
-                let h = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(h);
-                let l = _mm512_sub_ps(t, _mm512_mul_ps(_mm512_set1_ps(254.0), h));
-                (_mm512_cvtps_epi32(t), _mm512_cvtps_epi32(h), _mm512_cvtps_epi32(l))
-            };
-            let ((qa, ha, la), (qz, hz, lz)) = (quant(lo), quant(hi));
-            _mm_storeu_si128(hb.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(ha));
-            _mm_storeu_si128(hb.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(hz));
-            _mm_storeu_si128(lb.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(la));
-            _mm_storeu_si128(lb.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(lz));
-            mt.set(r, d, _mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qz));
+            let mut amax = [0u32; GROUP];
+            for (a, xb) in amax.iter_mut().zip(xg.chunks_exact(32)) {
+                let (lo, hi) = (_mm512_loadu_si512(xb.as_ptr().cast()), _mm512_loadu_si512(xb.as_ptr().add(16).cast()));
+                *a = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(lo, abs), _mm512_and_si512(hi, abs)));
+            }
+            // `d = max|x| / QMAX`; `1 / d`, or 0 where `d` is 0 (a NaN `d` gives a NaN, as the
+            // scalar `d != 0.0` test lets it through).
+            let d = _mm512_div_ps(_mm512_castsi512_ps(_mm512_loadu_si512(amax.as_ptr().cast())), _mm512_set1_ps(QMAX));
+            let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(d, _mm512_setzero_ps());
+            let id = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0), d);
+            let (mut ds, mut ids) = ([0f32; GROUP], [0f32; GROUP]);
+            _mm512_storeu_ps(ds.as_mut_ptr(), d);
+            _mm512_storeu_ps(ids.as_mut_ptr(), id);
+            for (((xb, mt), &d), &id) in xg.chunks_exact(32).zip(mg.iter_mut()).zip(&ds).zip(&ids) {
+                let Some((hb, lb)) = qs.next() else { return };
+                let (lo, hi) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
+                let id = _mm512_set1_ps(id);
+                // `(Q, hi, lo)`, NaN quants masked to 0: `Q` as f32, the planes as i32.
+                let quant = |v: __m512| {
+                    let t = _mm512_mul_ps(v, id);
+                    let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(t, t);
+                    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+                    let t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-QMAX)), _mm512_set1_ps(QMAX));
+                    let t = _mm512_maskz_mov_ps(ordered, t);
+                    let h = _mm512_div_ps(_mm512_add_ps(t, _mm512_set1_ps(127.0)), _mm512_set1_ps(254.0));
+                    let h = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(h);
+                    let l = _mm512_sub_ps(t, _mm512_mul_ps(_mm512_set1_ps(254.0), h));
+                    (t, _mm512_cvtps_epi32(h), _mm512_cvtps_epi32(l))
+                };
+                let ((qa, ha, la), (qz, hz, lz)) = (quant(lo), quant(hi));
+                _mm_storeu_si128(hb.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(ha));
+                _mm_storeu_si128(hb.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(hz));
+                _mm_storeu_si128(lb.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(la));
+                _mm_storeu_si128(lb.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(lz));
+                mt.set(r, d, _mm512_reduce_add_ps(qa) as i32, _mm512_reduce_add_ps(qz) as i32);
+            }
         }
     }
 }
@@ -308,6 +324,23 @@ mod tests {
             for isa in QuantIsa::all_available() {
                 assert!(bits(&quantize(isa, &x, m, k, parallel)) == want, "{isa:?}: m = {m}");
             }
+        }
+        // Rows of 37 blocks (two groups of 16 and a partial third for the AVX-512 body), the
+        // awkward blocks scaled differently at each position so every block has its own scale.
+        let (m, nb) = (9, 37);
+        let (a, ka) = awkward(m);
+        let per = ka / 32;
+        let mut x = Vec::with_capacity(m * nb * 32);
+        for r in 0..m {
+            for b in 0..nb {
+                let src = &a[r * ka + (b % per) * 32..][..32];
+                x.extend(src.iter().map(|v| v * (1.0 + b as f32 * 0.37)));
+            }
+        }
+        let k = nb * 32;
+        let want = bits(&quantize(QuantIsa::Portable, &x, m, k, false));
+        for isa in QuantIsa::all_available() {
+            assert!(bits(&quantize(isa, &x, m, k, true)) == want, "{isa:?}: {nb} blocks a row");
         }
     }
 
