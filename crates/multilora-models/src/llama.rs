@@ -13,7 +13,7 @@ use multilora_adapter::{embedding_digest_of_rows, with_embedding_digest};
 use multilora_layers::{LinearWeight, LoraEmbedding, LoraLinear, ReadAhead, SlotConfig};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
-use crate::attention::{AttnDims, paged_attention, write_kv};
+use crate::attention::{AttnDims, paged_attention, query_scale, write_kv};
 use crate::batch::{Batch, KvWrites, Limits, StepPlan};
 use crate::config::{HiddenAct, ModelConfig};
 use crate::error::{Error, Result};
@@ -494,9 +494,13 @@ impl Model {
             let (ck, cv) = cache.layer(l);
             // On the CPU, the rotation and the cache write in one pass; elsewhere as tensor ops.
             let fused = match &plan.kv_writes {
-                KvWrites::Host(rows) => multilora_layers::rope_write_kv(&qkv, &cos, &sin, dims, ck, cv, rows)?,
+                KvWrites::Host(rows) => {
+                    multilora_layers::rope_write_kv(&qkv, (&cos, &sin), dims, (ck, cv), rows, Some(query_scale(dims)))?
+                }
                 _ => None,
             };
+            // The fused pass hands the queries back already scaled.
+            let scaled = fused.is_some();
             let q = match fused {
                 Some(q) => q,
                 None => {
@@ -508,7 +512,7 @@ impl Model {
                     Rope::apply(&q, &cos, &sin)?
                 }
             };
-            let attn = paged_attention(&plan, &q, ck, cv, dims)?;
+            let attn = paged_attention(&plan, &q, scaled, ck, cv, dims)?;
             let o = layer.o.forward(&attn, map)?;
             let (sum, h) = multilora_layers::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
             x = sum;

@@ -22,20 +22,21 @@ use crate::ops::{PARALLEL_VALUES, cpu_values};
 /// projection), `cos`, `sin`: `[tokens, head_dim / 2]` f32 (each token's angles). Rotates the keys
 /// and writes them and the values into rows `rows[t]` of `k_cache` and `v_cache` (`[cache rows,
 /// kv_heads · head_dim]`, f32, f16 or bf16, contiguous), and returns the rotated queries
-/// `[tokens, heads, head_dim]` f32. `None` when the operands are not of that kind (not all on
-/// the CPU, not f32, not contiguous): the caller then takes the general path.
+/// `[tokens, heads, head_dim]` f32, times `q_scale` when given (attention's `1 / √head_dim`), as
+/// candle's `q * q_scale` gives them (its affine `v · s + 0`, rounded after each). `None` when the
+/// operands are not of that kind (not all on the CPU, not f32, not contiguous): the caller then
+/// takes the general path.
 ///
 /// # Errors
 /// When the shapes disagree with `d`, or a row is past the caches' end (checked before anything
 /// is written).
 pub fn rope_write_kv(
     qkv: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
     d: PagedDecodeDims,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    (k_cache, v_cache): (&Tensor, &Tensor),
     rows: &[u32],
+    q_scale: Option<f64>,
 ) -> Result<Option<Tensor>> {
     let tensors = [qkv, cos, sin, k_cache, v_cache];
     let f32s = [qkv, cos, sin].iter().all(|t| t.dtype() == DType::F32);
@@ -65,19 +66,19 @@ pub fn rope_write_kv(
     let angles = Angles { cos: &cs[..tokens * hd / 2], sin: &sn[..tokens * hd / 2] };
     let x = &x[..tokens * ld];
     let keys = || -> Result<()> {
-        let k = rotate(x, ld, qs, d.kv_heads, hd, angles);
+        let k = rotate(x, ld, qs, d.kv_heads, hd, angles, None);
         k_cache.inplace_op1(&WriteRows { rows, src: &k, ld: kvs, col: 0, width: kvs })?;
         v_cache.inplace_op1(&WriteRows { rows, src: x, ld, col: qs + kvs, width: kvs })?;
         Ok(())
     };
     // The queries on one thread, the keys and values on another: about as many values each.
     let q = if tokens * (qs + 2 * kvs) >= PARALLEL_VALUES {
-        let (q, written) = rayon::join(|| rotate(x, ld, 0, d.heads, hd, angles), keys);
+        let (q, written) = rayon::join(|| rotate(x, ld, 0, d.heads, hd, angles, q_scale), keys);
         written?;
         q
     } else {
         keys()?;
-        rotate(x, ld, 0, d.heads, hd, angles)
+        rotate(x, ld, 0, d.heads, hd, angles, q_scale)
     };
     Ok(Some(Tensor::from_vec(q, (tokens, d.heads, hd), qkv.device())?))
 }
@@ -90,8 +91,9 @@ struct Angles<'a> {
 }
 
 /// `heads` heads of `hd` values from column `col` of each row of `x` (rows `ld` apart), rotated:
-/// `[tokens, heads · hd]`, candle's `rope_thd` value for value.
-fn rotate(x: &[f32], ld: usize, col: usize, heads: usize, hd: usize, a: Angles<'_>) -> Vec<f32> {
+/// `[tokens, heads · hd]`, candle's `rope_thd` value for value, then times `scale` when given as
+/// candle's affine does it (`v · s + 0`).
+fn rotate(x: &[f32], ld: usize, col: usize, heads: usize, hd: usize, a: Angles<'_>, scale: Option<f64>) -> Vec<f32> {
     let half = hd / 2;
     let width = heads * hd;
     let mut out = vec![0f32; x.len() / ld * width];
@@ -105,6 +107,12 @@ fn rotate(x: &[f32], ld: usize, col: usize, heads: usize, hd: usize, a: Angles<'
                 o1[i] = s1[i] * cos[i] - s2[i] * sin[i];
                 o2[i] = s1[i] * sin[i] + s2[i] * cos[i];
             }
+        }
+    }
+    if let Some(s) = scale {
+        let s = s as f32;
+        for v in &mut out {
+            *v = *v * s + 0.0;
         }
     }
     out
@@ -216,8 +224,14 @@ mod tests {
             let fresh = || Tensor::randn(0f32, 1.0, (20, kvs), &dev).and_then(|t| t.to_dtype(dtype));
             let (ck, cv) = (fresh()?, fresh()?);
             let (wk, wv) = (ck.copy()?, cv.copy()?);
-            let q = rope_write_kv(&qkv, &cos, &sin, D, &ck, &cv, &rows)?.expect("the CPU path");
+            let q = rope_write_kv(&qkv, (&cos, &sin), D, (&ck, &cv), &rows, None)?.expect("the CPU path");
             let want_q = rope(&qkv.narrow(1, 0, qs)?.reshape((tokens, D.heads, hd))?, &cos, &sin);
+            // Scaled as attention scales them, by a power of two and by an inexact factor.
+            for scale in [1.0 / (hd as f64).sqrt(), 0.1] {
+                let (k2, v2) = (fresh()?, fresh()?);
+                let got = rope_write_kv(&qkv, (&cos, &sin), D, (&k2, &v2), &rows, Some(scale))?.expect("the CPU path");
+                assert_eq!(bits(&got), bits(&(&want_q * scale)?), "queries times {scale}, {dtype:?}");
+            }
             let k = rope(&qkv.narrow(1, qs, kvs)?.reshape((tokens, D.kv_heads, hd))?, &cos, &sin);
             let (k, v) = (k.reshape((tokens, kvs))?.to_dtype(dtype)?, qkv.narrow(1, qs + kvs, kvs)?.to_dtype(dtype)?);
             let slots = Tensor::new(&rows, &dev)?;
@@ -244,14 +258,14 @@ mod tests {
         let cos = Tensor::ones((2, D.head_dim / 2), DType::F32, &dev)?;
         let sin = Tensor::zeros((2, D.head_dim / 2), DType::F32, &dev)?;
         let (ck, cv) = (Tensor::zeros((4, kvs), DType::F16, &dev)?, Tensor::zeros((4, kvs), DType::F16, &dev)?);
-        let err = rope_write_kv(&qkv, &cos, &sin, D, &ck, &cv, &[1, 4]).expect_err("row 4 of 4");
+        let err = rope_write_kv(&qkv, (&cos, &sin), D, (&ck, &cv), &[1, 4], None).expect_err("row 4 of 4");
         assert!(err.to_string().contains("cache row 4"), "{err}");
         assert!(bits(&ck).iter().chain(&bits(&cv)).all(|&b| b == 0), "nothing written");
         let short = Tensor::zeros((2, qs), DType::F32, &dev)?;
-        assert!(rope_write_kv(&short, &cos, &sin, D, &ck, &cv, &[0, 1]).is_err(), "qkv too narrow");
+        assert!(rope_write_kv(&short, (&cos, &sin), D, (&ck, &cv), &[0, 1], None).is_err(), "qkv too narrow");
         // Not f32 activations: the caller's general path.
         let half = qkv.to_dtype(DType::BF16)?;
-        assert!(rope_write_kv(&half, &cos, &sin, D, &ck, &cv, &[0, 1])?.is_none());
+        assert!(rope_write_kv(&half, (&cos, &sin), D, (&ck, &cv), &[0, 1], None)?.is_none());
         Ok(())
     }
 }
