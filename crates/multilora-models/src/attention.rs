@@ -34,19 +34,17 @@ pub(crate) fn query_scale(d: AttnDims) -> f64 {
     1.0 / (d.head_dim as f64).sqrt()
 }
 
-/// `q: [tokens, heads, head_dim]` (already rotated, and already times [`query_scale`] when
-/// `scaled`) → `[tokens, heads · head_dim]`, each sequence attending over its rows of the cache
-/// (which already hold this step's keys and values).
+/// `q: [tokens, heads, head_dim]` (already rotated and times [`query_scale`]) → `[tokens, heads ·
+/// head_dim]`, each sequence attending over its rows of the cache (which already hold this step's
+/// keys and values).
 pub(crate) fn paged_attention(
     plan: &StepPlan,
     q: &Tensor,
-    scaled: bool,
     cache_k: &Tensor,
     cache_v: &Tensor,
     d: AttnDims,
 ) -> Result<Tensor> {
     let group = d.heads / d.kv_heads;
-    let q = if scaled { q.clone() } else { (q * query_scale(d))? };
     let mut outs = Vec::with_capacity(plan.seqs.len() + 1);
     if let Some(g) = &plan.decode {
         let qd = match &g.rows {

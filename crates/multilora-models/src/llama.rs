@@ -479,6 +479,7 @@ impl Model {
         // The cache rows each decode sequence's attention reads (the plan's own lists).
         let context_rows = plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
         let mut ahead = ReadAhead::new();
+        let q_scale = query_scale(dims);
         // The last layer's output, added into `x` together with the next norm.
         let mut residual: Option<Tensor> = None;
         for (l, layer) in self.layers.iter().enumerate() {
@@ -492,15 +493,14 @@ impl Model {
             };
             let qkv = layer.qkv.forward(&h, map)?;
             let (ck, cv) = cache.layer(l);
-            // On the CPU, the rotation and the cache write in one pass; elsewhere as tensor ops.
+            // On the CPU, the rotation, the queries' scale and the cache write in one pass;
+            // elsewhere as tensor ops.
             let fused = match &plan.kv_writes {
                 KvWrites::Host(rows) => {
-                    multilora_layers::rope_write_kv(&qkv, (&cos, &sin), dims, (ck, cv), rows, Some(query_scale(dims)))?
+                    multilora_layers::rope_write_kv(&qkv, (&cos, &sin), dims, (ck, cv), rows, Some(q_scale))?
                 }
                 _ => None,
             };
-            // The fused pass hands the queries back already scaled.
-            let scaled = fused.is_some();
             let q = match fused {
                 Some(q) => q,
                 None => {
@@ -509,10 +509,10 @@ impl Model {
                     let v = qkv.narrow(1, qs + kvs, kvs)?;
                     let k = Rope::apply(&k, &cos, &sin)?.reshape((tokens, kvs))?;
                     write_kv(&plan, ck, cv, &k, &v)?;
-                    Rope::apply(&q, &cos, &sin)?
+                    (Rope::apply(&q, &cos, &sin)? * q_scale)?
                 }
             };
-            let attn = paged_attention(&plan, &q, scaled, ck, cv, dims)?;
+            let attn = paged_attention(&plan, &q, ck, cv, dims)?;
             let o = layer.o.forward(&attn, map)?;
             let (sum, h) = multilora_layers::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
             x = sum;

@@ -97,22 +97,19 @@ fn rotate(x: &[f32], ld: usize, col: usize, heads: usize, hd: usize, a: Angles<'
     let half = hd / 2;
     let width = heads * hd;
     let mut out = vec![0f32; x.len() / ld * width];
+    // The rotated value (rounded), then the affine's product and `+ 0` (a −0 comes out +0).
+    let (s, plus) = scale.map_or((1.0, false), |s| (s as f32, true));
+    let scaled = |v: f32| if plus { v * s + 0.0 } else { v };
     for ((src, dst), (cos, sin)) in
         x.chunks_exact(ld).zip(out.chunks_exact_mut(width)).zip(a.cos.chunks_exact(half).zip(a.sin.chunks_exact(half)))
     {
-        for (s, o) in src[col..col + width].chunks_exact(hd).zip(dst.chunks_exact_mut(hd)) {
-            let (s1, s2) = s.split_at(half);
+        for (h, o) in src[col..col + width].chunks_exact(hd).zip(dst.chunks_exact_mut(hd)) {
+            let (s1, s2) = h.split_at(half);
             let (o1, o2) = o.split_at_mut(half);
             for i in 0..half {
-                o1[i] = s1[i] * cos[i] - s2[i] * sin[i];
-                o2[i] = s1[i] * sin[i] + s2[i] * cos[i];
+                o1[i] = scaled(s1[i] * cos[i] - s2[i] * sin[i]);
+                o2[i] = scaled(s1[i] * sin[i] + s2[i] * cos[i]);
             }
-        }
-    }
-    if let Some(s) = scale {
-        let s = s as f32;
-        for v in &mut out {
-            *v = *v * s + 0.0;
         }
     }
     out

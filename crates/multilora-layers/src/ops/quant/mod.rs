@@ -53,14 +53,12 @@ struct Segment {
     tiles: kernel::Lines,
 }
 
-/// A product cut for the threads ([`QuantWeight::plan`]): its jobs, and the runs of them that
-/// make one parallel task each, for `m` rows on `threads` threads.
+/// A product of `m` rows on `threads` threads cut for the threads ([`QuantWeight::plan`]).
 #[derive(Debug)]
 struct Plan {
     m: usize,
     threads: usize,
-    jobs: Vec<Job>,
-    tasks: Vec<std::ops::Range<usize>>,
+    cut: kernel::Cut,
 }
 
 /// A GGML-quantized weight `W: [n, k]` (PyTorch's `[out, in]`), held in its blocks and multiplied
@@ -221,7 +219,7 @@ impl QuantWeight {
         drop(storage);
         let plan = self.plan_for(m, if parallel { threads } else { 1 });
         let segs = self.seg_views();
-        let y = kernel::run(isa, &act, &segs, n, (&plan.jobs, &plan.tasks), parallel, ahead);
+        let y = kernel::run(isa, &act, &segs, n, &plan.cut, parallel, ahead);
         Ok(Tensor::from_vec(y, (m, n), &Device::Cpu)?)
     }
 
@@ -309,30 +307,26 @@ impl QuantWeight {
         let total: usize = tiles.iter().sum();
         let wanted = if threads > 1 { threads * TASKS_PER_THREAD } else { 1 };
         let chunks = wanted.div_ceil(row_blocks.len()).clamp(1, total);
-        let mut plan = Plan {
-            m,
-            threads,
-            jobs: Vec::with_capacity(row_blocks.len() * (chunks + tiles.len())),
-            tasks: Vec::with_capacity(row_blocks.len() * chunks),
-        };
+        let mut jobs = Vec::with_capacity(row_blocks.len() * (chunks + tiles.len()));
+        let mut tasks = Vec::with_capacity(row_blocks.len() * chunks);
         for &(m0, m1) in &row_blocks {
             for c in 0..chunks {
                 // Global tiles [c·total/chunks, (c+1)·total/chunks): the chunks differ by one tile
                 // at most, so that the threads' shares come out even.
                 let (g0, g1) = (c * total / chunks, (c + 1) * total / chunks);
-                let first = plan.jobs.len();
+                let first = jobs.len();
                 let mut base = 0;
                 for (seg, &nt) in tiles.iter().enumerate() {
                     let (t0, t1) = (g0.max(base).min(base + nt) - base, g1.max(base).min(base + nt) - base);
                     if t0 < t1 {
-                        plan.jobs.push(Job { seg, t0, t1, m0, m1 });
+                        jobs.push(Job { seg, t0, t1, m0, m1 });
                     }
                     base += nt;
                 }
-                plan.tasks.push(first..plan.jobs.len());
+                tasks.push(first..jobs.len());
             }
         }
-        plan
+        Plan { m, threads, cut: kernel::Cut::new(jobs, tasks, &self.seg_views()) }
     }
 }
 
@@ -350,7 +344,10 @@ mod tests {
         for (m, threads) in [(17, 2), (16, 1), (16, 2), (300, 3)] {
             let (got, want) = (w.plan_for(m, threads), w.plan(m, threads));
             anyhow::ensure!((got.m, got.threads) == (m, threads), "{m} rows, {threads} threads");
-            anyhow::ensure!(got.jobs == want.jobs && got.tasks == want.tasks, "{m} rows, {threads} threads");
+            anyhow::ensure!(
+                got.cut.jobs() == want.cut.jobs() && got.cut.tasks() == want.cut.tasks(),
+                "{m} rows, {threads} threads"
+            );
         }
         Ok(())
     }
@@ -371,12 +368,12 @@ mod tests {
             let mut next = 0;
             let mut seen = vec![vec![0usize; 60]; m];
             let mut sizes = Vec::new();
-            for t in &plan.tasks {
+            for t in plan.cut.tasks() {
                 anyhow::ensure!(t.start == next && t.start < t.end, "{m} rows, {threads} threads: task {t:?}");
                 next = t.end;
-                let (m0, m1) = (plan.jobs[t.start].m0, plan.jobs[t.start].m1);
+                let (m0, m1) = (plan.cut.jobs()[t.start].m0, plan.cut.jobs()[t.start].m1);
                 let mut size = 0;
-                for j in &plan.jobs[t.clone()] {
+                for j in &plan.cut.jobs()[t.clone()] {
                     anyhow::ensure!(j.t1 <= tiles[j.seg] && (j.m0, j.m1) == (m0, m1), "job {j:?}");
                     let base: usize = tiles[..j.seg].iter().sum();
                     for tile in base + j.t0..base + j.t1 {
@@ -386,12 +383,16 @@ mod tests {
                 }
                 sizes.push(size);
             }
-            anyhow::ensure!(next == plan.jobs.len(), "the tasks leave jobs out");
+            anyhow::ensure!(next == plan.cut.jobs().len(), "the tasks leave jobs out");
             anyhow::ensure!(seen.iter().flatten().all(|&c| c == 1), "{m} rows: every tile of every row once");
             let (lo, hi) = (sizes.iter().min().copied(), sizes.iter().max().copied());
             anyhow::ensure!(hi.zip(lo).is_some_and(|(h, l)| h - l <= 1), "{m} rows, {threads} threads: {sizes:?}");
             if threads > 1 && m == 16 {
-                anyhow::ensure!(plan.tasks.len() == threads * TASKS_PER_THREAD, "{} tasks", plan.tasks.len());
+                anyhow::ensure!(
+                    plan.cut.tasks().len() == threads * TASKS_PER_THREAD,
+                    "{} tasks",
+                    plan.cut.tasks().len()
+                );
             }
         }
         Ok(())

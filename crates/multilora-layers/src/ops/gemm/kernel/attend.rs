@@ -17,6 +17,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::{Avx512, Simd};
 use super::{Elem, Isa};
 
 /// Query heads per KV head the kernel takes (Llama-family models have 1 to 8; the rest go the
@@ -156,26 +158,6 @@ fn prefetch_row<E>(p: *const E, len: usize) {
     }
 }
 
-/// Sixteen values of `E` widened to f32.
-///
-/// # Safety
-/// `p .. p + 16` readable; AVX-512F available.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn load<E: Elem>(p: *const E) -> __m512 {
-    use super::ElemKind;
-    // SAFETY: forwarded from the caller; `E::KIND` names how `E` is stored.
-    unsafe {
-        match E::KIND {
-            ElemKind::F32 => _mm512_loadu_ps(p.cast()),
-            ElemKind::Bf16 => {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
-            }
-            ElemKind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
-        }
-    }
-}
-
 /// `G` query rows (`hd` apart from `q`) against `KB` keys: row `r`'s scores in the first `KB`
 /// lanes of vector `r`, key `j` in lane `j`. Each key chunk is widened once and multiplied into
 /// every row's accumulator for that key (lanes along the head dimension).
@@ -198,7 +180,7 @@ unsafe fn scores_block<E: Elem, const G: usize, const KB: usize>(
                 *x = _mm512_loadu_ps(q.add(r * hd + c));
             }
             for (j, &k) in keys.iter().enumerate() {
-                let kv = load::<E>(k.add(c));
+                let kv = Avx512::load_elem::<E>(k.add(c));
                 for (a, &x) in acc.iter_mut().zip(&qv) {
                     a[j] = _mm512_fmadd_ps(x, kv, a[j]);
                 }
@@ -289,7 +271,7 @@ unsafe fn values<E: Elem, const G: usize, const C: usize>(
             let src = h.v.as_ptr().add(r as usize * h.width + h.col + d);
             let mut vv = [_mm512_setzero_ps(); C];
             for (c, x) in vv.iter_mut().enumerate() {
-                *x = load::<E>(src.add(16 * c));
+                *x = Avx512::load_elem::<E>(src.add(16 * c));
             }
             for (i, a) in acc.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*p.add(i * ctx + t));

@@ -91,6 +91,51 @@ pub(crate) struct Job {
     pub(crate) m1: usize,
 }
 
+/// A product's jobs cut for the threads, made once per shape and kept with the weight: the jobs,
+/// the runs of them that make one parallel task each (together every job once, in order), and the
+/// outputs before each job (a job's share of the read-ahead lines follows its outputs).
+#[derive(Debug)]
+pub(crate) struct Cut {
+    jobs: Vec<Job>,
+    tasks: Vec<Range<usize>>,
+    /// `before[i]`: the outputs of jobs `0..i` (`jobs.len() + 1` of them).
+    before: Vec<usize>,
+}
+
+impl Cut {
+    /// The jobs over `segs`, run as `tasks`.
+    ///
+    /// # Panics
+    /// When the tasks do not take every job once, in order, or a job names no segment.
+    pub(crate) fn new(jobs: Vec<Job>, tasks: Vec<Range<usize>>, segs: &[Seg<'_>]) -> Cut {
+        let mut next = 0;
+        for t in &tasks {
+            assert!(t.start == next && t.start <= t.end && t.end <= jobs.len(), "quant kernel: task {t:?}");
+            next = t.end;
+        }
+        assert!(next == jobs.len(), "quant kernel: the tasks take {next} of {} jobs", jobs.len());
+        let mut before = Vec::with_capacity(jobs.len() + 1);
+        before.push(0);
+        for j in &jobs {
+            let (c0, c1) = cols(segs.get(j.seg).expect("quant kernel: job of no segment"), j);
+            before.push(before[before.len() - 1] + (j.m1 - j.m0) * c1.saturating_sub(c0));
+        }
+        Cut { jobs, tasks, before }
+    }
+
+    /// The jobs, in order.
+    #[cfg(test)]
+    pub(crate) fn jobs(&self) -> &[Job] {
+        &self.jobs
+    }
+
+    /// The runs of jobs that make one parallel task each.
+    #[cfg(test)]
+    pub(crate) fn tasks(&self) -> &[Range<usize>] {
+        &self.tasks
+    }
+}
+
 /// The output, shared by the threads; each writes only its own jobs' rectangles.
 #[derive(Clone, Copy, Debug)]
 struct Out {
@@ -189,44 +234,34 @@ fn check(act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
     assert!(area == m * ldy, "quant kernel: the jobs cover {area} of {} outputs", m * ldy);
 }
 
-/// Computes every job into a new `[m, ldy]` output, on the rayon pool when `parallel`: each of
-/// `tasks` (runs of `jobs`, together every job once) one parallel task running its jobs in order.
-/// The jobs must cover the output exactly: it is written once, never zeroed first.
+/// Computes every job of `cut` into a new `[m, ldy]` output, on the rayon pool when `parallel`
+/// (one parallel task per run of the cut's tasks, its jobs in order). The jobs must cover the
+/// output exactly: it is written once, never zeroed first.
 ///
 /// # Panics
-/// When a job reaches outside the weights, the activations or the output, overlaps another, the
-/// jobs leave an output uncovered, or the tasks do not take every job once.
+/// When a job reaches outside the weights, the activations or the output, overlaps another, or
+/// the jobs leave an output uncovered.
 pub(crate) fn run(
     isa: QuantIsa,
     act: &Act,
     segs: &[Seg<'_>],
     ldy: usize,
-    (jobs, tasks): (&[Job], &[Range<usize>]),
+    cut: &Cut,
     parallel: bool,
     ahead: &[(usize, usize)],
 ) -> Vec<f32> {
+    let (jobs, before) = (&cut.jobs, &cut.before);
     check(act, segs, ldy, jobs);
-    let mut next = 0;
-    for t in tasks {
-        assert!(t.start == next && t.start <= t.end && t.end <= jobs.len(), "quant kernel: task {t:?}");
-        next = t.end;
-    }
-    assert!(next == jobs.len(), "quant kernel: the tasks take {next} of {} jobs", jobs.len());
     let len = act.m * ldy;
     let mut y: Vec<f32> = Vec::with_capacity(len);
     let isa = if isa.available() { isa } else { QuantIsa::Portable };
     let out = Out { ptr: y.as_mut_ptr(), ldy };
-    // Each job's share of the lines to ask for, by its outputs: `work[i]` outputs before job `i`.
-    let area = |j: &Job| {
-        let (c0, c1) = cols(&segs[j.seg], j);
-        (j.m1 - j.m0) * (c1 - c0)
-    };
-    let work: Vec<usize> = jobs.iter().scan(0, |w, j| Some(std::mem::replace(w, *w + area(j)))).collect();
-    let (total, all) = (ahead.iter().map(|&(_, b)| b.div_ceil(LINE)).sum::<usize>(), (act.m * ldy).max(1));
+    // Each job's share of the lines to ask for, by its outputs (`check`: they sum to `len`).
+    let (total, all) = (ahead.iter().map(|&(_, b)| b.div_ceil(LINE)).sum::<usize>(), len.max(1));
     let go = |i: usize| {
         let j = &jobs[i];
         let s = &segs[j.seg];
-        let pf = Ahead::new(ahead, work[i] * total / all, (work[i] + area(j)) * total / all);
+        let pf = Ahead::new(ahead, before[i] * total / all, before[i + 1] * total / all);
         if j.m0 == j.m1 || j.t0 == j.t1 {
             return;
         }
@@ -245,8 +280,8 @@ pub(crate) fn run(
             _ => unsafe { job::<Portable>(s, act, out, j, pf) },
         }
     };
-    if parallel && tasks.len() > 1 {
-        tasks.par_iter().for_each(|t| t.clone().for_each(go));
+    if parallel && cut.tasks.len() > 1 {
+        cut.tasks.par_iter().for_each(|t| t.clone().for_each(go));
     } else {
         (0..jobs.len()).for_each(go);
     }
