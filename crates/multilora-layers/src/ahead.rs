@@ -5,8 +5,8 @@
 //! base products use a fraction of the memory bandwidth) with parts whose time goes to waiting
 //! on memory (each adapter's LoRA slots, 78 MB a step for eight rank-16 adapters on every
 //! projection of SmolLM2-135M; the attention's KV rows). A product given the addresses of what
-//! follows it spreads cache hints (`prefetcht1`, to L2) over its blocks, and the next part finds
-//! its bytes in L2 or L3 instead of memory. A hint reads nothing and cannot fault, so an address
+//! follows it spreads cache hints (`prefetcht0`) over its blocks, and the next part finds its
+//! bytes in the caches instead of memory. A hint reads nothing and cannot fault, so an address
 //! here is only ever a number: nothing is read through it, and a stale one costs a wasted hint.
 
 use candle_core::{CpuStorage, Storage, Tensor};

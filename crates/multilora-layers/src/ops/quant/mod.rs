@@ -20,16 +20,20 @@
 //! the f32 roundings of the block sums.
 //!
 //! The weight stays quantized ([`mod@layout`]: GGML's blocks regrouped by 16 output columns so one
-//! vector instruction multiplies 16 columns by 4 values of `k`, about the GGUF file's bytes). One
-//! kernel serves every batch size: a tile of 16 columns (the whole of `k`, read as one stream) is
+//! vector instruction multiplies 16 columns by 4 values of `k`, about the GGUF file's bytes), in
+//! chunks backed by huge pages where the system gives them ([`mod@arena`]). One kernel serves
+//! every batch size: a tile of 16 columns (the whole of `k`, read as one stream) is
 //! decoded into registers once per row tile of up to 8 rows and multiplied against all of them.
 //! Up to 64 rows (decode) every tile goes through all rows at once, so `W` is read from memory
 //! once; above, rows are cut into blocks whose quantized activations (panels of 8 rows) stay in
 //! L2 while each tile stays in L1. The tiles are cut into column ranges that run on the current
 //! rayon pool ([`kernel`]); `k` is never split.
 
+// The weights' memory: huge-page chunks (`unsafe`: the allocation and its ranges).
+#[allow(unsafe_code)]
+mod arena;
 mod dequant;
-// The quantized path's one module allowed `unsafe`: vector loads, the output pointer.
+// The kernels (`unsafe`: vector loads, the output pointer).
 #[allow(unsafe_code)]
 mod kernel;
 mod layout;
@@ -50,7 +54,7 @@ pub use types::{QuantIsa, QuantType};
 struct Segment {
     qt: QuantType,
     n: usize,
-    tiles: kernel::Lines,
+    tiles: arena::Lines,
 }
 
 /// A product of `m` rows on `threads` threads cut for the threads ([`QuantWeight::plan`]).
@@ -122,7 +126,7 @@ impl QuantWeight {
         let l = layout(qtype);
         let rec = nsb * l.bytes;
         let tiles_len = n.div_ceil(TN).checked_mul(rec).ok_or_else(|| shape_err("the shape is too large".into()))?;
-        let mut tiles = kernel::Lines::zeroed(tiles_len);
+        let mut tiles = arena::Lines::zeroed(tiles_len);
         let bb = qtype.block_bytes();
         tiles.par_chunks_mut(rec).enumerate().for_each(|(t, tile)| {
             for (sb, r) in tile.chunks_exact_mut(l.bytes).enumerate() {
@@ -185,7 +189,8 @@ impl QuantWeight {
     }
 
     /// [`QuantWeight::forward_with`], asking along the way, a little at each block, for the bytes
-    /// of `ahead` (`(address, bytes)` ranges of what the caller reads next) to be brought into L2.
+    /// of `ahead` (`(address, bytes)` ranges of what the caller reads next) to be brought into the
+    /// caches.
     pub(crate) fn forward_ahead(&self, x: &Tensor, isa: QuantIsa, ahead: &[(usize, usize)]) -> Result<Tensor> {
         if !isa.available() {
             return Err(Error::IsaUnavailable { op: "quantized linear".into(), isa: isa.describe().into() });

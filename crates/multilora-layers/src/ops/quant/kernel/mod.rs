@@ -2,9 +2,10 @@
 //! ([`tile`]) over each weight type ([`mod@format`]) on each instruction set ([`simd`]: portable;
 //! [`x86`]: AVX2, AVX-VNNI, AVX-512 VNNI), and [`run`], the safe entry point.
 //!
-//! This module and its children are the quantized path's only `unsafe`: raw-pointer vector loads
-//! and stores, the `#[target_feature]` entry points (called only after run-time detection), and
-//! the one output pointer that threads write disjoint rectangles through. [`run`] checks every
+//! This module and its children are the quantized path's `unsafe` (with the weights' own memory,
+//! `arena.rs`): raw-pointer vector loads and stores, the `#[target_feature]` entry points (called
+//! only after run-time detection), and the one output pointer that threads write disjoint
+//! rectangles through. [`run`] checks every
 //! job against the weights, the activations and the output, and against each other, before any
 //! of that runs.
 
@@ -27,50 +28,8 @@ use format::{Format, Q2K, Q3K, Q4_0, Q4_1, Q4K, Q5_0, Q5_1, Q5K, Q6K, Q8_0};
 use simd::{Portable, Simd};
 use tile::{RowTile, rows_any};
 
-/// A cache line of weight bytes: [`Lines`]' unit, so that every tile starts on a line.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
-
-/// Bytes of a [`Line`]: the unit of the read-ahead hints too.
-const LINE: usize = size_of::<Line>();
-
-/// Weight tiles on 64-byte boundaries: a vector load of a record's field never straddles two
-/// cache lines where the layout aligns it (a `Vec<u8>` of this size comes from `mmap` 16 bytes
-/// past a page, which split every 64-byte load of every tile in two).
-pub(crate) struct Lines {
-    lines: Vec<Line>,
-    len: usize,
-}
-
-impl Lines {
-    /// `len` zero bytes.
-    pub(crate) fn zeroed(len: usize) -> Lines {
-        Lines { lines: vec![Line([0; LINE]); len.div_ceil(LINE)], len }
-    }
-}
-
-impl std::ops::Deref for Lines {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: `lines` holds `LINE · lines.len() >= len` initialized bytes (`Line` is a plain
-        // byte array with no padding), borrowed with `self`.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.len) }
-    }
-}
-
-impl std::ops::DerefMut for Lines {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as for `deref`, borrowed mutably with `self`; any byte value is a valid `Line`.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), self.len) }
-    }
-}
-
-impl std::fmt::Debug for Lines {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Lines({} bytes)", self.len)
-    }
-}
+/// Bytes of a cache line: the unit of the read-ahead hints.
+const LINE: usize = 64;
 
 /// One weight segment: `n` output columns from `col0`, of one type, as tiles of `k` each.
 #[derive(Clone, Copy, Debug)]
@@ -149,7 +108,7 @@ unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
 
-/// A job's share of the lines to bring into L2 ([`run`]'s `ahead`): lines `from..to` of the
+/// A job's share of the lines to bring into the caches ([`run`]'s `ahead`): lines `from..to` of the
 /// ranges laid end to end, handed out a contiguous run at a time.
 #[derive(Clone, Copy, Debug)]
 struct Ahead<'a> {

@@ -121,7 +121,7 @@ pub(super) struct RowTile {
     pub(super) y: *mut f32,
     pub(super) ldy: usize,
     pub(super) cols: usize,
-    /// Lines ([`super::LINE`] bytes) from this address that the tile asks to be brought into L2, spread over
+    /// Lines ([`super::LINE`] bytes) from this address that the tile asks to be brought into the caches, spread over
     /// its blocks: what the caller reads after the product.
     pub(super) ahead: usize,
     pub(super) ahead_lines: usize,
@@ -150,13 +150,15 @@ fn prefetch(p: *const u8, len: usize) {
     let _ = (p, len);
 }
 
-/// Asks for the line at `addr` to be brought into L2 (no access: never faults).
+/// Asks for the line at `addr` to be brought into the caches, L1 and L2 (`prefetcht0`; no
+/// access: never faults). Into L2 alone (`prefetcht1`), the 16-row LoRA step of
+/// docs/BENCHMARKS.md measured 0.01–0.25 ms slower in each of ten alternating runs (Zen 5).
 #[inline(always)]
-fn prefetch_l2(addr: usize) {
+fn prefetch_ahead(addr: usize) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch hint reads nothing and cannot fault, whatever the address.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(addr as *const i8)
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = addr;
@@ -181,7 +183,7 @@ pub(super) unsafe fn rows<S: Simd, F: Format, const RM: usize>(t: RowTile) {
                 let per = t.ahead_lines.div_ceil(t.nsb);
                 let (a, b) = ((sb * per).min(t.ahead_lines), ((sb + 1) * per).min(t.ahead_lines));
                 for l in a..b {
-                    prefetch_l2(t.ahead.wrapping_add(l * super::LINE));
+                    prefetch_ahead(t.ahead.wrapping_add(l * super::LINE));
                 }
             }
             let sbs = F::sb::<S>(r, t.c0);
