@@ -105,6 +105,11 @@ pub struct HostRows {
 }
 
 impl HostRows {
+    /// The first row's address.
+    pub(crate) fn addr(&self) -> usize {
+        self.addr
+    }
+
     /// The rows of `t`.
     pub fn of(t: &Tensor) -> Option<HostRows> {
         let cols = *t.dims().last()?;

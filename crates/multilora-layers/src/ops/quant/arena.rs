@@ -74,6 +74,15 @@ fn advise_huge(ptr: NonNull<u8>, size: usize) {
 #[cfg(not(target_os = "linux"))]
 fn advise_huge(_: NonNull<u8>, _: usize) {}
 
+/// [`advise_huge`] for the whole huge pages inside `len` bytes from `addr` (an allocation that is
+/// not on a huge-page boundary: the LoRA slots' buffers).
+pub(crate) fn advise_huge_within(addr: usize, len: usize) {
+    let (start, end) = (addr.next_multiple_of(HUGE), (addr + len) / HUGE * HUGE);
+    if let (true, Some(p)) = (start < end, NonNull::new(start as *mut u8)) {
+        advise_huge(p, end - start);
+    }
+}
+
 /// The chunk small weights are carved from now, and the bytes of it taken. Weak: the chunk goes
 /// when its last weight does.
 static CURRENT: Mutex<Option<(Weak<Chunk>, usize)>> = Mutex::new(None);
