@@ -43,13 +43,17 @@
 //! # Ok(()) }
 //! ```
 // Denied everywhere but the CPU kernels (`ops::gemm::kernel`, `ops::quant::kernel`), which allow
-// it for their vector loads; every block there carries a `// SAFETY:` comment.
+// it for their vector loads, and the long-lived host memory (`host_memory`, `ops::quant::arena`:
+// an allocation, `madvise`); every block there carries a `// SAFETY:` comment.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod ahead;
 mod embedding;
 mod error;
+// `madvise` (see the note on `unsafe_code` above).
+#[allow(unsafe_code)]
+mod host_memory;
 mod linear;
 mod mapping;
 mod ops;
@@ -62,6 +66,7 @@ mod upload;
 pub use ahead::{HostRows, ReadAhead};
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
+pub use host_memory::lazy_zeros;
 pub use linear::{LinearWeight, LoraLinear};
 pub use mapping::{LoraMapping, PendingMapping, Segment};
 pub use ops::attention::cpu::decode_attention_rows;

@@ -13,6 +13,7 @@ use multilora_adapter::{LoraModule, ModuleId};
 
 use crate::ahead::{HostRows, ReadAhead};
 use crate::error::{Error, Result};
+use crate::host_memory::{advise_huge_within, lazy_zeros};
 
 /// Where and how LoRA slots are allocated: shared by every layer of a model.
 #[derive(Clone, Debug)]
@@ -59,9 +60,9 @@ impl Slab {
         let (chunk, used) = match current.take() {
             Some((c, used)) if c.dtype() == dtype && used + pad + n <= c.elem_count() => (c, used),
             _ => {
-                let chunk = host_zeros((SLAB_BYTES / es).max(n + pad), dtype)?;
+                let chunk = lazy_zeros(&[(SLAB_BYTES / es).max(n + pad)], dtype, &Device::Cpu)?;
                 if let Some(rows) = HostRows::of(&chunk) {
-                    crate::ops::quant::advise_huge_within(rows.addr(), chunk.elem_count() * es);
+                    advise_huge_within(rows.addr(), chunk.elem_count() * es);
                 }
                 (chunk, 0)
             }
@@ -72,19 +73,6 @@ impl Slab {
         *current = Some((chunk, used + skip + n));
         Ok(view)
     }
-}
-
-/// `n` zeros of `dtype` on the CPU as a zeroed allocation, whose pages the system hands out on
-/// first write (`vec![f16::ZERO; n]` would write every element).
-fn host_zeros(n: usize, dtype: DType) -> Result<Tensor> {
-    use half::vec::HalfBitsVecExt;
-    let dev = &Device::Cpu;
-    Ok(match dtype {
-        DType::F16 => Tensor::from_vec(vec![0u16; n].reinterpret_into::<half::f16>(), n, dev)?,
-        DType::BF16 => Tensor::from_vec(vec![0u16; n].reinterpret_into::<half::bf16>(), n, dev)?,
-        DType::F32 => Tensor::from_vec(vec![0f32; n], n, dev)?,
-        other => Tensor::zeros(n, other, dev)?,
-    })
 }
 
 /// The slot buffers of one adapted module (one slice of a possibly fused layer).

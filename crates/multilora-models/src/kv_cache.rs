@@ -100,23 +100,6 @@ pub struct KvCache {
     head_dim: usize,
 }
 
-/// A zeroed `[rows, width]` tensor whose pages the system hands out on first write, so a pool
-/// sized for the longest context costs memory only as far as it is used: half-precision zeros on
-/// the CPU are made as `u16` zeros (a zeroed allocation, as f32 zeros are; `vec![f16::ZERO; n]`
-/// writes every element) and reinterpreted, bits unchanged.
-fn zeros(rows: usize, width: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    use half::vec::HalfBitsVecExt;
-    match dtype {
-        DType::F16 if device.is_cpu() => {
-            Tensor::from_vec(vec![0u16; rows * width].reinterpret_into::<half::f16>(), (rows, width), device)
-        }
-        DType::BF16 if device.is_cpu() => {
-            Tensor::from_vec(vec![0u16; rows * width].reinterpret_into::<half::bf16>(), (rows, width), device)
-        }
-        _ => Tensor::zeros((rows, width), dtype, device),
-    }
-}
-
 impl KvCache {
     /// A zeroed cache for a model of `cfg`.
     pub fn new(cfg: &ModelConfig, config: KvCacheConfig, dtype: DType, device: &Device) -> Result<KvCache> {
@@ -124,9 +107,11 @@ impl KvCache {
             return Err(Error::KvCache { reason: "block_size must be positive".into() });
         }
         let rows = config.num_blocks * config.block_size;
-        let alloc = || zeros(rows, cfg.kv_size(), dtype, device);
-        let k = (0..cfg.num_layers).map(|_| alloc()).collect::<candle_core::Result<Vec<_>>>()?;
-        let v = (0..cfg.num_layers).map(|_| alloc()).collect::<candle_core::Result<Vec<_>>>()?;
+        // Pages handed out as rows are written: a pool sized for the longest context costs
+        // memory only as far as it is used.
+        let alloc = || multilora_layers::lazy_zeros(&[rows, cfg.kv_size()], dtype, device);
+        let k = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
+        let v = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
         let host = k.iter().zip(&v).map(|(k, v)| Some([HostRows::of(k)?, HostRows::of(v)?])).collect();
         Ok(KvCache { k, v, host, config, kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim })
     }

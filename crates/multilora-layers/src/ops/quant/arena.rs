@@ -20,8 +20,7 @@
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-/// A chunk's alignment: the size of a huge page on x86-64 and aarch64 Linux.
-const HUGE: usize = 2 << 20;
+use crate::host_memory::{HUGE, advise_huge};
 
 /// Bytes of a shared chunk.
 const CHUNK: usize = 32 << 20;
@@ -30,7 +29,7 @@ const CHUNK: usize = 32 << 20;
 /// lines where the layout aligns it.
 const LINE: usize = 64;
 
-/// One allocation of `size` bytes at `HUGE` alignment, advised to be backed by huge pages.
+/// One allocation of `size` bytes on a huge page, advised to be backed by huge pages.
 struct Chunk {
     ptr: NonNull<u8>,
     size: usize,
@@ -59,27 +58,6 @@ impl Drop for Chunk {
         let layout = std::alloc::Layout::from_size_align(self.size, HUGE).expect("chunk layout");
         // SAFETY: allocated in `new` with this layout, freed once.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
-    }
-}
-
-/// Asks the kernel to back `size` bytes from `ptr` with huge pages as they are first touched
-/// (`madvise(MADV_HUGEPAGE)`); its answer changes nothing but speed, so it is not checked.
-#[cfg(target_os = "linux")]
-fn advise_huge(ptr: NonNull<u8>, size: usize) {
-    // SAFETY: the range is one allocation of ours; the advice changes how it is backed, not its
-    // contents or its validity.
-    let _ = unsafe { libc::madvise(ptr.as_ptr().cast(), size, libc::MADV_HUGEPAGE) };
-}
-
-#[cfg(not(target_os = "linux"))]
-fn advise_huge(_: NonNull<u8>, _: usize) {}
-
-/// [`advise_huge`] for the whole huge pages inside `len` bytes from `addr` (an allocation that is
-/// not on a huge-page boundary: the LoRA slots' buffers).
-pub(crate) fn advise_huge_within(addr: usize, len: usize) {
-    let (start, end) = (addr.next_multiple_of(HUGE), (addr + len) / HUGE * HUGE);
-    if let (true, Some(p)) = (start < end, NonNull::new(start as *mut u8)) {
-        advise_huge(p, end - start);
     }
 }
 

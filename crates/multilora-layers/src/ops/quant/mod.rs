@@ -45,7 +45,6 @@ use candle_core::{DType, Device, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-pub(crate) use arena::advise_huge_within;
 use kernel::{Job, Seg};
 use layout::{TN, layout};
 pub use types::{QuantIsa, QuantType};
