@@ -37,6 +37,16 @@ pub(crate) fn advise_huge_within(addr: usize, len: usize) {
     }
 }
 
+/// [`lazy_zeros`] of `n` values in one dimension whose whole huge pages are advised
+/// ([`advise_huge`]) on the CPU: for buffers read as short streams a step (the KV cache).
+pub fn huge_zeros(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let t = lazy_zeros(&[n], dtype, device)?;
+    if let Some(rows) = crate::HostRows::of(&t).filter(|_| device.is_cpu()) {
+        advise_huge_within(rows.addr(), n * dtype.size_in_bytes());
+    }
+    Ok(t)
+}
+
 /// A zeroed tensor whose pages, on the CPU, the system hands out on first write, so a buffer sized
 /// for the most it may hold costs memory only as far as it is used: half-precision zeros are made
 /// as `u16` zeros (a zeroed allocation, as f32 zeros are; `vec![f16::ZERO; n]` writes every

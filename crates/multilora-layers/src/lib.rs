@@ -66,7 +66,7 @@ mod upload;
 pub use ahead::{HostRows, ReadAhead};
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
-pub use host_memory::lazy_zeros;
+pub use host_memory::{huge_zeros, lazy_zeros};
 pub use linear::{LinearWeight, LoraLinear};
 pub use mapping::{LoraMapping, PendingMapping, Segment};
 pub use ops::attention::cpu::decode_attention_rows;

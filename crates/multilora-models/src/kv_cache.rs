@@ -106,12 +106,31 @@ impl KvCache {
         if config.block_size == 0 {
             return Err(Error::KvCache { reason: "block_size must be positive".into() });
         }
-        let rows = config.num_blocks * config.block_size;
+        let rows = config.num_blocks.checked_mul(config.block_size).ok_or_else(|| Error::KvCache {
+            reason: format!("{} blocks of {} rows overflow", config.num_blocks, config.block_size),
+        })?;
         // Pages handed out as rows are written: a pool sized for the longest context costs
-        // memory only as far as it is used.
-        let alloc = || multilora_layers::lazy_zeros(&[rows, cfg.kv_size()], dtype, device);
-        let k = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
-        let v = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
+        // memory only as far as it is used. On the CPU every layer's K and V are views of one
+        // buffer whose huge pages are advised: a decode step reads its sequences' rows of every
+        // layer as short streams (and asks for them ahead, `ReadAhead`), which on 4 KiB pages
+        // are a page walk every 4 KiB (docs/BENCHMARKS.md, "A ninth look").
+        let (k, v) = if device.is_cpu() {
+            let per = rows * cfg.kv_size();
+            let total = per.checked_mul(2 * cfg.num_layers).ok_or_else(|| Error::KvCache {
+                reason: format!("{rows} rows of {} values for {} layers overflow", cfg.kv_size(), cfg.num_layers),
+            })?;
+            let all = multilora_layers::huge_zeros(total, dtype, device)?;
+            let view =
+                |i: usize| -> Result<Tensor> { Ok(all.narrow(0, i * per, per)?.reshape((rows, cfg.kv_size()))?) };
+            let k = (0..cfg.num_layers).map(view).collect::<Result<Vec<_>>>()?;
+            let v = (cfg.num_layers..2 * cfg.num_layers).map(view).collect::<Result<Vec<_>>>()?;
+            (k, v)
+        } else {
+            let alloc = || multilora_layers::lazy_zeros(&[rows, cfg.kv_size()], dtype, device);
+            let k = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
+            let v = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
+            (k, v)
+        };
         let host = k.iter().zip(&v).map(|(k, v)| Some([HostRows::of(k)?, HostRows::of(v)?])).collect();
         Ok(KvCache { k, v, host, config, kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim })
     }
@@ -176,5 +195,36 @@ impl KvCache {
                 ),
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On the CPU the layers' K and V are views of one buffer, laid end to end: each of its own
+    /// shape, zero, and apart from every other (a write into one shows in no other).
+    #[test]
+    fn layers_are_apart_views_of_one_buffer() -> Result<()> {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/peft-tiny/base/config.json");
+        let cfg = ModelConfig::from_file(&path).expect("fixture config");
+        let cache = KvCache::new(&cfg, KvCacheConfig::new(3, 4), DType::F16, &Device::Cpu)?;
+        let (rows, width, layers) = (12, cfg.kv_size(), cfg.num_layers);
+        assert_eq!(cache.nbytes(), (2 * layers * rows * width * 2) as u64);
+        let tensors: Vec<&Tensor> = cache.k.iter().chain(&cache.v).collect();
+        for (i, t) in tensors.iter().enumerate() {
+            assert_eq!(t.dims(), [rows, width], "tensor {i}");
+            let marked = Tensor::full(i as f32 + 1.0, (rows, width), &Device::Cpu)?.to_dtype(DType::F16)?;
+            t.slice_set(&marked, 0, 0)?;
+        }
+        for (i, t) in tensors.iter().enumerate() {
+            let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            assert!(v.iter().all(|&x| x == i as f32 + 1.0), "tensor {i} holds its own values only");
+        }
+        let offsets: Vec<usize> = tensors.iter().map(|t| t.layout().start_offset()).collect();
+        let want: Vec<usize> = (0..2 * layers).map(|i| i * rows * width).collect();
+        assert_eq!(offsets, want, "end to end in one buffer, the keys then the values");
+        Ok(())
     }
 }

@@ -10,7 +10,6 @@
 //! and one output fewer per norm than the two ops.
 
 use candle_core::{DType, Tensor};
-use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::ops::gemm::{Isa, NORM_ROWS, rms_rows};
@@ -97,14 +96,11 @@ fn norm_rows(x: &Tensor, d: Option<&Tensor>, alpha: &Tensor, eps: f32, n: usize)
     };
     if len >= PARALLEL_VALUES && len > group {
         // The kernel's group of rows at a time, each row's bits the same wherever it falls.
-        match dv {
-            Some(_) => out
-                .par_chunks_mut(group)
-                .zip(sum.par_chunks_mut(group))
-                .enumerate()
-                .for_each(|(i, (o, s))| rows(i, o, s)),
-            None => out.par_chunks_mut(group).enumerate().for_each(|(i, o)| rows(i, o, &mut [])),
-        }
+        let parts: Vec<(&mut [f32], &mut [f32])> = match dv {
+            Some(_) => out.chunks_mut(group).zip(sum.chunks_mut(group)).collect(),
+            None => out.chunks_mut(group).map(|o| (o, &mut [][..])).collect(),
+        };
+        crate::pool::for_each_part(parts, |i, (o, s)| rows(i, o, s));
     } else {
         rows(0, &mut out, &mut sum);
     }

@@ -3,7 +3,6 @@
 //! `silu` and the product are two passes and a scalar `expf` per value).
 
 use candle_core::{DType, Tensor};
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::ops::gemm::{Isa, silu_mul as kernel};
@@ -30,7 +29,10 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
     let row = |(o, x): (&mut [f32], &[f32])| kernel(isa, &x[..inter], &x[inter..], o);
     if rows * inter >= PARALLEL_VALUES && inter > 0 {
         let min = rows.div_ceil(4 * rayon::current_num_threads()).max(1);
-        out.par_chunks_mut(inter).zip(v.par_chunks(width)).with_min_len(min).for_each(row);
+        let parts = out.chunks_mut(inter * min).zip(v.chunks(width * min)).collect();
+        crate::pool::for_each_part(parts, |_, (o, x): (&mut [f32], &[f32])| {
+            o.chunks_mut(inter).zip(x.chunks(width)).for_each(row)
+        });
     } else if inter > 0 {
         out.chunks_mut(inter).zip(v.chunks(width)).for_each(row);
     }

@@ -14,7 +14,6 @@
 
 use candle_core::{DType, Tensor};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use super::PagedDecodeDims;
 use crate::error::{Error, Result};
@@ -108,10 +107,8 @@ fn rows_with<E: Elem>(
     let (k, v) = (&k[..cache_rows * width], &v[..cache_rows * width]);
     let per_row = d.heads * d.head_dim;
     let mut out = vec![0f32; n * per_row];
-    out.par_chunks_mut(per_row)
-        .zip(qv.par_chunks(per_row))
-        .zip(rows)
-        .for_each_init(Vec::new, |scores, ((o, q), r)| sequence(isa, q, k, v, r, d, o, scores));
+    let parts = out.chunks_mut(per_row).zip(qv.chunks(per_row)).zip(rows).collect();
+    crate::pool::for_each_part(parts, |_, ((o, q), r)| sequence(isa, q, k, v, r, d, o, &mut Vec::new()));
     drop((qg, kg, vg));
     Ok(Some(Tensor::from_vec(out, (n, per_row), q.device())?))
 }

@@ -12,7 +12,6 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor, WithDType};
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use super::Expand;
 use crate::error::Result;
@@ -295,7 +294,7 @@ impl<E: Elem> InplaceOp1 for AddDeltas<'_, E> {
         if self.work < crate::ops::PARALLEL_WORK || jobs.len() < 2 {
             jobs.into_iter().for_each(|(t, mine)| self.run(t, mine));
         } else {
-            jobs.into_par_iter().for_each(|(t, mine)| self.run(t, mine));
+            crate::pool::for_each_part(jobs, |_, (t, mine)| self.run(t, mine));
         }
         Ok(())
     }

@@ -28,7 +28,6 @@
 use std::arch::x86_64::*;
 
 use half::f16;
-use rayon::prelude::*;
 
 use super::Isa;
 
@@ -718,7 +717,7 @@ fn check_rects(rects: &[Rect], len: usize, ldy: usize, operands: impl Fn(&Rect) 
 /// Runs `run` on every rectangle, side by side on the rayon pool when `parallel`.
 fn run_rects(rects: &[Rect], parallel: bool, run: impl Fn(&Rect) + Sync + Send) {
     if parallel && rects.len() > 1 {
-        rects.par_iter().for_each(run);
+        crate::pool::for_each_index(rects.len(), |i| run(&rects[i]));
     } else {
         rects.iter().for_each(run);
     }

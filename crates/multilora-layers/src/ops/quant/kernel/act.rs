@@ -25,8 +25,6 @@
 
 use std::cell::RefCell;
 
-use rayon::prelude::*;
-
 use crate::ops::quant::QuantIsa;
 
 /// Rows per panel.
@@ -181,7 +179,12 @@ unsafe fn blocks_avx512(x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize) {
                     let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
                     let t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-QMAX)), _mm512_set1_ps(QMAX));
                     let t = _mm512_maskz_mov_ps(ordered, t);
-                    let h = _mm512_div_ps(_mm512_add_ps(t, _mm512_set1_ps(127.0)), _mm512_set1_ps(254.0));
+                    // `split`'s `⌊(Q + 127) / 254⌋` as a product by the rounded reciprocal, no
+                    // division: for the integers `Q + 127` (below 2¹⁶) a multiple of 254 comes out
+                    // as its exact quotient (the reciprocal's error is far below half an ulp of
+                    // it) and any other stays at least 1/254 from the next integer, so the floor is
+                    // the same (every quant checked: `every_quant_splits_as_the_portable_code`).
+                    let h = _mm512_mul_ps(_mm512_add_ps(t, _mm512_set1_ps(127.0)), _mm512_set1_ps(1.0 / 254.0));
                     let h = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(h);
                     let l = _mm512_sub_ps(t, _mm512_mul_ps(_mm512_set1_ps(254.0), h));
                     (t, _mm512_cvtps_epi32(h), _mm512_cvtps_epi32(l))
@@ -266,7 +269,7 @@ pub(crate) fn quantize(isa: QuantIsa, x: &[f32], m: usize, k: usize, parallel: b
     };
     let (qc, mc) = ((nb * BLOCK).max(1), nb.max(1));
     if parallel && panels > 1 {
-        qs.par_chunks_mut(qc).zip(meta.par_chunks_mut(mc)).enumerate().for_each(panel);
+        crate::pool::for_each_part(qs.chunks_mut(qc).zip(meta.chunks_mut(mc)).collect(), |p, qm| panel((p, qm)));
     } else {
         qs.chunks_mut(qc).zip(meta.chunks_mut(mc)).enumerate().for_each(panel);
     }
@@ -341,6 +344,30 @@ mod tests {
         let want = bits(&quantize(QuantIsa::Portable, &x, m, k, false));
         for isa in QuantIsa::all_available() {
             assert!(bits(&quantize(isa, &x, m, k, true)) == want, "{isa:?}: {nb} blocks a row");
+        }
+    }
+
+    /// Every quant `-QMAX ..= QMAX` splits into the same planes on every instruction set (the
+    /// AVX-512 body finds `⌊(Q + 127) / 254⌋` without a division): blocks whose largest value is
+    /// `QMAX` itself (so `d = 1` and each value is its own quant) over the whole range.
+    #[test]
+    fn every_quant_splits_as_the_portable_code() {
+        let mut x = Vec::new();
+        let mut q = -QMAX;
+        while q <= QMAX {
+            x.push(QMAX);
+            for _ in 0..31 {
+                x.push(q.min(QMAX));
+                q += 1.0;
+            }
+        }
+        while x.len() % (32 * 16) != 0 {
+            x.push(0.0);
+        }
+        let (m, k) = (x.len() / (32 * 16), 32 * 16);
+        let want = bits(&quantize(QuantIsa::Portable, &x, m, k, false));
+        for isa in QuantIsa::all_available() {
+            assert!(bits(&quantize(isa, &x, m, k, false)) == want, "{isa:?}");
         }
     }
 

@@ -18,8 +18,6 @@ mod x86;
 
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use super::QuantType;
 use super::layout::{TN, layout};
 use crate::ops::quant::QuantIsa;
@@ -240,7 +238,7 @@ pub(crate) fn run(
         }
     };
     if parallel && cut.tasks.len() > 1 {
-        cut.tasks.par_iter().for_each(|t| t.clone().for_each(go));
+        crate::pool::for_each_index(cut.tasks.len(), |t| cut.tasks[t].clone().for_each(go));
     } else {
         (0..jobs.len()).for_each(go);
     }
