@@ -478,6 +478,9 @@ impl Model {
         let mut x = self.embed.forward(&plan.ids, map)?;
         // The cache rows each decode sequence's attention reads (the plan's own lists).
         let context_rows = plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
+        // What each product asks to be cached (its own slots, and during `gate_up` the next
+        // attention's KV rows): one list for the step, emptied by each product, so its
+        // allocation serves them all.
         let mut ahead = ReadAhead::new();
         let q_scale = query_scale(dims);
         // The last layer's output, added into `x` together with the next norm.
@@ -491,7 +494,7 @@ impl Model {
                 }
                 None => multilora_layers::rms_norm(&x, &layer.input_norm, eps)?,
             };
-            let qkv = layer.qkv.forward(&h, map)?;
+            let qkv = layer.qkv.forward_ahead(&h, map, &mut ahead)?;
             let (ck, cv) = cache.layer(l);
             // On the CPU, the rotation, the queries' scale and the cache write in one pass;
             // elsewhere as tensor ops.
@@ -513,7 +516,7 @@ impl Model {
                 }
             };
             let attn = paged_attention(&plan, &q, ck, cv, dims)?;
-            let o = layer.o.forward(&attn, map)?;
+            let o = layer.o.forward_ahead(&attn, map, &mut ahead)?;
             let (sum, h) = multilora_layers::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
             x = sum;
             // The next layer's attention reads its sequences' cache rows: asked for while this
@@ -540,7 +543,7 @@ impl Model {
                     (gate * gu.narrow(1, inter, inter)?)?
                 }
             };
-            residual = Some(layer.down.forward(&act, map)?);
+            residual = Some(layer.down.forward_ahead(&act, map, &mut ahead)?);
         }
         if batch.num_logit_rows() == 0 {
             return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
@@ -554,7 +557,7 @@ impl Model {
             Some(d) => multilora_layers::add_rms_norm(&x, &d, &self.norm, eps)?.1,
             None => multilora_layers::rms_norm(&x, &self.norm, eps)?,
         };
-        Ok(self.lm_head.forward(&x, &plan.logit_mapping)?.to_dtype(DType::F32)?)
+        Ok(self.lm_head.forward_ahead(&x, &plan.logit_mapping, &mut ahead)?.to_dtype(DType::F32)?)
     }
 
     /// [`Model::forward`]'s logits on the host, a `Vec` per row (on CUDA through a page-locked
