@@ -24,6 +24,7 @@
 //! and the AVX-512 one does the same operations, so every set quantizes to the same bits.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::ops::quant::QuantIsa;
 
@@ -83,6 +84,11 @@ impl Act {
     /// Blocks per row.
     pub(crate) fn nb(&self) -> usize {
         self.k / 32
+    }
+
+    /// Panels of [`PANEL`] rows (the last one padded).
+    pub(crate) fn panels(&self) -> usize {
+        self.m.div_ceil(PANEL)
     }
 
     /// Where row `i`'s block 0 is: its offset into `qs`, its panel's first [`Meta`] in `meta`,
@@ -241,6 +247,25 @@ impl Drop for Act {
 /// # Panics
 /// When `x` is not `m · k` values or `k` not a multiple of 32.
 pub(crate) fn quantize(isa: QuantIsa, x: &[f32], m: usize, k: usize, parallel: bool) -> Act {
+    let mut act = buffers(x, m, k);
+    let nb = k / 32;
+    let (qc, mc) = ((nb * BLOCK).max(1), nb.max(1));
+    let panel = |(p, (qs, meta)): (usize, (&mut [i8], &mut [Meta]))| panel_into(isa, x, k, p, qs, meta);
+    if parallel && act.panels() > 1 {
+        let parts = act.qs.chunks_mut(qc).zip(act.meta.chunks_mut(mc)).collect();
+        crate::pool::for_each_part(parts, |p, qm| panel((p, qm)));
+    } else {
+        act.qs.chunks_mut(qc).zip(act.meta.chunks_mut(mc)).enumerate().for_each(panel);
+    }
+    act
+}
+
+/// The buffers of `x`'s quantized activations, sized (from this thread's spare ones) and with the
+/// last panel's rows past `m` zero, nothing quantized yet.
+///
+/// # Panics
+/// When `x` is not `m · k` values or `k` not a multiple of 32.
+fn buffers(x: &[f32], m: usize, k: usize) -> Act {
     assert!(k.is_multiple_of(32) && x.len() == m * k, "quantized activations: {} values for [{m}, {k}]", x.len());
     let (nb, panels) = (k / 32, m.div_ceil(PANEL));
     let (mut qs, mut meta) = SPARE.with_borrow_mut(std::mem::take);
@@ -252,28 +277,99 @@ pub(crate) fn quantize(isa: QuantIsa, x: &[f32], m: usize, k: usize, parallel: b
         qs[(panels - 1) * nb * BLOCK..].fill(0);
         meta[(panels - 1) * nb..].fill(Meta::default());
     }
-    let isa = if isa.available() { isa } else { QuantIsa::Portable };
-    let row = |x: &[f32], qs: &mut [i8], meta: &mut [Meta], r: usize| match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512 F/BW/VL (with AVX2, FMA, F16C) were detected by `available`.
-        QuantIsa::Avx512Vnni => unsafe { blocks_avx512(x, qs, meta, r) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2, FMA and F16C were detected by `available`.
-        QuantIsa::Avx2 | QuantIsa::AvxVnni => unsafe { blocks_avx2(x, qs, meta, r) },
-        _ => blocks(x, qs, meta, r),
-    };
-    let panel = |(p, (qs, meta)): (usize, (&mut [i8], &mut [Meta]))| {
-        for (r, x) in x[p * PANEL * k..].chunks_exact(k.max(1)).take(PANEL).enumerate() {
-            row(x, qs, meta, r);
-        }
-    };
-    let (qc, mc) = ((nb * BLOCK).max(1), nb.max(1));
-    if parallel && panels > 1 {
-        crate::pool::for_each_part(qs.chunks_mut(qc).zip(meta.chunks_mut(mc)).collect(), |p, qm| panel((p, qm)));
-    } else {
-        qs.chunks_mut(qc).zip(meta.chunks_mut(mc)).enumerate().for_each(panel);
-    }
     Act { qs, meta, m, k }
+}
+
+/// Quantizes panel `p` of `x` (`k` values a row) into its buffers `qs` and `meta`.
+fn panel_into(isa: QuantIsa, x: &[f32], k: usize, p: usize, qs: &mut [i8], meta: &mut [Meta]) {
+    let isa = if isa.available() { isa } else { QuantIsa::Portable };
+    for (r, x) in x[p * PANEL * k..].chunks_exact(k.max(1)).take(PANEL).enumerate() {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512 F/BW/VL (with AVX2, FMA, F16C) were detected by `available`.
+            QuantIsa::Avx512Vnni => unsafe { blocks_avx512(x, qs, meta, r) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2, FMA and F16C were detected by `available`.
+            QuantIsa::Avx2 | QuantIsa::AvxVnni => unsafe { blocks_avx2(x, qs, meta, r) },
+            _ => blocks(x, qs, meta, r),
+        }
+    }
+}
+
+/// Activations quantized by the tasks of the product that reads them, rather than in a parallel
+/// region of their own (a decode step has ~120 such products, each of a few microseconds): every
+/// task first calls [`Deferred::finish`], which quantizes panels not yet taken by any thread
+/// and then waits for those others are quantizing; the product's jobs read the activations only
+/// after it returns.
+pub(crate) struct Deferred<'a> {
+    x: &'a [f32],
+    k: usize,
+    isa: QuantIsa,
+    panels: usize,
+    /// The buffers' first bytes and first [`Meta`], each panel written through them by the one
+    /// thread that took it.
+    qs: *mut i8,
+    meta: *mut Meta,
+    next: AtomicUsize,
+    done: AtomicUsize,
+}
+
+// SAFETY: the pointers are written only panel by panel, each panel by the one thread that took
+// its index from `next`, and read only after `done` says every panel is written.
+unsafe impl Sync for Deferred<'_> {}
+
+impl<'a> Deferred<'a> {
+    /// The buffers of `x`'s activations (`m` rows of `k`) and what quantizes them; the
+    /// activations must not be read before a [`Deferred::finish`] returns.
+    ///
+    /// # Panics
+    /// As [`quantize`].
+    pub(crate) fn new(isa: QuantIsa, x: &'a [f32], m: usize, k: usize) -> (Act, Deferred<'a>) {
+        let mut act = buffers(x, m, k);
+        let panels = act.panels();
+        let (qs, meta) = (act.qs.as_mut_ptr(), act.meta.as_mut_ptr());
+        (act, Deferred { x, k, isa, panels, qs, meta, next: AtomicUsize::new(0), done: AtomicUsize::new(0) })
+    }
+
+    /// Quantizes the panels no thread has taken yet, then waits until every panel is written.
+    pub(crate) fn finish(&self) {
+        let (nb, k) = (self.k / 32, self.k);
+        loop {
+            let p = self.next.fetch_add(1, Ordering::Relaxed);
+            if p >= self.panels {
+                break;
+            }
+            // Counts the panel as written also when quantizing it panics (the product's region
+            // then passes the panic on), so no thread waits for it forever.
+            let _written = Written(&self.done);
+            // SAFETY: panel `p < panels` lies inside the buffers `buffers` sized (`nb · BLOCK`
+            // bytes and `nb` metas a panel), and only this thread took index `p`.
+            let (qs, meta) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(self.qs.add(p * nb * BLOCK), nb * BLOCK),
+                    std::slice::from_raw_parts_mut(self.meta.add(p * nb), nb),
+                )
+            };
+            panel_into(self.isa, self.x, k, p, qs, meta);
+        }
+        let start = std::time::Instant::now();
+        while self.done.load(Ordering::Acquire) < self.panels {
+            if start.elapsed() > std::time::Duration::from_micros(50) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+/// Adds one to the written panels when dropped.
+struct Written<'a>(&'a AtomicUsize);
+
+impl Drop for Written<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
 }
 
 #[cfg(test)]
@@ -368,6 +464,25 @@ mod tests {
         let want = bits(&quantize(QuantIsa::Portable, &x, m, k, false));
         for isa in QuantIsa::all_available() {
             assert!(bits(&quantize(isa, &x, m, k, false)) == want, "{isa:?}");
+        }
+    }
+
+    /// Activations quantized by the tasks of a region ([`Deferred`]: each task finishing them
+    /// first, panels taken by whichever thread comes) are the bits of [`quantize`]'s, on 1–3
+    /// threads and for row counts around the panel.
+    #[test]
+    fn deferred_activations_are_quantizes_bits() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
+            for m in [1, 8, 13, 16, 21, 40] {
+                let (x, k) = awkward(m);
+                let want = bits(&quantize(QuantIsa::Portable, &x, m, k, false));
+                for isa in QuantIsa::all_available() {
+                    let (act, deferred) = Deferred::new(isa, &x, m, k);
+                    pool.install(|| crate::pool::for_each_index(7, |_| deferred.finish()));
+                    assert!(bits(&act) == want, "{isa:?}, {m} rows, {threads} threads");
+                }
+            }
         }
     }
 

@@ -21,7 +21,7 @@ use std::ops::Range;
 use super::QuantType;
 use super::layout::{TN, layout};
 use crate::ops::quant::QuantIsa;
-use act::Act;
+use act::{Act, Deferred};
 use format::{Format, Q2K, Q3K, Q4_0, Q4_1, Q4K, Q5_0, Q5_1, Q5K, Q6K, Q8_0};
 use simd::{Portable, Simd};
 use tile::{RowTile, rows_any};
@@ -198,9 +198,11 @@ fn check(act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
 /// # Panics
 /// When a job reaches outside the weights, the activations or the output, overlaps another, or
 /// the jobs leave an output uncovered.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     isa: QuantIsa,
     act: &Act,
+    deferred: Option<&Deferred<'_>>,
     segs: &[Seg<'_>],
     ldy: usize,
     cut: &Cut,
@@ -237,9 +239,16 @@ pub(crate) fn run(
             _ => unsafe { job::<Portable>(s, act, out, j, pf) },
         }
     };
+    // The activations, when `deferred`, are quantized by the first tasks to start (each task
+    // returns from `finish` only once they all are), inside the product's own region.
+    let finish = || deferred.inspect(|d| d.finish());
     if parallel && cut.tasks.len() > 1 {
-        crate::pool::for_each_index(cut.tasks.len(), |t| cut.tasks[t].clone().for_each(go));
+        crate::pool::for_each_index(cut.tasks.len(), |t| {
+            finish();
+            cut.tasks[t].clone().for_each(go)
+        });
     } else {
+        finish();
         (0..jobs.len()).for_each(go);
     }
     // SAFETY: the capacity is `len`; the jobs are disjoint, inside `[m, ldy]` and their areas sum
