@@ -1,7 +1,8 @@
 //! Host buffers a model keeps for its whole life: zeros whose pages the system hands out on first
 //! write ([`lazy_zeros`]), and the advice that lets the system back them with huge pages
-//! ([`advise_huge`], [`advise_huge_within`]). The quantized weights' chunks
-//! (`ops/quant/arena.rs`), the LoRA slots' chunks (`slots.rs`) and the KV cache use them.
+//! ([`advise_huge`]; both at once, [`huge_zeros`]). The quantized weights' chunks
+//! (`ops/quant/arena.rs`) take the advice, the LoRA slots' chunks (`slots.rs`) and the CPU KV
+//! cache are huge zeros.
 //!
 //! A decode step streams its weights, its adapters' slots and its KV rows once each, tens of
 //! megabytes as short streams: on 4 KiB pages far more translations than the TLBs hold, on 2 MiB
@@ -30,7 +31,7 @@ pub(crate) fn advise_huge(_: NonNull<u8>, _: usize) {}
 
 /// [`advise_huge`] for the whole huge pages inside `len` bytes from `addr` (an allocation that is
 /// not on a huge-page boundary).
-pub(crate) fn advise_huge_within(addr: usize, len: usize) {
+fn advise_huge_within(addr: usize, len: usize) {
     let (start, end) = (addr.next_multiple_of(HUGE), (addr + len) / HUGE * HUGE);
     if let (true, Some(p)) = (start < end, NonNull::new(start as *mut u8)) {
         advise_huge(p, end - start);
@@ -38,7 +39,8 @@ pub(crate) fn advise_huge_within(addr: usize, len: usize) {
 }
 
 /// [`lazy_zeros`] of `n` values in one dimension whose whole huge pages are advised
-/// ([`advise_huge`]) on the CPU: for buffers read as short streams a step (the KV cache).
+/// ([`advise_huge`]) on the CPU: for buffers read as short streams a step (the LoRA slots'
+/// chunks, the KV cache).
 pub fn huge_zeros(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let t = lazy_zeros(&[n], dtype, device)?;
     if let Some(rows) = crate::HostRows::of(&t).filter(|_| device.is_cpu()) {

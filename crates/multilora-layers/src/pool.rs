@@ -108,17 +108,23 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
         work(0);
         // Every task is taken; the ones still running elsewhere, and their threads' way out,
         // waited for here (a run never started is run by the scope itself: it finds no task).
-        let start = Instant::now();
-        let mut spins = 0u32;
-        while done.load(Ordering::Acquire) < n || helping.load(Ordering::Acquire) > 0 {
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && start.elapsed() > MAX_SPIN {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        wait_until(|| done.load(Ordering::Acquire) >= n && helping.load(Ordering::Acquire) == 0);
     });
+}
+
+/// Returns once `ready()` holds, spinning for it ([`MAX_SPIN`] at most, then also yielding the
+/// CPU between checks): how a thread waits for work another thread of a region is finishing.
+pub(crate) fn wait_until(ready: impl Fn() -> bool) {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    while !ready() {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(64) && start.elapsed() > MAX_SPIN {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// [`for_each_index`] over owned parts (e.g. disjoint `&mut` chunks of an output): `f(i, part)`
@@ -192,7 +198,7 @@ impl Run {
 }
 
 /// Adds one when dropped: a task's end, also when it panics.
-struct AddOnDrop<'a>(&'a AtomicUsize);
+pub(crate) struct AddOnDrop<'a>(pub(crate) &'a AtomicUsize);
 
 impl Drop for AddOnDrop<'_> {
     fn drop(&mut self) {

@@ -13,7 +13,7 @@ use multilora_adapter::{LoraModule, ModuleId};
 
 use crate::ahead::{HostRows, ReadAhead};
 use crate::error::{Error, Result};
-use crate::host_memory::{advise_huge_within, lazy_zeros};
+use crate::host_memory::huge_zeros;
 
 /// Where and how LoRA slots are allocated: shared by every layer of a model.
 #[derive(Clone, Debug)]
@@ -59,13 +59,7 @@ impl Slab {
         let mut current = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let (chunk, used) = match current.take() {
             Some((c, used)) if c.dtype() == dtype && used + pad + n <= c.elem_count() => (c, used),
-            _ => {
-                let chunk = lazy_zeros(&[(SLAB_BYTES / es).max(n + pad)], dtype, &Device::Cpu)?;
-                if let Some(rows) = HostRows::of(&chunk) {
-                    advise_huge_within(rows.addr(), chunk.elem_count() * es);
-                }
-                (chunk, 0)
-            }
+            _ => (huge_zeros((SLAB_BYTES / es).max(n + pad), dtype, &Device::Cpu)?, 0),
         };
         let addr = HostRows::of(&chunk).map_or(0, |r| r.addr()) + used * es;
         let skip = (64 - addr % 64) % 64 / es;

@@ -27,9 +27,9 @@
 //! Up to 64 rows (decode) every tile goes through all rows at once, so `W` is read from memory
 //! once; above, rows are cut into blocks whose quantized activations (panels of 8 rows) stay in
 //! L2 while each tile stays in L1. The tiles are cut into column ranges that run on the current
-//! rayon pool ([`kernel`]); `k` is never split. In parallel, the product's tasks themselves
-//! quantize the activations before their first job (`kernel::act::Deferred`: each panel by the
-//! first thread to take it), one parallel region a product rather than two.
+//! rayon pool ([`kernel`]); `k` is never split. The product's tasks themselves quantize the
+//! activations before their first job (`kernel::act::Deferred`: each panel by the first thread
+//! to take it), one parallel region a product rather than two.
 
 // The weights' memory: huge-page chunks (`unsafe`: the allocation and its ranges).
 #[allow(unsafe_code)]
@@ -224,14 +224,9 @@ impl QuantWeight {
         let parallel = threads > 1 && m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK;
         let plan = self.plan_for(m, if parallel { threads } else { 1 });
         let segs = self.seg_views();
-        // In parallel, the product's tasks quantize the activations first (one region, not two).
-        let y = if parallel {
-            let (act, deferred) = kernel::act::Deferred::new(isa, xs, m, k);
-            kernel::run(isa, &act, Some(&deferred), &segs, n, &plan.cut, true, ahead)
-        } else {
-            let act = kernel::act::quantize(isa, xs, m, k, false);
-            kernel::run(isa, &act, None, &segs, n, &plan.cut, false, ahead)
-        };
+        // The product's tasks quantize the activations before their first job (one region, not two).
+        let act = kernel::act::Deferred::new(isa, xs, m, k);
+        let y = kernel::run(isa, &act, &segs, n, &plan.cut, parallel, ahead);
         drop(storage);
         Ok(Tensor::from_vec(y, (m, n), &Device::Cpu)?)
     }

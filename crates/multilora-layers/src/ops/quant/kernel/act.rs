@@ -27,6 +27,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::ops::quant::QuantIsa;
+use crate::pool::{AddOnDrop, wait_until};
 
 /// Rows per panel.
 pub(crate) const PANEL: usize = 8;
@@ -241,25 +242,6 @@ impl Drop for Act {
     }
 }
 
-/// Quantizes `x: [m, k]` (row-major, `k` a multiple of 32) into panels, side by side on the
-/// rayon pool when `parallel`.
-///
-/// # Panics
-/// When `x` is not `m · k` values or `k` not a multiple of 32.
-pub(crate) fn quantize(isa: QuantIsa, x: &[f32], m: usize, k: usize, parallel: bool) -> Act {
-    let mut act = buffers(x, m, k);
-    let nb = k / 32;
-    let (qc, mc) = ((nb * BLOCK).max(1), nb.max(1));
-    let panel = |(p, (qs, meta)): (usize, (&mut [i8], &mut [Meta]))| panel_into(isa, x, k, p, qs, meta);
-    if parallel && act.panels() > 1 {
-        let parts = act.qs.chunks_mut(qc).zip(act.meta.chunks_mut(mc)).collect();
-        crate::pool::for_each_part(parts, |p, qm| panel((p, qm)));
-    } else {
-        act.qs.chunks_mut(qc).zip(act.meta.chunks_mut(mc)).enumerate().for_each(panel);
-    }
-    act
-}
-
 /// The buffers of `x`'s quantized activations, sized (from this thread's spare ones) and with the
 /// last panel's rows past `m` zero, nothing quantized yet.
 ///
@@ -300,8 +282,10 @@ fn panel_into(isa: QuantIsa, x: &[f32], k: usize, p: usize, qs: &mut [i8], meta:
 /// region of their own (a decode step has ~120 such products, each of a few microseconds): every
 /// task first calls [`Deferred::finish`], which quantizes panels not yet taken by any thread
 /// and then waits for those others are quantizing; the product's jobs read the activations only
-/// after it returns.
+/// after it returns (it hands them out). On one thread, one `finish` quantizes every panel.
 pub(crate) struct Deferred<'a> {
+    /// The buffers: their lengths readable at once, their contents only through `finish`.
+    act: Act,
     x: &'a [f32],
     k: usize,
     isa: QuantIsa,
@@ -319,20 +303,25 @@ pub(crate) struct Deferred<'a> {
 unsafe impl Sync for Deferred<'_> {}
 
 impl<'a> Deferred<'a> {
-    /// The buffers of `x`'s activations (`m` rows of `k`) and what quantizes them; the
-    /// activations must not be read before a [`Deferred::finish`] returns.
+    /// The buffers of `x`'s activations (`m` rows of `k`) and what quantizes them.
     ///
     /// # Panics
-    /// As [`quantize`].
-    pub(crate) fn new(isa: QuantIsa, x: &'a [f32], m: usize, k: usize) -> (Act, Deferred<'a>) {
+    /// When `x` is not `m · k` values or `k` not a multiple of 32.
+    pub(crate) fn new(isa: QuantIsa, x: &'a [f32], m: usize, k: usize) -> Deferred<'a> {
         let mut act = buffers(x, m, k);
         let panels = act.panels();
         let (qs, meta) = (act.qs.as_mut_ptr(), act.meta.as_mut_ptr());
-        (act, Deferred { x, k, isa, panels, qs, meta, next: AtomicUsize::new(0), done: AtomicUsize::new(0) })
+        Deferred { act, x, k, isa, panels, qs, meta, next: AtomicUsize::new(0), done: AtomicUsize::new(0) }
     }
 
-    /// Quantizes the panels no thread has taken yet, then waits until every panel is written.
-    pub(crate) fn finish(&self) {
+    /// The activations' rows and columns and their buffers' lengths (not their contents).
+    pub(crate) fn shape(&self) -> (usize, usize, usize, usize) {
+        (self.act.m, self.act.k, self.act.qs.len(), self.act.meta.len())
+    }
+
+    /// The activations, every panel quantized: the panels no thread has taken yet quantized
+    /// here, then those other threads are writing waited for.
+    pub(crate) fn finish(&self) -> &Act {
         let (nb, k) = (self.k / 32, self.k);
         loop {
             let p = self.next.fetch_add(1, Ordering::Relaxed);
@@ -341,7 +330,7 @@ impl<'a> Deferred<'a> {
             }
             // Counts the panel as written also when quantizing it panics (the product's region
             // then passes the panic on), so no thread waits for it forever.
-            let _written = Written(&self.done);
+            let _written = AddOnDrop(&self.done);
             // SAFETY: panel `p < panels` lies inside the buffers `buffers` sized (`nb · BLOCK`
             // bytes and `nb` metas a panel), and only this thread took index `p`.
             let (qs, meta) = unsafe {
@@ -352,29 +341,36 @@ impl<'a> Deferred<'a> {
             };
             panel_into(self.isa, self.x, k, p, qs, meta);
         }
-        let start = std::time::Instant::now();
-        while self.done.load(Ordering::Acquire) < self.panels {
-            if start.elapsed() > std::time::Duration::from_micros(50) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        wait_until(|| self.done.load(Ordering::Acquire) >= self.panels);
+        &self.act
     }
-}
 
-/// Adds one to the written panels when dropped.
-struct Written<'a>(&'a AtomicUsize);
-
-impl Drop for Written<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_add(1, Ordering::Release);
+    /// [`Deferred::finish`], keeping the activations.
+    #[cfg(test)]
+    pub(crate) fn into_act(self) -> Act {
+        self.finish();
+        self.act
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `x` quantized through [`Deferred`]: by this thread alone, or when `parallel` by the
+    /// tasks of a region on two threads, each finishing the activations first.
+    fn quantize(isa: QuantIsa, x: &[f32], m: usize, k: usize, parallel: bool) -> Act {
+        let deferred = Deferred::new(isa, x, m, k);
+        if parallel {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+            pool.install(|| {
+                crate::pool::for_each_index(4, |_| {
+                    deferred.finish();
+                })
+            });
+        }
+        deferred.into_act()
+    }
 
     fn bits(a: &Act) -> (Vec<i8>, Vec<u32>) {
         let m = a.meta.iter().flat_map(|m| {
@@ -468,7 +464,7 @@ mod tests {
     }
 
     /// Activations quantized by the tasks of a region ([`Deferred`]: each task finishing them
-    /// first, panels taken by whichever thread comes) are the bits of [`quantize`]'s, on 1–3
+    /// first, panels taken by whichever thread comes) are the bits of one thread's, on 1–3
     /// threads and for row counts around the panel.
     #[test]
     fn deferred_activations_are_quantizes_bits() {
@@ -478,9 +474,13 @@ mod tests {
                 let (x, k) = awkward(m);
                 let want = bits(&quantize(QuantIsa::Portable, &x, m, k, false));
                 for isa in QuantIsa::all_available() {
-                    let (act, deferred) = Deferred::new(isa, &x, m, k);
-                    pool.install(|| crate::pool::for_each_index(7, |_| deferred.finish()));
-                    assert!(bits(&act) == want, "{isa:?}, {m} rows, {threads} threads");
+                    let deferred = Deferred::new(isa, &x, m, k);
+                    pool.install(|| {
+                        crate::pool::for_each_index(7, |_| {
+                            deferred.finish();
+                        })
+                    });
+                    assert!(bits(&deferred.into_act()) == want, "{isa:?}, {m} rows, {threads} threads");
                 }
             }
         }

@@ -160,10 +160,10 @@ fn cols(s: &Seg<'_>, j: &Job) -> (usize, usize) {
 ///
 /// # Panics
 /// When one does not hold.
-fn check(act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
-    let (m, k) = (act.m, act.k);
-    let panels = m.div_ceil(act::PANEL);
-    let holds = act.qs.len() >= panels * act.nb() * act::BLOCK && act.meta.len() >= panels * act.nb();
+fn check(act: &Deferred<'_>, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
+    let (m, k, qs, meta) = act.shape();
+    let (panels, nb) = (m.div_ceil(act::PANEL), k / 32);
+    let holds = qs >= panels * nb * act::BLOCK && meta >= panels * nb;
     assert!(k.is_multiple_of(32) && holds, "quant kernel: activations");
     for s in segs {
         let l = layout(s.qt);
@@ -198,11 +198,9 @@ fn check(act: &Act, segs: &[Seg<'_>], ldy: usize, jobs: &[Job]) {
 /// # Panics
 /// When a job reaches outside the weights, the activations or the output, overlaps another, or
 /// the jobs leave an output uncovered.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     isa: QuantIsa,
-    act: &Act,
-    deferred: Option<&Deferred<'_>>,
+    act: &Deferred<'_>,
     segs: &[Seg<'_>],
     ldy: usize,
     cut: &Cut,
@@ -211,13 +209,13 @@ pub(crate) fn run(
 ) -> Vec<f32> {
     let (jobs, before) = (&cut.jobs, &cut.before);
     check(act, segs, ldy, jobs);
-    let len = act.m * ldy;
+    let len = act.shape().0 * ldy;
     let mut y: Vec<f32> = Vec::with_capacity(len);
     let isa = if isa.available() { isa } else { QuantIsa::Portable };
     let out = Out { ptr: y.as_mut_ptr(), ldy };
     // Each job's share of the lines to ask for, by its outputs (`check`: they sum to `len`).
     let (total, all) = (ahead.iter().map(|&(_, b)| b.div_ceil(LINE)).sum::<usize>(), len.max(1));
-    let go = |i: usize| {
+    let go = |act: &Act, i: usize| {
         let j = &jobs[i];
         let s = &segs[j.seg];
         let pf = Ahead::new(ahead, before[i] * total / all, before[i + 1] * total / all);
@@ -239,17 +237,16 @@ pub(crate) fn run(
             _ => unsafe { job::<Portable>(s, act, out, j, pf) },
         }
     };
-    // The activations, when `deferred`, are quantized by the first tasks to start (each task
-    // returns from `finish` only once they all are), inside the product's own region.
-    let finish = || deferred.inspect(|d| d.finish());
+    // The activations are quantized by the first tasks to start (each task has them from
+    // `finish` only once they all are), inside the product's own region.
     if parallel && cut.tasks.len() > 1 {
         crate::pool::for_each_index(cut.tasks.len(), |t| {
-            finish();
-            cut.tasks[t].clone().for_each(go)
+            let a = act.finish();
+            cut.tasks[t].clone().for_each(|i| go(a, i))
         });
     } else {
-        finish();
-        (0..jobs.len()).for_each(go);
+        let a = act.finish();
+        (0..jobs.len()).for_each(|i| go(a, i));
     }
     // SAFETY: the capacity is `len`; the jobs are disjoint, inside `[m, ldy]` and their areas sum
     // to `m · ldy` (`check`), and each writes every output of its rectangle: all are initialized.
