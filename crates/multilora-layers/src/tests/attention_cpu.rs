@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{Rng, bits, rel_err};
 use crate::ops::attention::cpu::decode_attention_rows_with;
-use crate::ops::gemm::{Isa, exp, exp_sum};
+use crate::ops::gemm::{Isa, exp, exp_sum, softmax};
 use crate::{PagedDecodeDims, decode_attention_rows, paged_decode_attention_slow};
 
 /// GQA groups of 1 to 4, head sizes with and without a vector tail (and past one pass of the
@@ -117,6 +117,40 @@ fn exp_is_accurate_and_the_same_on_every_isa() -> anyhow::Result<()> {
             let got_sum = exp_sum(isa, &mut got, max);
             let same = got.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits());
             anyhow::ensure!(same && got_sum.to_bits() == sum.to_bits(), "{isa:?} differs at {len}");
+        }
+    }
+    Ok(())
+}
+
+/// The softmax of a row, on every instruction set, is the bits of its definition: the row's
+/// maximum taken one value after the other, `exp(s - max)` with their sum, one scale by its
+/// inverse; rows of every length around the partial maxima's width, with ties, zeros of both
+/// signs, −∞ and a NaN among the scores.
+#[test]
+fn softmax_is_its_definition_on_every_isa() -> anyhow::Result<()> {
+    let mut rng = Rng::new(11);
+    for len in [1, 2, 15, 16, 17, 31, 33, 65, 100] {
+        for case in 0..4 {
+            let mut s: Vec<f32> = (0..len).map(|_| rng.unit() * 30.0).collect();
+            match case {
+                1 => s.iter_mut().step_by(3).for_each(|x| *x = 7.5),
+                2 => s.iter_mut().enumerate().for_each(|(i, x)| *x = if i % 2 == 0 { 0.0 } else { -0.0 }),
+                3 => {
+                    s[len / 2] = f32::NEG_INFINITY;
+                    s[len - 1] = f32::NAN;
+                }
+                _ => {}
+            }
+            let mut want = s.clone();
+            let max = want.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let inv = 1.0 / exp_sum(Isa::Portable, &mut want, max);
+            want.iter_mut().for_each(|p| *p *= inv);
+            for isa in [Isa::Portable].into_iter().chain(Isa::all_available()) {
+                let mut got = s.clone();
+                softmax(isa, &mut got);
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                anyhow::ensure!(same, "{isa:?}: {len} scores, case {case}");
+            }
         }
     }
     Ok(())

@@ -98,7 +98,6 @@ unsafe fn attend_group<E: Elem, const G: usize, const KB: usize>(h: Head<'_, E>,
         for t in 0..AHEAD.min(ctx) {
             prefetch_row(row_at(h.k, &h, t), hd);
         }
-        let mut lanes = [0f32; 16];
         for b in (0..ctx).step_by(KB) {
             // The keys `AHEAD` on, and as the keys end the first values.
             for t in b + AHEAD..b + KB + AHEAD {
@@ -115,9 +114,11 @@ unsafe fn attend_group<E: Elem, const G: usize, const KB: usize>(h: Head<'_, E>,
                 *k = row_at(h.k, &h, b + j.min(n - 1));
             }
             let sums = scores_block::<E, G, KB>(h.q.as_ptr(), keys, hd);
+            // The block's `n` scores of each row straight into the row (the lanes past them not
+            // written: a masked store touches nothing there).
+            let kept: __mmask16 = (1 << n) - 1;
             for (r, s) in sums.iter().enumerate() {
-                _mm512_storeu_ps(lanes.as_mut_ptr(), *s);
-                scores[r * ctx + b..][..n].copy_from_slice(&lanes[..n]);
+                _mm512_mask_storeu_ps(scores.as_mut_ptr().add(r * ctx + b), kept, *s);
             }
         }
         scores.chunks_exact_mut(ctx).take(G).for_each(|row| super::softmax(Isa::Avx512, row));
