@@ -108,9 +108,17 @@ fn rows_with<E: Elem>(
     let per_row = d.heads * d.head_dim;
     let mut out = vec![0f32; n * per_row];
     let parts = out.chunks_mut(per_row).zip(qv.chunks(per_row)).zip(rows).collect();
-    crate::pool::for_each_part(parts, |_, ((o, q), r)| sequence(isa, q, k, v, r, d, o, &mut Vec::new()));
+    crate::pool::for_each_part(parts, |_, ((o, q), r)| {
+        SCORES.with_borrow_mut(|scores| sequence(isa, q, k, v, r, d, o, scores))
+    });
     drop((qg, kg, vg));
     Ok(Some(Tensor::from_vec(out, (n, per_row), q.device())?))
+}
+
+thread_local! {
+    /// Each thread's scores, reused from sequence to sequence (a step's attention runs a few
+    /// hundred sequences, each a fresh allocation otherwise).
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One decode row: `q`, `o`: `[heads, head_dim]`; `rows` its cache rows, each `< k.len() / width`.
