@@ -161,7 +161,7 @@ impl LoraMapping {
     }
 
     /// The segments of rows that use an adapter, by ascending slot (after the base rows).
-    pub fn lora_segments(&self) -> impl Iterator<Item = &Segment> {
+    pub fn lora_segments(&self) -> impl ExactSizeIterator<Item = &Segment> {
         self.segments.iter()
     }
 

@@ -11,6 +11,7 @@
 //! GMAC/s of a product whose weight stays in L2).
 //!
 //! `MULTILORA_SMOLLM2_GGUF=…/SmolLM2-135M-Instruct.Q4_1.gguf cargo bench -p multilora-models --bench gguf_decode -- --warm-up-time 1 --measurement-time 3`
+//! (`MULTILORA_BENCH_ISA=avx2`: with the kernels of an AVX2-only CPU).
 
 mod common;
 
@@ -22,7 +23,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use multilora_adapter::{LoadOptions, SyntheticAdapter};
-use multilora_layers::{QuantIsa, QuantType, QuantWeight};
+use multilora_layers::{Isa, QuantIsa, QuantType, QuantWeight};
 use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelOptions, ModelSource, SeqInput};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
@@ -131,6 +132,14 @@ fn main() {
         );
         return;
     };
+    // `MULTILORA_BENCH_ISA=avx2` (or `portable`): the kernels an AVX2-only CPU (Zen 3) runs,
+    // measured on this one (`Isa::set_max`), its floor's peak included.
+    match std::env::var("MULTILORA_BENCH_ISA").as_deref() {
+        Err(_) | Ok("avx512") => {}
+        Ok("avx2") => Isa::set_max(Isa::Avx2),
+        Ok("portable") => Isa::set_max(Isa::Portable),
+        Ok(other) => panic!("MULTILORA_BENCH_ISA={other}: avx512, avx2 or portable"),
+    }
     let mut s = setup(path);
     let mut c = Criterion::default().configure_from_args();
     let mut g = c.benchmark_group("gguf_decode");

@@ -142,7 +142,7 @@ fn shrink_expand_with<E: Elem>(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], ma
         let (Some(a), Some(b)) = (cpu_values::<E>(a, al), cpu_values::<E>(b, bl)) else { return Ok(false) };
         ab.push((a, b));
     }
-    let mut tasks = Vec::new();
+    let mut tasks = Vec::with_capacity(slices.len() * mapping.lora_segments().len());
     let mut work = 0;
     for (i, sl) in slices.iter().enumerate() {
         for seg in mapping.lora_segments() {

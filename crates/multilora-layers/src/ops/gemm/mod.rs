@@ -24,6 +24,7 @@
 mod kernel;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
@@ -49,10 +50,46 @@ pub enum Isa {
     Avx512,
 }
 
+/// The widest instruction set [`Isa::best`] and [`crate::QuantIsa::best`] pick
+/// ([`Isa::set_max`]): 0 none, 1 portable, 2 AVX2, 3 AVX-512 (no cap).
+static MAX_ISA: AtomicU8 = AtomicU8::new(3);
+
 impl Isa {
-    /// The fastest instruction set this CPU has.
+    /// The fastest instruction set this CPU has, within [`Isa::set_max`]'s cap.
     pub fn best() -> Isa {
-        [Isa::Avx512, Isa::Avx2].into_iter().find(|i| i.available()).unwrap_or(Isa::Portable)
+        [Isa::Avx512, Isa::Avx2].into_iter().find(|&i| i.available() && i.allowed()).unwrap_or(Isa::Portable)
+    }
+
+    /// Caps the instruction sets the kernels pick from here on, for this process: every CPU
+    /// kernel's `best` (the f32 / bf16 products, the LoRA, norm and attention kernels, and the
+    /// quantized products, whose AVX-VNNI and AVX-512 VNNI kernels only `Avx512`, no cap, lets
+    /// through), e.g. to measure on an AVX-512 machine what an AVX2-only CPU such as Zen 3 runs
+    /// (as PyTorch's `ATEN_CPU_CAPABILITY`). Kernels called with an explicit set (tests,
+    /// benchmarks) are not affected.
+    pub fn set_max(max: Isa) {
+        MAX_ISA.store(max.rank(), Ordering::Relaxed);
+    }
+
+    /// The cap [`Isa::set_max`] set.
+    pub fn max() -> Isa {
+        match MAX_ISA.load(Ordering::Relaxed) {
+            0 | 1 => Isa::Portable,
+            2 => Isa::Avx2,
+            _ => Isa::Avx512,
+        }
+    }
+
+    /// Whether the cap lets kernels pick `self`.
+    pub(crate) fn allowed(self) -> bool {
+        self.rank() <= MAX_ISA.load(Ordering::Relaxed)
+    }
+
+    fn rank(self) -> u8 {
+        match self {
+            Isa::Portable => 1,
+            Isa::Avx2 => 2,
+            Isa::Avx512 => 3,
+        }
     }
 
     /// Whether this CPU can run it.

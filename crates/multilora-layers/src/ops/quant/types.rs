@@ -142,11 +142,18 @@ pub enum QuantIsa {
 }
 
 impl QuantIsa {
-    /// The fastest instruction set this CPU has.
+    /// The fastest instruction set this CPU has, within [`crate::Isa::set_max`]'s cap.
     pub fn best() -> QuantIsa {
+        let allowed = |i: &QuantIsa| match i {
+            QuantIsa::Avx512Vnni => crate::Isa::Avx512.allowed(),
+            // 256-bit, but the AVX2-only CPUs the cap stands for lack it.
+            QuantIsa::AvxVnni => crate::Isa::Avx512.allowed(),
+            QuantIsa::Avx2 => crate::Isa::Avx2.allowed(),
+            QuantIsa::Portable => true,
+        };
         [QuantIsa::Avx512Vnni, QuantIsa::AvxVnni, QuantIsa::Avx2]
             .into_iter()
-            .find(|i| i.available())
+            .find(|i| i.available() && allowed(i))
             .unwrap_or(QuantIsa::Portable)
     }
 
