@@ -51,7 +51,7 @@ pub enum Isa {
 }
 
 /// The widest instruction set [`Isa::best`] and [`crate::QuantIsa::best`] pick
-/// ([`Isa::set_max`]): 0 none, 1 portable, 2 AVX2, 3 AVX-512 (no cap).
+/// ([`Isa::set_max`]), as `Isa::rank`: 1 portable, 2 AVX2, 3 AVX-512 (no cap).
 static MAX_ISA: AtomicU8 = AtomicU8::new(3);
 
 impl Isa {
@@ -73,7 +73,7 @@ impl Isa {
     /// The cap [`Isa::set_max`] set.
     pub fn max() -> Isa {
         match MAX_ISA.load(Ordering::Relaxed) {
-            0 | 1 => Isa::Portable,
+            ..=1 => Isa::Portable,
             2 => Isa::Avx2,
             _ => Isa::Avx512,
         }
