@@ -38,7 +38,8 @@ pub(crate) use kernel::{Head, NORM_ROWS, attend, attend_supports, rms_rows, silu
 #[cfg(test)]
 pub(crate) use kernel::{exp, exp_sum};
 
-/// Which vector instructions the CPU linear kernel uses.
+/// Which vector instructions the CPU linear kernel uses, declared narrowest first (the order
+/// [`Isa::set_max`]'s cap compares them in).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Isa {
@@ -51,8 +52,8 @@ pub enum Isa {
 }
 
 /// The widest instruction set [`Isa::best`] and [`crate::QuantIsa::best`] pick
-/// ([`Isa::set_max`]), as `Isa::rank`: 1 portable, 2 AVX2, 3 AVX-512 (no cap).
-static MAX_ISA: AtomicU8 = AtomicU8::new(3);
+/// ([`Isa::set_max`]), as an `Isa` in the enum's order (AVX-512, the default, caps nothing).
+static MAX_ISA: AtomicU8 = AtomicU8::new(Isa::Avx512 as u8);
 
 impl Isa {
     /// The fastest instruction set this CPU has, within [`Isa::set_max`]'s cap.
@@ -67,29 +68,17 @@ impl Isa {
     /// (as PyTorch's `ATEN_CPU_CAPABILITY`). Kernels called with an explicit set (tests,
     /// benchmarks) are not affected.
     pub fn set_max(max: Isa) {
-        MAX_ISA.store(max.rank(), Ordering::Relaxed);
+        MAX_ISA.store(max as u8, Ordering::Relaxed);
     }
 
     /// The cap [`Isa::set_max`] set.
     pub fn max() -> Isa {
-        match MAX_ISA.load(Ordering::Relaxed) {
-            ..=1 => Isa::Portable,
-            2 => Isa::Avx2,
-            _ => Isa::Avx512,
-        }
+        [Isa::Portable, Isa::Avx2, Isa::Avx512].into_iter().rfind(|i| i.allowed()).unwrap_or(Isa::Portable)
     }
 
-    /// Whether the cap lets kernels pick `self`.
+    /// Whether the cap lets kernels pick `self` (the variants are declared narrowest first).
     pub(crate) fn allowed(self) -> bool {
-        self.rank() <= MAX_ISA.load(Ordering::Relaxed)
-    }
-
-    fn rank(self) -> u8 {
-        match self {
-            Isa::Portable => 1,
-            Isa::Avx2 => 2,
-            Isa::Avx512 => 3,
-        }
+        self as u8 <= MAX_ISA.load(Ordering::Relaxed)
     }
 
     /// Whether this CPU can run it.

@@ -145,9 +145,8 @@ impl QuantIsa {
     /// The fastest instruction set this CPU has, within [`crate::Isa::set_max`]'s cap.
     pub fn best() -> QuantIsa {
         let allowed = |i: &QuantIsa| match i {
-            QuantIsa::Avx512Vnni => crate::Isa::Avx512.allowed(),
-            // 256-bit, but the AVX2-only CPUs the cap stands for lack it.
-            QuantIsa::AvxVnni => crate::Isa::Avx512.allowed(),
+            // AVX-VNNI is 256-bit, but the AVX2-only CPUs the `Avx2` cap stands for lack it.
+            QuantIsa::Avx512Vnni | QuantIsa::AvxVnni => crate::Isa::Avx512.allowed(),
             QuantIsa::Avx2 => crate::Isa::Avx2.allowed(),
             QuantIsa::Portable => true,
         };
