@@ -47,6 +47,9 @@ impl Drop for Done {
 /// a futex, with nobody keeping the workers awake (measured: 55 against 43 ms for the 16-row LoRA
 /// step of docs/BENCHMARKS.md's GGUF bench). In a pool of one thread it just runs `f`.
 pub fn with_hot_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if SOLO.get() {
+        return f();
+    }
     let Some(me) = rayon::current_thread_index() else {
         // `scope` called from outside a pool runs its body on one of the global pool's threads.
         return rayon::scope(|_| with_hot_pool(f));
@@ -82,7 +85,7 @@ pub fn with_hot_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 /// another's. Returns when every task has; a panic in a task is passed on once the others end.
 /// (Past `u32::MAX` tasks, which no region has, they run on this thread.)
 pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
-    let threads = rayon::current_num_threads().min(n);
+    let threads = self::threads().min(n);
     if threads < 2 || u32::try_from(n).is_err() {
         (0..n).for_each(f);
         return;
@@ -112,6 +115,42 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
     });
 }
 
+thread_local! {
+    /// Whether this thread runs its regions alone ([`solo`]).
+    static SOLO: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every parallel region it opens on this thread run on this thread alone (and
+/// products planned for one thread): for work that is itself one of several run side by side,
+/// e.g. one group of a step's rows while another thread runs the other group.
+pub fn solo<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SOLO.set(self.0);
+        }
+    }
+    let _restore = Restore(SOLO.replace(true));
+    f()
+}
+
+/// Runs `f` on each of `items` side by side, each a task of one parallel region that runs alone
+/// on its thread ([`solo`]): e.g. a step's rows cut in lanes, each taken through a layer by one
+/// thread. The results in the items' order; a panic in one is passed on once the others end.
+pub fn side_by_side<T: Send, R: Send>(items: &mut [T], f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
+    let out: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
+    for_each_part(items.iter_mut().collect(), |i, item| {
+        let r = solo(|| f(item));
+        *out[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
+    });
+    out.into_iter().map(|m| taken(m).expect("side_by_side: every item ran")).collect()
+}
+
+/// The threads a region opened here runs on: 1 inside [`solo`], else the current rayon pool's.
+pub fn threads() -> usize {
+    if SOLO.get() { 1 } else { rayon::current_num_threads() }
+}
+
 /// Returns once `ready()` holds, spinning for it ([`MAX_SPIN`] at most, then also yielding the
 /// CPU between checks): how a thread waits for work another thread of a region is finishing.
 pub(crate) fn wait_until(ready: impl Fn() -> bool) {
@@ -130,7 +169,7 @@ pub(crate) fn wait_until(ready: impl Fn() -> bool) {
 /// [`for_each_index`] over owned parts (e.g. disjoint `&mut` chunks of an output): `f(i, part)`
 /// once for each.
 pub(crate) fn for_each_part<T: Send>(parts: Vec<T>, f: impl Fn(usize, T) + Sync) {
-    if rayon::current_num_threads() < 2 || parts.len() < 2 {
+    if threads() < 2 || parts.len() < 2 {
         parts.into_iter().enumerate().for_each(|(i, p)| f(i, p));
         return;
     }
@@ -265,6 +304,36 @@ mod tests {
             });
             assert_eq!(total.load(Ordering::Relaxed), 4 * 10);
         });
+    }
+
+    /// Items side by side: each runs once, its result in its place, every region it opens run
+    /// on its own thread alone (one thread seen inside, the tasks in order); the flag is back
+    /// off after, also after a panic.
+    #[test]
+    fn items_side_by_side_run_their_regions_alone() {
+        for n in [1, 2, 3] {
+            pool(n).install(|| {
+                let mut items: Vec<usize> = (0..5).collect();
+                let out = side_by_side(&mut items, |v| {
+                    assert_eq!(threads(), 1, "inside an item");
+                    let me = std::thread::current().id();
+                    let order = Mutex::new(Vec::new());
+                    for_each_index(6, |j| {
+                        assert_eq!(std::thread::current().id(), me, "a region's task on another thread");
+                        order.lock().expect("lock").push(j);
+                    });
+                    assert_eq!(order.into_inner().expect("lock"), (0..6).collect::<Vec<_>>());
+                    *v += 10;
+                    *v * 2
+                });
+                assert_eq!(out, vec![20, 22, 24, 26, 28]);
+                assert_eq!(items, vec![10, 11, 12, 13, 14]);
+                assert_eq!(threads(), n, "after the items");
+            });
+        }
+        let failed = catch_unwind(|| solo(|| panic!("fails inside")));
+        assert!(failed.is_err());
+        assert!(!SOLO.get(), "solo is off again after a panic");
     }
 
     /// A task's panic reaches the caller once the other tasks end; the pool goes on.

@@ -13,13 +13,16 @@ use multilora_adapter::{embedding_digest_of_rows, with_embedding_digest};
 use multilora_layers::{LinearWeight, LoraEmbedding, LoraLinear, ReadAhead, SlotConfig};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
-use crate::attention::{AttnDims, paged_attention, query_scale, write_kv};
-use crate::batch::{Batch, KvWrites, Limits, StepPlan};
-use crate::config::{HiddenAct, ModelConfig};
+use crate::batch::{Batch, Limits, StepPlan};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
+
+mod lane;
+
 use crate::weights::{Checkpoint, CheckpointFiles, ModelSource, Weights};
+use lane::Lane;
 use multilora_adapter::HubConfig;
 
 /// How to load a model.
@@ -447,14 +450,43 @@ impl Model {
         if self.device.is_cpu() {
             return multilora_layers::with_hot_pool(|| self.step(batch, cache));
         }
-        self.step(batch, cache)
+        self.step(batch, &*cache)
     }
 
-    /// [`Model::forward`]'s body.
-    fn step(&self, batch: &Batch, cache: &mut KvCache) -> Result<Tensor> {
+    /// [`Model::forward`]'s body: the layers as one lane, or on two threads a decode step's
+    /// rows as two lanes side by side (`lane`), then `lm_head` over the rows that give logits.
+    fn step(&self, batch: &Batch, cache: &KvCache) -> Result<Tensor> {
         cache.check(&self.cfg, self.kv_dtype)?;
+        // The whole batch is planned (and checked) first, also when its halves run as lanes.
+        let plan = StepPlan::new(batch, self.limits(cache), &self.device, &self.upload)?;
+        let rows = match lane::halves(self, batch) {
+            Some(halves) => lane::side_by_side(self, cache, batch, halves)?,
+            None => {
+                let mut one = Lane::new(self, cache, batch, &plan)?;
+                for l in 0..self.layers.len() {
+                    one.write(l)?;
+                    one.read(l)?;
+                }
+                one.finish()?
+            }
+        };
+        let Some(x) = rows else {
+            return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
+        };
+        Ok(self.lm_head.forward_ahead(&x, &plan.logit_mapping, &mut ReadAhead::new())?.to_dtype(DType::F32)?)
+    }
+
+    /// How many lanes of rows `batch` runs as when [`Model::forward`] is called here (in the same
+    /// rayon pool): 2 for a decode step of enough rows on a pool of two threads on the CPU (each
+    /// thread takes half the rows through every layer alone), else 1.
+    pub fn lanes(&self, batch: &Batch) -> usize {
+        lane::halves(self, batch).map_or(1, |h| h.len())
+    }
+
+    /// What a step's batch is checked against, for a step over `cache`.
+    fn limits(&self, cache: &KvCache) -> Limits {
         let kc = cache.config();
-        let lim = Limits {
+        Limits {
             vocab: self.cfg.vocab_size,
             max_len: self.cfg.max_model_len(),
             max_loras: self.lora.max_loras(),
@@ -462,102 +494,7 @@ impl Model {
             block_size: kc.block_size,
             paged_decode: self.paged_decode(),
             window: self.cfg.sliding_window.filter(|&w| w > 0),
-        };
-        let plan = StepPlan::new(batch, lim, &self.device, &self.upload)?;
-        let tokens = batch.num_tokens();
-        let (qs, kvs) = (self.cfg.q_size(), self.cfg.kv_size());
-        let dims = AttnDims {
-            heads: self.cfg.num_heads,
-            kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-            block_size: kc.block_size,
-        };
-        let eps = self.cfg.rms_norm_eps as f32;
-        let map = &plan.token_mapping;
-        let (cos, sin) = self.rope.gather(&plan.positions)?;
-        let mut x = self.embed.forward(&plan.ids, map)?;
-        // The cache rows each decode sequence's attention reads (the plan's own lists).
-        let context_rows = plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
-        // What each product asks to be cached (its own slots, and during `gate_up` the next
-        // attention's KV rows): one list for the step, emptied by each product, so its
-        // allocation serves them all.
-        let mut ahead = ReadAhead::new();
-        let q_scale = query_scale(dims);
-        // The last layer's output, added into `x` together with the next norm.
-        let mut residual: Option<Tensor> = None;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let h = match residual.take() {
-                Some(d) => {
-                    let (sum, h) = multilora_layers::add_rms_norm(&x, &d, &layer.input_norm, eps)?;
-                    x = sum;
-                    h
-                }
-                None => multilora_layers::rms_norm(&x, &layer.input_norm, eps)?,
-            };
-            let qkv = layer.qkv.forward_ahead(&h, map, &mut ahead)?;
-            let (ck, cv) = cache.layer(l);
-            // On the CPU, the rotation, the queries' scale and the cache write in one pass;
-            // elsewhere as tensor ops.
-            let fused = match &plan.kv_writes {
-                KvWrites::Host(rows) => {
-                    multilora_layers::rope_write_kv(&qkv, (&cos, &sin), dims, (ck, cv), rows, Some(q_scale))?
-                }
-                _ => None,
-            };
-            let q = match fused {
-                Some(q) => q,
-                None => {
-                    let q = qkv.narrow(1, 0, qs)?.reshape((tokens, dims.heads, dims.head_dim))?;
-                    let k = qkv.narrow(1, qs, kvs)?.reshape((tokens, dims.kv_heads, dims.head_dim))?;
-                    let v = qkv.narrow(1, qs + kvs, kvs)?;
-                    let k = Rope::apply(&k, &cos, &sin)?.reshape((tokens, kvs))?;
-                    write_kv(&plan, ck, cv, &k, &v)?;
-                    (Rope::apply(&q, &cos, &sin)? * q_scale)?
-                }
-            };
-            let attn = paged_attention(&plan, &q, ck, cv, dims)?;
-            let o = layer.o.forward_ahead(&attn, map, &mut ahead)?;
-            let (sum, h) = multilora_layers::add_rms_norm(&x, &o, &layer.post_norm, eps)?;
-            x = sum;
-            // The next layer's attention reads its sequences' cache rows: asked for while this
-            // compute-bound product runs (see `ReadAhead`).
-            if let Some(kv) = cache.host_rows(l + 1) {
-                ahead.push_listed_rows(&kv, context_rows);
-            }
-            let gu = layer.gate_up.forward_ahead(&h, map, &mut ahead)?;
-            let inter = self.cfg.intermediate_size;
-            // SiLU in one pass on the CPU; otherwise the activation, then the product.
-            let fused = match self.cfg.hidden_act {
-                HiddenAct::Silu => multilora_layers::silu_mul(&gu, inter)?,
-                _ => None,
-            };
-            let act = match fused {
-                Some(act) => act,
-                None => {
-                    let g = gu.narrow(1, 0, inter)?;
-                    let gate = match self.cfg.hidden_act {
-                        HiddenAct::Silu => candle_nn::ops::silu(&g)?,
-                        HiddenAct::Gelu => g.gelu_erf()?,
-                        HiddenAct::GeluTanh => g.gelu()?,
-                    };
-                    (gate * gu.narrow(1, inter, inter)?)?
-                }
-            };
-            residual = Some(layer.down.forward_ahead(&act, map, &mut ahead)?);
         }
-        if batch.num_logit_rows() == 0 {
-            return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
-        }
-        // Only the rows that give logits go on: the last residual added to them alone.
-        let (x, residual) = match &plan.logit_rows {
-            Some(rows) => (x.index_select(rows, 0)?, residual.map(|d| d.index_select(rows, 0)).transpose()?),
-            None => (x, residual),
-        };
-        let x = match residual {
-            Some(d) => multilora_layers::add_rms_norm(&x, &d, &self.norm, eps)?.1,
-            None => multilora_layers::rms_norm(&x, &self.norm, eps)?,
-        };
-        Ok(self.lm_head.forward_ahead(&x, &plan.logit_mapping, &mut ahead)?.to_dtype(DType::F32)?)
     }
 
     /// [`Model::forward`]'s logits on the host, a `Vec` per row (on CUDA through a page-locked

@@ -266,3 +266,64 @@ fn unreadable_gguf_files_are_refused_by_name() -> Result<()> {
     assert!(err.to_string().contains("not a model"), "{err}");
     Ok(())
 }
+
+/// The real model kept quantized, the three adapters and the base, in a rayon pool of `threads`:
+/// every reference case's prompt prefilled, then three greedy decode steps of all 24 at once;
+/// each decode step's logits.
+fn decode_steps_in_a_pool_of(path: &Path, threads: usize) -> Result<Vec<Tensor>> {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    pool.install(|| {
+        let adapters = [("pirate", peft("pirate")), ("shout", peft("shout")), ("french", peft("french"))];
+        let (model, slots) = model(path, ModelOptions::default(), &adapters)?;
+        let cases = reference_cases("transformers");
+        let bs = 16;
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| ids(&c["prompt_ids"])).collect();
+        let per: Vec<usize> = prompts.iter().map(|p| (p.len() + 4).div_ceil(bs)).collect();
+        let mut kv = model.new_kv_cache(multilora_models::KvCacheConfig::new(per.iter().sum(), bs))?;
+        let mut first = 0u32;
+        let tables: Vec<Vec<u32>> = per
+            .iter()
+            .map(|&n| {
+                first += n as u32;
+                (first - n as u32..first).collect()
+            })
+            .collect();
+        let slot = |c: &Value| slots.get(c["adapter"].as_str().unwrap_or("base")).copied();
+        let prefill =
+            cases.iter().zip(&prompts).zip(&tables).map(|((c, p), t)| SeqInput::new(p.clone(), 0, t.clone(), slot(c)));
+        let logits = model.forward(&Batch::new(prefill.collect()), &mut kv)?;
+        let mut next = logits.argmax(1)?.to_vec1::<u32>()?;
+        let mut steps = Vec::new();
+        for step in 0..3 {
+            let seqs = cases
+                .iter()
+                .zip(&prompts)
+                .zip(&tables)
+                .enumerate()
+                .map(|(i, ((c, p), t))| SeqInput::new(vec![next[i]], p.len() + step, t.clone(), slot(c)));
+            let batch = Batch::new(seqs.collect());
+            assert_eq!(model.lanes(&batch), if threads == 2 { 2 } else { 1 }, "{threads} threads");
+            let logits = model.forward(&batch, &mut kv)?;
+            next = logits.argmax(1)?.to_vec1::<u32>()?;
+            steps.push(logits);
+        }
+        Ok(steps)
+    })
+}
+
+/// On two threads a decode step of the 24 cases runs as two lanes side by side (each thread
+/// half the rows, its products planned for one thread, through every layer): the quantized
+/// path's logits are those of the same steps on one thread, bit for bit.
+#[test]
+fn quantized_lanes_give_the_bits_of_one_lane() -> Result<()> {
+    let Some(path) = smollm2::gguf("quantized_lanes_give_the_bits_of_one_lane") else { return Ok(()) };
+    let two = decode_steps_in_a_pool_of(&path, 2)?;
+    let one = decode_steps_in_a_pool_of(&path, 1)?;
+    for (step, (a, b)) in two.iter().zip(&one).enumerate() {
+        let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+        assert_eq!(a.len(), b.len(), "step {step}");
+        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "decode step {step}: two lanes against one thread differ");
+    }
+    Ok(())
+}

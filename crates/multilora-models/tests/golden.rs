@@ -156,3 +156,69 @@ test_device!(
     greedy_generation_reproduces_exactly_cpu,
     greedy_generation_reproduces_exactly_cuda
 );
+
+/// The fixture's rows prefilled, then decode steps of every row at
+/// once (the rows' slots interleaved, a few rows without logits), in a rayon pool of `threads`:
+/// each decode step's logits.
+fn decode_steps_in_a_pool_of(threads: usize) -> Result<Vec<Tensor>> {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    pool.install(|| {
+        let (model, slots) = model_with_adapters(DType::F32)?;
+        let rows = rows(true)?;
+        let bs = 4;
+        let need: usize = rows.iter().map(|r| (r.ids.len() + 4).div_ceil(bs)).sum();
+        let mut kv = cache(&model, need, bs)?;
+        let mut blocks = Blocks::default();
+        let tables: Vec<Vec<u32>> = rows.iter().map(|r| blocks.table(r.ids.len() + 4, bs)).collect();
+        let prompts: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
+        let prefill = rows
+            .iter()
+            .zip(&tables)
+            .map(|(r, t)| SeqInput::new(r.ids.clone(), 0, t.clone(), slot_of(&slots, &r.adapter)));
+        let first = model.forward(&Batch::new(prefill.collect()), &mut kv)?;
+        let mut steps = Vec::new();
+        let mut next: Vec<u32> = (0..rows.len()).map(|i| argmax(&first.get(i)?)).collect::<Result<_>>()?;
+        for step in 0..4 {
+            let seqs = rows.iter().enumerate().map(|(i, r)| {
+                let s = SeqInput::new(
+                    vec![next[i]],
+                    prompts[i].len() + step,
+                    tables[i].clone(),
+                    slot_of(&slots, &r.adapter),
+                );
+                if (i + step) % 5 == 0 { s.with_logits(LogitsWanted::None) } else { s }
+            });
+            let batch = Batch::new(seqs.collect());
+            assert_eq!(model.lanes(&batch), if threads == 2 { 2 } else { 1 }, "{threads} threads");
+            let logits = model.forward(&batch, &mut kv)?;
+            let mut at = 0;
+            for (i, s) in batch.seqs.iter().enumerate() {
+                if s.num_logit_rows() > 0 {
+                    next[i] = argmax(&logits.get(at)?)?;
+                    at += 1;
+                }
+            }
+            steps.push(logits);
+        }
+        Ok(steps)
+    })
+}
+
+/// A decode step of enough rows on a pool of two threads runs as two lanes side by side (each
+/// thread half the rows through every layer, `Model::forward`): its logits are, bit for bit,
+/// those of the same steps on one thread and on three (one lane), rows in the batch's order.
+#[test]
+fn lanes_side_by_side_give_the_bits_of_one_lane() -> Result<()> {
+    assert!(rows(true)?.len() >= 8, "the fixture has too few rows for two lanes");
+    let two = decode_steps_in_a_pool_of(2)?;
+    for threads in [1, 3] {
+        let other = decode_steps_in_a_pool_of(threads)?;
+        for (step, (a, b)) in two.iter().zip(&other).enumerate() {
+            assert_eq!(a.dims(), b.dims(), "step {step}, {threads} threads");
+            let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+            let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "step {step}: two lanes against {threads} thread(s) differ");
+        }
+    }
+    Ok(())
+}

@@ -28,7 +28,7 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
     let isa = Isa::best();
     let row = |(o, x): (&mut [f32], &[f32])| kernel(isa, &x[..inter], &x[inter..], o);
     if rows * inter >= PARALLEL_VALUES && inter > 0 {
-        let min = rows.div_ceil(4 * rayon::current_num_threads()).max(1);
+        let min = rows.div_ceil(4 * crate::pool::threads()).max(1);
         let parts = out.chunks_mut(inter * min).zip(v.chunks(width * min)).collect();
         crate::pool::for_each_part(parts, |_, (o, x): (&mut [f32], &[f32])| {
             o.chunks_mut(inter).zip(x.chunks(width)).for_each(row)

@@ -326,7 +326,7 @@ struct PackedOp<'a> {
 impl PackedOp<'_> {
     fn run<E: Elem>(&self, x: &[f32], panels: &[E], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
         let mut y = vec![0f32; m * n];
-        let plan = Plan::new(m, n, k, rayon::current_num_threads(), true, kernel::PANEL);
+        let plan = Plan::new(m, n, k, crate::pool::threads(), true, kernel::PANEL);
         kernel::fill_prepacked(self.isa, (x, k), (panels, n, k), &mut y, n, &plan.rects, plan.parallel);
         y
     }
@@ -424,7 +424,7 @@ struct LinearOp {
 impl LinearOp {
     fn run<E: Elem>(&self, x: &[f32], w: &[E], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
         let mut y = vec![0f32; m * n];
-        let threads = rayon::current_num_threads();
+        let threads = crate::pool::threads();
         let packed = m > DECODE_ROWS && self.isa != Isa::Portable;
         let plan = Plan::new(m, n, k, threads, packed, COL_ALIGN);
         let o = kernel::Operands { x, ldx: k, w, ldw: k, k };

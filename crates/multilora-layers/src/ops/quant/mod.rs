@@ -77,9 +77,10 @@ pub struct QuantWeight {
     k: usize,
     /// The segments in output-column order, each shared with the weights it was stacked from.
     segs: Arc<Vec<Arc<Segment>>>,
-    /// The last plan made ([`QuantWeight::plan`]), for the next product of as many rows on as
-    /// many threads: a decode step's products repeat their shapes step after step.
-    last_plan: Arc<Mutex<Option<Arc<Plan>>>>,
+    /// The last two plans made ([`QuantWeight::plan`]), the newer first, for the next product of
+    /// as many rows on as many threads: a decode step's products repeat their shapes step after
+    /// step (two shapes when its rows run as two lanes of unequal halves).
+    last_plans: Arc<Mutex<[Option<Arc<Plan>>; 2]>>,
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -105,7 +106,7 @@ const TASKS_PER_THREAD: usize = 4;
 impl QuantWeight {
     /// A weight over `segs` (in output-column order, `n` columns in all), no plan kept yet.
     fn with_segs(n: usize, k: usize, segs: Vec<Arc<Segment>>) -> QuantWeight {
-        QuantWeight { n, k, segs: Arc::new(segs), last_plan: Arc::default() }
+        QuantWeight { n, k, segs: Arc::new(segs), last_plans: Arc::default() }
     }
 
     /// One `[n, k]` weight from GGML block bytes, rows in order, each row `k / block_elems`
@@ -220,7 +221,7 @@ impl QuantWeight {
             return Err(Error::shape("quantized linear", "input", x.dims(), &[m, k]));
         };
         let xs = &cpu.as_slice::<f32>()?[l.start_offset()..l.start_offset() + m * k];
-        let threads = rayon::current_num_threads();
+        let threads = crate::pool::threads();
         let parallel = threads > 1 && m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK;
         let plan = self.plan_for(m, if parallel { threads } else { 1 });
         let segs = self.seg_views();
@@ -293,13 +294,17 @@ impl QuantWeight {
             .collect()
     }
 
-    /// [`QuantWeight::plan`], or the last one made when it was for the same rows and threads.
+    /// [`QuantWeight::plan`], or one of the last two made when it was for the same rows and
+    /// threads.
     fn plan_for(&self, m: usize, threads: usize) -> Arc<Plan> {
-        let mut last = self.last_plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match &*last {
-            Some(p) if p.m == m && p.threads == threads => Arc::clone(p),
-            _ => Arc::clone(last.insert(Arc::new(self.plan(m, threads)))),
+        let mut last = self.last_plans.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(p) = last.iter().flatten().find(|p| p.m == m && p.threads == threads) {
+            return Arc::clone(p);
         }
+        let p = Arc::new(self.plan(m, threads));
+        last.rotate_right(1);
+        last[0] = Some(Arc::clone(&p));
+        p
     }
 
     /// How a product of `m` rows is cut: blocks of rows (all of them for a decode step), and in
