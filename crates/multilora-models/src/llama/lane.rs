@@ -26,8 +26,9 @@ use crate::kv_cache::KvCache;
 use crate::rope::Rope;
 
 /// Rows a lane takes at least: below that the weights' second stream costs more than the regions
-/// it saves.
-const MIN_LANE_ROWS: usize = 4;
+/// it saves (SmolLM2's 16-row LoRA step of docs/BENCHMARKS.md: 2 and 4 rows 1–2% slower as two
+/// lanes, 6 rows 6% faster).
+const MIN_LANE_ROWS: usize = 3;
 
 /// One set of a step's rows on its way through the layers.
 pub(super) struct Lane<'a> {
@@ -153,8 +154,20 @@ impl<'a> Lane<'a> {
     fn project(&mut self, l: usize) -> Result<()> {
         let layer = &self.model.layers[l];
         let h = self.add_norm(&layer.input_norm)?;
+        // The attention right after reads these cache rows: asked for during the last layer's
+        // `gate_up` already (`after_attention`), and again here, for the lines the products in
+        // between pushed out of this core's L2 (each lane streams every weight through it).
+        self.ask_for_context(l);
         self.qkv = Some((l, layer.qkv.forward_ahead(&h, &self.plan.token_mapping, &mut self.ahead)?));
         Ok(())
+    }
+
+    /// Adds the cache rows layer `l`'s attention reads to what the next product asks for.
+    fn ask_for_context(&mut self, l: usize) {
+        let context_rows = self.plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
+        if let Some(kv) = self.cache.host_rows(l) {
+            self.ahead.push_listed_rows(&kv, context_rows);
+        }
     }
 
     /// `x` plus the last layer's output (kept as the new `x`), normed by `weight`.
@@ -180,10 +193,7 @@ impl<'a> Lane<'a> {
         let h = self.add_norm(&layer.post_norm)?;
         // The next layer's attention reads its sequences' cache rows: asked for while this
         // compute-bound product runs (see `ReadAhead`).
-        let context_rows = self.plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
-        if let Some(kv) = self.cache.host_rows(l + 1) {
-            self.ahead.push_listed_rows(&kv, context_rows);
-        }
+        self.ask_for_context(l + 1);
         let gu = layer.gate_up.forward_ahead(&h, map, &mut self.ahead)?;
         let inter = m.cfg.intermediate_size;
         // SiLU in one pass on the CPU; otherwise the activation, then the product.

@@ -41,7 +41,7 @@ mod kernel;
 mod layout;
 mod types;
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -77,10 +77,12 @@ pub struct QuantWeight {
     k: usize,
     /// The segments in output-column order, each shared with the weights it was stacked from.
     segs: Arc<Vec<Arc<Segment>>>,
-    /// The last two plans made ([`QuantWeight::plan`]), the newer first, for the next product of
-    /// as many rows on as many threads: a decode step's products repeat their shapes step after
-    /// step (two shapes when its rows run as two lanes of unequal halves).
-    last_plans: Arc<Mutex<[Option<Arc<Plan>>; 2]>>,
+    /// The last plan made on several threads ([`QuantWeight::plan`]), for the next product of as
+    /// many rows on as many threads: a decode step's products repeat their shapes step after step.
+    last_plan: Arc<Mutex<Option<Arc<Plan>>>>,
+    /// The plans on one thread of `1..=DECODE_ROWS` rows, each made once: a step's lanes (each
+    /// thread its own rows through every layer) read them side by side without a lock.
+    solo_plans: Arc<[OnceLock<Arc<Plan>>; DECODE_ROWS]>,
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -106,7 +108,13 @@ const TASKS_PER_THREAD: usize = 4;
 impl QuantWeight {
     /// A weight over `segs` (in output-column order, `n` columns in all), no plan kept yet.
     fn with_segs(n: usize, k: usize, segs: Vec<Arc<Segment>>) -> QuantWeight {
-        QuantWeight { n, k, segs: Arc::new(segs), last_plans: Arc::default() }
+        QuantWeight {
+            n,
+            k,
+            segs: Arc::new(segs),
+            last_plan: Arc::default(),
+            solo_plans: Arc::new(std::array::from_fn(|_| OnceLock::new())),
+        }
     }
 
     /// One `[n, k]` weight from GGML block bytes, rows in order, each row `k / block_elems`
@@ -294,17 +302,17 @@ impl QuantWeight {
             .collect()
     }
 
-    /// [`QuantWeight::plan`], or one of the last two made when it was for the same rows and
-    /// threads.
+    /// [`QuantWeight::plan`]: on one thread the one kept for `m` rows, else the last one made
+    /// when it was for the same rows and threads.
     fn plan_for(&self, m: usize, threads: usize) -> Arc<Plan> {
-        let mut last = self.last_plans.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(p) = last.iter().flatten().find(|p| p.m == m && p.threads == threads) {
-            return Arc::clone(p);
+        if let Some(solo) = self.solo_plans.get(m.wrapping_sub(1)).filter(|_| threads == 1) {
+            return Arc::clone(solo.get_or_init(|| Arc::new(self.plan(m, 1))));
         }
-        let p = Arc::new(self.plan(m, threads));
-        last.rotate_right(1);
-        last[0] = Some(Arc::clone(&p));
-        p
+        let mut last = self.last_plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*last {
+            Some(p) if p.m == m && p.threads == threads => Arc::clone(p),
+            _ => Arc::clone(last.insert(Arc::new(self.plan(m, threads)))),
+        }
     }
 
     /// How a product of `m` rows is cut: blocks of rows (all of them for a decode step), and in
