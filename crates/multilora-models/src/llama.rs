@@ -18,12 +18,11 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
-
-mod lane;
-
 use crate::weights::{Checkpoint, CheckpointFiles, ModelSource, Weights};
 use lane::Lane;
 use multilora_adapter::HubConfig;
+
+mod lane;
 
 /// How to load a model.
 #[derive(Clone, Debug)]

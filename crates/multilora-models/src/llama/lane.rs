@@ -45,8 +45,9 @@ pub(super) struct Lane<'a> {
     qkv: Option<(usize, Tensor)>,
     /// The written layer's rotated, scaled queries: `(layer, q)`.
     q: Option<(usize, Tensor)>,
-    /// What each product asks to be cached (its own slots, and during `gate_up` the next
-    /// attention's KV rows): emptied by each product, so one allocation serves them all.
+    /// What each product asks to be cached (its own slots; during `gate_up` and again during the
+    /// next `qkv`, the next attention's KV rows): emptied by each product, so one allocation
+    /// serves them all.
     ahead: ReadAhead,
     /// How many of its rows give logits.
     logit_rows: usize,
@@ -261,8 +262,8 @@ pub(super) fn side_by_side(
         phase(&mut lanes, |lane| lane.write(l))?;
         phase(&mut lanes, |lane| lane.read(l))?;
     }
-    let outs = lanes.into_iter().map(Lane::finish);
-    let outs: Vec<Tensor> = outs.into_iter().collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
+    let outs: Vec<Tensor> =
+        lanes.into_iter().map(Lane::finish).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
     if outs.is_empty() {
         return Ok(None);
     }
