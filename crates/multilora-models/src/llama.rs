@@ -461,7 +461,7 @@ impl Model {
         let rows = match lane::halves(self, batch) {
             Some(halves) => lane::side_by_side(self, cache, batch, halves)?,
             None => {
-                let mut one = Lane::new(self, cache, batch, &plan)?;
+                let mut one = Lane::new(self, cache, &plan)?;
                 for l in 0..self.layers.len() {
                     one.write(l)?;
                     one.read(l)?;

@@ -49,13 +49,11 @@ pub(super) struct Lane<'a> {
     /// next `qkv`, the next attention's KV rows): emptied by each product, so one allocation
     /// serves them all.
     ahead: ReadAhead,
-    /// How many of its rows give logits.
-    logit_rows: usize,
 }
 
 impl<'a> Lane<'a> {
-    /// The rows of `batch` (planned as `plan`, over `cache`), embedded.
-    pub(super) fn new(model: &'a Model, cache: &'a KvCache, batch: &Batch, plan: &'a StepPlan) -> Result<Lane<'a>> {
+    /// The rows `plan` plans (over `cache`), embedded and through the first layer's q/k/v.
+    pub(super) fn new(model: &'a Model, cache: &'a KvCache, plan: &'a StepPlan) -> Result<Lane<'a>> {
         let cfg = &model.cfg;
         let dims = AttnDims {
             heads: cfg.num_heads,
@@ -65,21 +63,8 @@ impl<'a> Lane<'a> {
         };
         let (cos, sin) = model.rope.gather(&plan.positions)?;
         let x = model.embed.forward(&plan.ids, &plan.token_mapping)?;
-        let logit_rows = batch.num_logit_rows();
-        let mut lane = Lane {
-            model,
-            cache,
-            plan,
-            cos,
-            sin,
-            dims,
-            x,
-            residual: None,
-            qkv: None,
-            q: None,
-            ahead: ReadAhead::new(),
-            logit_rows,
-        };
+        let mut lane =
+            Lane { model, cache, plan, cos, sin, dims, x, residual: None, qkv: None, q: None, ahead: ReadAhead::new() };
         lane.project(0)?;
         Ok(lane)
     }
@@ -136,7 +121,8 @@ impl<'a> Lane<'a> {
     /// The rows that give logits, after the last layer's `read`, through the final norm
     /// (`[logit rows, hidden]`); `None` when none of its rows gives logits.
     pub(super) fn finish(self) -> Result<Option<Tensor>> {
-        if self.logit_rows == 0 {
+        // The logit mapping has a row for each row that gives logits.
+        if self.plan.logit_mapping.num_rows() == 0 {
             return Ok(None);
         }
         let eps = self.model.cfg.rms_norm_eps as f32;
@@ -254,8 +240,8 @@ pub(super) fn side_by_side(
         halves.iter().map(|h| Batch::new(h.iter().map(|&i| batch.seqs[i].clone()).collect())).collect();
     let plans = subs.iter().map(|b| StepPlan::new(b, lim, &model.device, &model.upload)).collect::<Result<Vec<_>>>()?;
     // Each lane embedded and through the first layer's q/k/v on its own thread.
-    let mut parts: Vec<(&Batch, &StepPlan)> = subs.iter().zip(&plans).collect();
-    let mut lanes = multilora_layers::side_by_side(&mut parts, |&mut (b, p)| Lane::new(model, cache, b, p))
+    let mut parts: Vec<&StepPlan> = plans.iter().collect();
+    let mut lanes = multilora_layers::side_by_side(&mut parts, |p| Lane::new(model, cache, p))
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
     for l in 0..model.layers.len() {
