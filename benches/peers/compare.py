@@ -22,7 +22,15 @@ machine falls on both. Reported: each figure's best round, and each ratio's medi
   and 1 new token: prompt tokens/s, against pp512;
 - 16 concurrent streams of 64 new tokens on the base model, and over the eight adapters (two streams
   each): new tokens/s over the wall clock, llama-server with 16 parallel slots (it runs requests
-  whose adapters differ in separate batches).
+  whose adapters differ in separate batches);
+- 16 concurrent streams on the base model, sampled as chat clients ask (temperature 0.8, top-p 0.95,
+  top-k 40; llama.cpp's chain set to those three alone: min-p, typical-p, XTC and DRY off).
+
+`--sampling-table` measures multilora alone instead: 16 and 64 concurrent completions of 32 new
+tokens on the base model under each sampling setting of the sampling issue's table (greedy, no
+sampling fields at all — OpenAI's default temperature 1 —, temperature 0.8, top-p, top-k, all
+filters, greedy with 5 logprobs), the settings in a new order each round; each figure against the
+greedy one of the same round and concurrency.
 
 Only the standard library is used.
 """
@@ -67,17 +75,26 @@ class Engine:
     def __init__(self, kind, port, adapters):
         self.kind, self.port, self.adapters = kind, port, adapters
 
-    def body(self, prompt, n, adapter, stream):
+    def body(self, prompt, n, adapter, stream, sampling=None):
+        """`sampling`: the OpenAI fields of the request (None: greedy); llama-server gets the same
+        settings in its own names, its sampler chain cut to top-k, top-p and temperature."""
         if self.kind == "multilora":
+            fields = {"temperature": 0} if sampling is None else sampling
             return "/v1/completions", {"model": adapter or "base", "prompt": prompt, "max_tokens": n,
-                                       "temperature": 0, "ignore_eos": True, "stream": stream}
+                                       "ignore_eos": True, "stream": stream, **fields}
         lora = [{"id": i, "scale": 1.0 if a == adapter else 0.0} for i, a in enumerate(self.adapters)]
-        return "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True,
-                               "cache_prompt": False, "lora": lora, "stream": stream}
+        if sampling is None:
+            fields = {"temperature": 0, "top_k": 1}
+        else:
+            fields = {"temperature": sampling.get("temperature", 1.0), "top_k": sampling.get("top_k", 0),
+                      "top_p": sampling.get("top_p", 1.0), "min_p": 0.0, "typical_p": 1.0,
+                      "samplers": ["top_k", "top_p", "temperature"]}
+        return "/completion", {"prompt": prompt, "n_predict": n, "ignore_eos": True, "cache_prompt": False,
+                               "lora": lora, "stream": stream, **fields}
 
-    def run(self, prompt, n, adapter):
+    def run(self, prompt, n, adapter, sampling=None):
         """Returns (tokens, seconds from sending to the last token)."""
-        path, body = self.body(prompt, n, adapter, False)
+        path, body = self.body(prompt, n, adapter, False, sampling)
         t0 = time.perf_counter()
         with post(self.port, path, body) as r:
             out = json.load(r)
@@ -103,11 +120,11 @@ class Engine:
         return times
 
 
-def concurrent(engine, prompts, n, adapters_of):
+def concurrent(engine, prompts, n, adapters_of, sampling=None):
     out = [None] * len(prompts)
 
     def one(i):
-        out[i] = engine.run(prompts[i], n, adapters_of(i))
+        out[i] = engine.run(prompts[i], n, adapters_of(i), sampling)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
@@ -138,7 +155,48 @@ def workloads(engine, prompts, long_prompt):
     p16 = [prompts[i % len(prompts)] for i in range(16)]
     res["16 streams base"] = concurrent(engine, p16, 64, lambda i: None)
     res["16 streams 8 adapters"] = concurrent(engine, p16, 64, lambda i: adapters[i % len(adapters)])
+    res["16 streams sampled"] = concurrent(engine, p16, 64, lambda i: None, SAMPLED)
     return res
+
+
+# What chat clients commonly send (and llama.cpp's own defaults for these three).
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
+
+# The sampling issue's table: each setting's request fields (None: greedy, temperature 0).
+TABLE = [
+    ("temperature 0", None),
+    ("no sampling fields", {}),
+    ("temperature 0.8", {"temperature": 0.8}),
+    ("temperature 0.7, top_p 0.9", {"temperature": 0.7, "top_p": 0.9}),
+    ("temperature 0.8, top_k 40", {"temperature": 0.8, "top_k": 40}),
+    ("temperature 0.8, top_k 40, top_p 0.95, min_p 0.05",
+     {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}),
+    ("temperature 0, logprobs 5", {"temperature": 0, "logprobs": 5}),
+]
+
+
+def sampling_table(a, prompts, engine):
+    """The table's settings at 16 and 64 streams, `a.rounds` rounds in rotated orders; per setting
+    the best figure and the median of its ratios to the same round's greedy figure."""
+    rounds = []
+    for r in range(a.rounds):
+        figures = {}
+        order = TABLE[r % len(TABLE):] + TABLE[:r % len(TABLE)]
+        for streams in (16, 64):
+            batch = [prompts[i % len(prompts)] for i in range(streams)]
+            for name, fields in order:
+                figures[f"{streams} streams, {name}"] = concurrent(engine, batch, 32, lambda i: None, fields)
+        rounds.append(figures)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    out = {}
+    for streams in (16, 64):
+        for name, _ in TABLE:
+            key = f"{streams} streams, {name}"
+            greedy = f"{streams} streams, temperature 0"
+            out[key] = {"best": max(r[key] for r in rounds), "vs greedy": median([r[key] / r[greedy] for r in rounds])}
+            print(f"{key:70s} {out[key]['best']:8.1f} tokens/s  {out[key]['vs greedy']:5.2f}x greedy")
+    return {"rounds": rounds, "table": out}
 
 
 def llama_bench(a):
@@ -148,8 +206,17 @@ def llama_bench(a):
     return {f"llama-bench {'pp512' if row['n_prompt'] else 'tg128'}": row["avg_ts"] for row in json.loads(out.stdout)}
 
 
-def start(cmd, port, what, log):
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def multilora_cmd(a, names, files, port):
+    # As llama-server's `cache_prompt: false` and `--cache-ram 0`: every prompt computed in full.
+    cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port),
+           "--max-loras", "8", "--max-lora-rank", "32", "--no-enable-prefix-caching"]
+    for n, f in zip(names, files):
+        cmd += ["--lora-modules", f"{n}={os.path.join(a.adapters, f)}"]
+    return cmd
+
+
+def start(cmd, port, what, log, env=None):
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     wait_ready(port, proc, what)
     return proc
 
@@ -173,6 +240,8 @@ def main():
     ap.add_argument("--no-repack", action="store_true",
                     help="llama.cpp without weight repacking: where its AMX path crashes (a VM that reports AMX "
                          "but does not enable it), it then runs the AVX-512 VNNI / AVX2 code of any other CPU")
+    ap.add_argument("--sampling-table", action="store_true",
+                    help="multilora alone: the sampling settings' table at 16 and 64 streams against greedy")
     ap.add_argument("--json")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "multilora-compare.log"),
                     help="where both servers' output goes (default: the system's temporary folder, never the "
@@ -190,18 +259,26 @@ def main():
 
     port_l, port_m = 18600, 18500
     lora = ",".join(os.path.join(a.adapters, f) for f in files)
+    if a.sampling_table:
+        ours = start(multilora_cmd(a, names, files, port_m), port_m, "multilora serve", log,
+                     dict(os.environ, RAYON_NUM_THREADS=str(a.threads), RUST_LOG="warn"))
+        try:
+            engine = Engine("multilora", port_m, names)
+            warm_up(engine)
+            result = sampling_table(a, prompts, engine)
+        finally:
+            stop(ours)
+        if a.json:
+            json.dump(result, open(a.json, "w"), indent=2)
+        return
     llama = start([os.path.join(a.llamacpp, "llama-server"), "-m", a.gguf, "--lora", lora, "--lora-init-without-apply",
                    "-t", str(a.threads), "-tb", str(a.threads), "--parallel", "16", "-cb", "-c", "16384",
                    "--cache-ram", "0", "--host", "127.0.0.1", "--port", str(port_l), "--no-webui"]
                   + (["--no-repack"] if a.no_repack else []),
                   port_l, "llama-server", log)
-    # As llama-server's `cache_prompt: false` and `--cache-ram 0`: every prompt computed in full.
-    cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port_m),
-           "--max-loras", "8", "--max-lora-rank", "32", "--no-enable-prefix-caching"]
-    for n, f in zip(names, files):
-        cmd += ["--lora-modules", f"{n}={os.path.join(a.adapters, f)}"]
     env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), RUST_LOG="warn")
-    ours = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    ours = subprocess.Popen(multilora_cmd(a, names, files, port_m), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
     rounds = []
     try:
         wait_ready(port_m, ours, "multilora serve")
@@ -228,6 +305,7 @@ def main():
         "prompt 512 / pp512": ("multilora prompt 512", "llama-bench pp512"),
         "16 streams base / llama-server": ("multilora 16 streams base", "llama.cpp 16 streams base"),
         "16 streams 8 adapters / llama-server": ("multilora 16 streams 8 adapters", "llama.cpp 16 streams 8 adapters"),
+        "16 streams sampled / llama-server": ("multilora 16 streams sampled", "llama.cpp 16 streams sampled"),
     }
     report = {k: max(r[k] for r in rounds) for k in rounds[0]}
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731

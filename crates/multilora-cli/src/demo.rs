@@ -71,12 +71,15 @@ pub(crate) struct DemoArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
     pub(crate) max_tokens: usize,
+    /// Sampling temperature of the workload's requests (0: greedy, to compare with).
+    #[arg(long, default_value_t = 0.8)]
+    pub(crate) temperature: f32,
 }
 
 impl Default for DemoArgs {
     /// What `multilora` with no arguments runs: clap's defaults, which a derived Default would not see.
     fn default() -> DemoArgs {
-        DemoArgs { cache_dir: None, model: None, loras: Vec::new(), requests: 300, max_tokens: 16 }
+        DemoArgs { cache_dir: None, model: None, loras: Vec::new(), requests: 300, max_tokens: 16, temperature: 0.8 }
     }
 }
 
@@ -373,13 +376,15 @@ pub(crate) fn run(a: DemoArgs) -> Result<(), Failure> {
     let names: Vec<String> = loras.iter().map(|(n, _)| n.clone()).collect();
     let work = workload(a.requests, "base", &names);
     let mut params = SamplingParams::default();
-    params.temperature = 0.8;
+    params.temperature = a.temperature;
     params.max_tokens = Some(a.max_tokens.max(1));
     params.ignore_eos = true; // every request generates the same number of tokens in both runs
     println!(
-        "workload: {} requests, {} new tokens each, over the base and {} adapters, one shared system prompt",
+        "workload: {} requests, {} new tokens each (temperature {}), over the base and {} adapters, one shared \
+         system prompt",
         work.len(),
         a.max_tokens,
+        a.temperature,
         names.len()
     );
     let mut wide = run_once(&model, &loras, 4, &work, &params).map_err(Failure::input)?;

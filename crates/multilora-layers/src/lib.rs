@@ -19,6 +19,8 @@
 //! - [`LoraEmbedding`]: the input embedding with PEFT's `lora_embedding_A/B`;
 //! - [`ReadAhead`] / [`HostRows`]: what a step reads next (LoRA slots, KV rows), handed to a
 //!   quantized product that asks for it to be cached while it computes;
+//! - [`logits`]: the sampler's passes over a row of logits (maximum, argmax, softmax weights), the
+//!   same bits on every instruction set;
 //! - [`RowsToHost`]: a step's logits back to the host (through a kept page-locked buffer on CUDA);
 //! - [`StepMeta`] / [`MetaToDevice`]: a step's small integer tables (ids, positions, cache rows,
 //!   block tables, the mappings' indexes) to the device in one copy (page-locked on CUDA).
@@ -55,6 +57,7 @@ mod error;
 #[allow(unsafe_code)]
 mod host_memory;
 mod linear;
+pub mod logits;
 mod mapping;
 mod ops;
 mod pool;

@@ -65,6 +65,7 @@ mod health;
 mod metrics;
 mod request;
 mod resolver;
+mod sampler;
 mod sampling;
 mod step_cost;
 mod stop;
@@ -93,4 +94,5 @@ pub use request::{
     MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, TokenLogprob, Usage,
 };
 pub use resolver::{AdapterSource, DirectoryResolver, HubResolver, ResolveError, Resolver};
+pub use sampler::Sampler;
 pub use text::ChatTemplateSource;

@@ -155,3 +155,63 @@ fn softmax_is_its_definition_on_every_isa() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The sampler's passes: `row_max` is the maximum taken one value after the other (NaN passed
+/// over, +∞ kept), `argmax` its first index (ties in other lanes, NaN, −∞), `exp_weights` each weight `exp((x − max) · scale)` with min-p's floor and
+/// their sum; all the same bits on every instruction set, the weights within 4 ulp of f64's
+/// exponential of the f32 argument,
+/// 1 exactly at the maximum, 0 for NaN and −∞.
+#[test]
+fn sampler_passes_are_the_same_on_every_isa() -> anyhow::Result<()> {
+    use crate::logits::{argmax_with, exp_weights_with, row_max_with};
+    let mut rng = Rng::new(5);
+    for len in [1, 15, 16, 17, 100, 4099] {
+        for case in 0..3 {
+            let mut x: Vec<f32> = (0..len).map(|_| rng.unit() * 20.0).collect();
+            if case == 1 && len > 2 {
+                x[len / 2] = f32::NEG_INFINITY;
+                x[len - 1] = f32::NAN;
+                // Ties for the maximum, in different lanes.
+                let top = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                x[len / 3] = top;
+                x[0] = top;
+            }
+            let want_max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let (scale, floor) = if case == 2 { (1.0 / 0.7, 0.05) } else { (1.0, 0.0) };
+            let mut want = vec![0f32; len];
+            let want_sum = exp_weights_with(Isa::Portable, &x, &mut want, want_max, scale, floor);
+            for (i, (&v, &w)) in x.iter().zip(&want).enumerate() {
+                let exact = (((v - want_max) * scale) as f64).exp();
+                if (exact - floor as f64).abs() < 1e-6 {
+                    continue; // at the floor, f32's rounding decides
+                }
+                let exact = if v.is_nan() || exact < floor as f64 { 0.0 } else { exact };
+                let ulp = ((exact as f32).next_up() - exact as f32) as f64;
+                anyhow::ensure!(
+                    (w as f64 - exact).abs() <= 4.0 * ulp || (w == 0.0 && exact < 1e-6),
+                    "{len}/{case} #{i}"
+                );
+            }
+            let at_max = x.iter().position(|&v| v == want_max).expect("a maximum");
+            assert_eq!(want[at_max], 1.0);
+            let first = x.iter().position(|&v| v == want_max).expect("a maximum");
+            for isa in Isa::all_available() {
+                assert_eq!(row_max_with(isa, &x).to_bits(), want_max.to_bits(), "{isa:?} {len}/{case}");
+                assert_eq!(argmax_with(isa, &x), first, "{isa:?} {len}/{case}");
+                let mut got = vec![0f32; len];
+                let sum = exp_weights_with(isa, &x, &mut got, want_max, scale, floor);
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                anyhow::ensure!(same && sum.to_bits() == want_sum.to_bits(), "{isa:?} differs at {len}/{case}");
+            }
+        }
+    }
+    for isa in Isa::all_available() {
+        let inf = [1.0, f32::INFINITY, f32::NAN, f32::INFINITY];
+        assert_eq!((row_max_with(isa, &inf), argmax_with(isa, &inf)), (f32::INFINITY, 1));
+        assert_eq!((row_max_with(isa, &[f32::NAN]), argmax_with(isa, &[f32::NAN])), (f32::NEG_INFINITY, 0));
+        let low: Vec<f32> = (0..40).map(|i| if i < 20 { f32::NAN } else { f32::NEG_INFINITY }).collect();
+        assert_eq!(argmax_with(isa, &low), 20, "{isa:?}: the first −∞");
+        assert_eq!(argmax_with(isa, &[]), 0);
+    }
+    Ok(())
+}

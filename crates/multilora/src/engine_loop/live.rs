@@ -1,7 +1,8 @@
 //! The live request table's entry: a request from submission to its end — its hold on its
 //! adapter (`hold.rs`, dropped with it), its sampler, detokenizer and stop-string text, its
-//! prompt logprobs — and what one step does for it (prompt logprobs, sampling, stop strings,
-//! events).
+//! prompt logprobs — and what one step does for it: prompt logprobs and sampling
+//! (`compute`, run for a step's requests side by side), then stop strings and events
+//! (`deliver`, on the loop's thread).
 
 use std::time::Instant;
 
@@ -14,7 +15,7 @@ use crate::command::Submission;
 use crate::detokenize::Detokenizer;
 use crate::metrics::Counters;
 use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams};
-use crate::sampling::{SamplerState, log_softmax, top_n};
+use crate::sampling::{Picked, SamplerState, prompt_logprob};
 use crate::stop::{StopScan, StopStrings};
 
 /// A live request: deferred (waiting for its adapter) or in the scheduler.
@@ -53,51 +54,50 @@ impl Live {
         }
     }
 
-    /// Prompt logprobs and sampling for this request's share of a step (`rows`: its logit
-    /// rows); the events go to `events`, the token to the scheduler through the result.
-    pub(super) fn process(
+    /// Prompt logprobs and sampling for this request's share of a step (`rows`: its logit rows,
+    /// raw again when it returns): computation on the request's own state alone, so the step
+    /// runs it for its requests side by side on the pool's threads.
+    pub(super) fn compute(&mut self, s: &ScheduledRequest, rows: &mut [Vec<f32>]) -> Computed {
+        let mut out = Computed::default();
+        if s.logits == LogitsWanted::AllPrompt
+            && let Some(entries) = self.prompt_lp.as_mut()
+        {
+            let k = self.sub.params.prompt_logprobs.unwrap_or(0);
+            for (j, r) in rows.iter().enumerate() {
+                let target = s.num_computed_tokens + j + 1;
+                if target < s.num_prompt_tokens && entries[target].is_none() {
+                    entries[target] = Some(prompt_logprob(r, self.sub.prompt[target], k));
+                }
+            }
+            if s.num_computed_tokens + s.token_ids.len() >= s.num_prompt_tokens {
+                out.prompt_logprobs = self.prompt_lp.take();
+            }
+        }
+        if s.sample
+            && let Some(raw) = rows.last_mut()
+        {
+            let picked = self.sampler.pick(raw, &self.sub.params);
+            self.sampler.push(picked.token);
+            out.picked = Some(picked);
+        }
+        out
+    }
+
+    /// The events and the scheduler's result of what [`Live::compute`] gave (on the loop's
+    /// thread: metrics, detokenization, stop strings).
+    pub(super) fn deliver(
         &mut self,
         s: &ScheduledRequest,
-        rows: &[Vec<f32>],
+        computed: Computed,
         tokenizer: Option<&Tokenizer>,
         counters: &mut Counters,
         events: &mut Vec<(u64, Event)>,
     ) -> Option<RequestResult> {
         let live = self;
-        if s.logits == LogitsWanted::AllPrompt
-            && let Some(entries) = live.prompt_lp.as_mut()
-        {
-            let k = live.sub.params.prompt_logprobs.unwrap_or(0);
-            for (j, r) in rows.iter().enumerate() {
-                let target = s.num_computed_tokens + j + 1;
-                if target < s.num_prompt_tokens && entries[target].is_none() {
-                    let lp = log_softmax(r);
-                    let token = live.sub.prompt[target];
-                    entries[target] =
-                        Some(PromptLogprob { token, logprob: lp[token as usize], top_logprobs: top_n(&lp, k) });
-                }
-            }
-            if s.num_computed_tokens + s.token_ids.len() >= s.num_prompt_tokens
-                && let Some(entries) = live.prompt_lp.take()
-            {
-                events.push((s.id, Event::PromptLogprobs(entries)));
-            }
+        if let Some(entries) = computed.prompt_logprobs {
+            events.push((s.id, Event::PromptLogprobs(entries)));
         }
-        if !s.sample {
-            return None;
-        }
-        let raw = rows.last()?;
-        let params = &live.sub.params;
-        let (logprob, top) = match params.logprobs {
-            Some(k) => {
-                let lp = log_softmax(raw);
-                (Some(lp), k)
-            }
-            None => (None, 0),
-        };
-        let mut work = raw.clone();
-        let token = live.sampler.sample(&mut work, params);
-        live.sampler.push(token);
+        let Picked { token, logprob, top_logprobs } = computed.picked?;
         let now = Instant::now();
         match live.last_token {
             None => counters.ttft.observe(now - live.sub.arrived),
@@ -119,13 +119,18 @@ impl Live {
                 finish = Some(FinishReason::Stop);
             }
         }
-        let (lp, top_logprobs) = match &logprob {
-            Some(lp) => (Some(lp[token as usize]), top_n(lp, top)),
-            None => (None, Vec::new()),
-        };
-        events.push((s.id, Event::Token { id: token, text_delta: delta, logprob: lp, top_logprobs }));
+        events.push((s.id, Event::Token { id: token, text_delta: delta, logprob, top_logprobs }));
         Some(RequestResult { id: s.id, token: Some(token), finish })
     }
+}
+
+/// What [`Live::compute`] gave for one request in one step.
+#[derive(Debug, Default)]
+pub(super) struct Computed {
+    /// Every prompt position's logprobs, once the prompt's last chunk has run.
+    prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
+    /// The sampled token, when the request sampled this step.
+    picked: Option<Picked>,
 }
 
 /// The tokens that end a request: its `stop_token_ids`, plus EOS unless `ignore_eos`.

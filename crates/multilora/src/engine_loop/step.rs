@@ -1,7 +1,7 @@
 //! One engine step: schedule → pin the slots of requests that start running (and unpin the
 //! preempted) → activate the step's generations into slots → one forward over the flat
-//! batch → prompt logprobs, sampling, stop strings → the scheduler's update → stream the events
-//! and count the step. Also the warm-up that seeds the step cost model.
+//! batch → prompt logprobs and sampling (the requests side by side on the pool's threads), stop
+//! strings → the scheduler's update → stream the events and count the step. Also the warm-up that seeds the step cost model.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -11,9 +11,17 @@ use multilora_models::{Batch, SeqInput};
 use multilora_scheduler::{ScheduledRequest, SchedulerOutput};
 use multilora_types::{AdapterGen, SlotId};
 
+use rayon::prelude::*;
+
 use super::EngineLoop;
-use super::live::Live;
+use super::live::{Computed, Live};
 use crate::error::{EngineError, SharedError};
+
+/// Logit entries in a step from which its rows are sampled on the pool's threads (two rows of a
+/// 16k vocabulary): below it the work is a few µs, which waking the pool's other threads (tens
+/// of µs) would not pay for; above it a sampled 49k-entry row alone takes ~25 µs, a 262k one
+/// ~130 µs (`benches/sampler.rs`).
+const PARALLEL_SAMPLING_ENTRIES: usize = 1 << 15;
 
 impl EngineLoop {
     /// Seeds the step cost model before the first request: a 32-token prefill and decode steps
@@ -98,26 +106,22 @@ impl EngineLoop {
         }
         let batch = Batch::new(seqs);
         let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| self.model.logits_to_host(&t));
-        let logits = match logits {
+        let mut logits = match logits {
             Ok(l) => l,
             Err(e) => {
                 self.fail_step(&kept, "forward", Arc::new(e));
                 return true;
             }
         };
+        let computed = self.compute_rows(&kept, &batch, &mut logits);
         let mut results = Vec::new();
         let mut token_events = Vec::new();
-        let mut row = 0;
-        for (s, seq) in kept.iter().zip(&batch.seqs) {
-            let n = seq.num_logit_rows();
-            let rows = &logits[row..row + n];
-            row += n;
+        for (s, c) in kept.iter().zip(computed) {
             let tokenizer = self.tokenizer.as_deref();
-            if let Some(r) = self
-                .live
-                .get_mut(&s.id)
-                .and_then(|l| l.process(s, rows, tokenizer, &mut self.counters, &mut token_events))
-            {
+            if let Some(r) = c.and_then(|c| {
+                let live = self.live.get_mut(&s.id)?;
+                live.deliver(s, c, tokenizer, &mut self.counters, &mut token_events)
+            }) {
                 results.push(r);
             }
         }
@@ -151,6 +155,34 @@ impl EngineLoop {
             c.prefill_tokens.observe_value(prefill_tokens as f64);
         }
         true
+    }
+
+    /// Prompt logprobs and sampling for each of the step's requests (`None` for one no longer
+    /// live), side by side on the pool's threads when the step has enough logit entries to pay
+    /// for waking them: each request's rows and state are its own.
+    fn compute_rows(
+        &mut self,
+        kept: &[&ScheduledRequest],
+        batch: &Batch,
+        logits: &mut [Vec<f32>],
+    ) -> Vec<Option<Computed>> {
+        let entries: usize = logits.iter().map(Vec::len).sum();
+        let mut rest = logits;
+        let mut lives: HashMap<u64, &mut Live> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
+        let mut work: Vec<(&ScheduledRequest, Option<&mut Live>, &mut [Vec<f32>])> = Vec::with_capacity(kept.len());
+        for (s, seq) in kept.iter().zip(&batch.seqs) {
+            let (rows, tail) = std::mem::take(&mut rest).split_at_mut(seq.num_logit_rows());
+            rest = tail;
+            work.push((s, lives.remove(&s.id), rows));
+        }
+        let one = |(s, live, rows): &mut (&ScheduledRequest, Option<&mut Live>, &mut [Vec<f32>])| {
+            live.as_mut().map(|l| l.compute(s, rows))
+        };
+        if work.len() > 1 && entries >= PARALLEL_SAMPLING_ENTRIES {
+            work.par_iter_mut().with_max_len(1).map(one).collect()
+        } else {
+            work.iter_mut().map(one).collect()
+        }
     }
 
     /// Fails every request of a step whose `stage` failed; the engine goes on.

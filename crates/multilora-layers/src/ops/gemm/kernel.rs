@@ -34,6 +34,7 @@ use super::Isa;
 mod attend;
 mod elem;
 mod exp;
+mod logits;
 mod lora;
 mod norm;
 mod prepacked;
@@ -42,6 +43,7 @@ pub use elem::{Elem, ElemKind};
 #[cfg(test)]
 pub(crate) use exp::{exp, exp_sum};
 pub(crate) use exp::{silu_mul, softmax};
+pub(crate) use logits::{argmax, exp_weights, row_max};
 pub(super) use lora::{LORA_ROWS, Slot, lora_rows};
 pub(crate) use norm::{ROWS as NORM_ROWS, rms_rows};
 pub(super) use prepacked::{PANEL, fill_prepacked, outer};

@@ -34,7 +34,9 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use kernel::Rect;
 pub use kernel::{Elem, ElemKind};
-pub(crate) use kernel::{Head, NORM_ROWS, attend, attend_supports, rms_rows, silu_mul, softmax};
+pub(crate) use kernel::{
+    Head, NORM_ROWS, argmax, attend, attend_supports, exp_weights, rms_rows, row_max, silu_mul, softmax,
+};
 #[cfg(test)]
 pub(crate) use kernel::{exp, exp_sum};
 

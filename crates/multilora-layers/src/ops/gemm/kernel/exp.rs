@@ -136,7 +136,7 @@ unsafe fn exp_sum_avx2(s: &mut [f32], max: f32) -> f32 {
 }
 
 /// Lanes of [`exp_sub`]'s partial sums: the sum is the same whatever the instruction set.
-const SUM_LANES: usize = 16;
+pub(super) const SUM_LANES: usize = 16;
 
 /// [`exp_sum`]'s body, written for the compiler to vectorise at the caller's instruction set
 /// (every operation is elementwise; the sum keeps [`SUM_LANES`] partial sums).
