@@ -23,6 +23,10 @@ use crate::error::{EngineError, SharedError};
 /// ~130 µs (`benches/sampler.rs`).
 const PARALLEL_SAMPLING_ENTRIES: usize = 1 << 15;
 
+/// One request's share of a step's sampling: its schedule, its live entry (`None` once it is
+/// gone) and its logit rows.
+type RowWork<'a> = (&'a ScheduledRequest, Option<&'a mut Live>, &'a mut [Vec<f32>]);
+
 impl EngineLoop {
     /// Seeds the step cost model before the first request: a 32-token prefill and decode steps
     /// of 1 and 8 rows, each run twice and timed the second time (the first pays one-time
@@ -169,13 +173,13 @@ impl EngineLoop {
         let entries: usize = logits.iter().map(Vec::len).sum();
         let mut rest = logits;
         let mut lives: HashMap<u64, &mut Live> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
-        let mut work: Vec<(&ScheduledRequest, Option<&mut Live>, &mut [Vec<f32>])> = Vec::with_capacity(kept.len());
+        let mut work: Vec<RowWork<'_>> = Vec::with_capacity(kept.len());
         for (s, seq) in kept.iter().zip(&batch.seqs) {
             let (rows, tail) = std::mem::take(&mut rest).split_at_mut(seq.num_logit_rows());
             rest = tail;
             work.push((s, lives.remove(&s.id), rows));
         }
-        let one = |(s, live, rows): &mut (&ScheduledRequest, Option<&mut Live>, &mut [Vec<f32>])| {
+        let one = |(s, live, rows): &mut RowWork<'_>| {
             live.as_mut().map(|l| l.compute(s, rows))
         };
         if work.len() > 1 && entries >= PARALLEL_SAMPLING_ENTRIES {

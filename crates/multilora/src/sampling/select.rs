@@ -35,7 +35,8 @@ pub(crate) fn top(x: &[f32], m: usize, out: &mut Vec<Cand>) {
     // kept one ranks below it: only a strictly larger logit gets in.
     let mut threshold = f32::NEG_INFINITY;
     for (b, block) in x.chunks(BLOCK).enumerate() {
-        if !(block_max(block) > threshold) {
+        // Never NaN: NaN entries are passed over.
+        if block_max(block) <= threshold {
             continue;
         }
         for (j, &v) in block.iter().enumerate() {
