@@ -179,9 +179,7 @@ impl EngineLoop {
             rest = tail;
             work.push((s, lives.remove(&s.id), rows));
         }
-        let one = |(s, live, rows): &mut RowWork<'_>| {
-            live.as_mut().map(|l| l.compute(s, rows))
-        };
+        let one = |(s, live, rows): &mut RowWork<'_>| live.as_mut().map(|l| l.compute(s, rows));
         if work.len() > 1 && entries >= PARALLEL_SAMPLING_ENTRIES {
             work.par_iter_mut().with_max_len(1).map(one).collect()
         } else {

@@ -21,60 +21,14 @@ pub(crate) fn exp_sum(isa: Isa, s: &mut [f32], max: f32) -> f32 {
     }
 }
 
-/// The softmax of a row of scores in place: its maximum ([`max_of`]), `exp(s - max)`
-/// ([`exp_sum`]), one scale by the sum's inverse; the same bits on each instruction set.
+/// The softmax of a row of scores in place: its maximum ([`super::logits::row_max`], lane-wise
+/// maxima: the same value as one maximum after the other but for the sign of a zero, which changes
+/// no `exp(s − max)`), `exp(s - max)` ([`exp_sum`]), one scale by the sum's inverse; the same bits
+/// on each instruction set.
 pub(crate) fn softmax(isa: Isa, row: &mut [f32]) {
-    let isa = if isa.available() { isa } else { Isa::Portable };
-    let max = match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512F was detected (`available`).
-        Isa::Avx512 => unsafe { max_avx512(row) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2, FMA and F16C were detected.
-        Isa::Avx2 => unsafe { max_avx2(row) },
-        _ => max_of(row),
-    };
+    let max = super::logits::row_max(isa, row);
     let inv = 1.0 / exp_sum(isa, row, max);
     row.iter_mut().for_each(|p| *p *= inv);
-}
-
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn max_avx512(s: &[f32]) -> f32 {
-    max_of(s)
-}
-
-/// # Safety
-/// AVX2 and FMA must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn max_avx2(s: &[f32]) -> f32 {
-    max_of(s)
-}
-
-/// The largest value of `s` (NaNs passed over, as by `f32::max`; −∞ when there is none), as
-/// [`SUM_LANES`] maxima lane by lane, then theirs: the same value as one maximum after the other
-/// (a maximum does not depend on the order, but for the sign of a zero, which changes no
-/// `exp(s − max)`), without a chain of dependent maxima through the whole row (the decode
-/// attention's rows are a few dozen scores).
-#[inline(always)]
-fn max_of(s: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; SUM_LANES];
-    let mut chunks = s.chunks_exact(SUM_LANES);
-    for c in &mut chunks {
-        for (m, &x) in lanes.iter_mut().zip(c) {
-            *m = m.max(x);
-        }
-    }
-    // Halves folded onto each other (vector maxima), then the last lane and the tail.
-    for w in [8, 4, 2, 1] {
-        for i in 0..w {
-            lanes[i] = lanes[i].max(lanes[i + w]);
-        }
-    }
-    chunks.remainder().iter().fold(lanes[0], |m, &x| m.max(x))
 }
 
 /// `out[j] = silu(g[j]) · u[j]` (`silu(g) = g / (1 + e⁻ᵍ)`, through `e^-|g|` only, which cannot
