@@ -2,9 +2,10 @@
 //! needs it — the model (its graph), the adapter shapes ([`ModelConfig::shapes`]), the engine
 //! and the capacity planner — so they cannot disagree about a default.
 //!
-//! Llama 2/3, Mistral and Qwen2 share one graph (RMSNorm, RoPE, GQA attention, SiLU MLP); they
-//! differ only in defaults filled in here: Qwen2 has q/k/v biases, Llama 3 scales RoPE
-//! (`rope_type: llama3`), Mistral may declare a sliding window. RoPE settings are read from
+//! Llama 2/3, Mistral, Qwen2 and Qwen3 share one graph (RMSNorm, RoPE, GQA attention, SiLU MLP);
+//! they differ only in what is filled in here: Qwen2 has q/k/v biases, Qwen3 an RMSNorm over each
+//! query and key head before RoPE (`qk_norm`), Llama 3 scales RoPE (`rope_type: llama3`), Mistral
+//! may declare a sliding window. RoPE settings are read from
 //! transformers 5's `rope_parameters` or the older top-level `rope_theta` / `rope_scaling`.
 //! Errors name the file and the field (`serde_path_to_error` for type errors).
 
@@ -28,6 +29,8 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM`.
     Qwen2,
+    /// `Qwen3ForCausalLM`.
+    Qwen3,
 }
 
 impl Architecture {
@@ -37,6 +40,7 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 
@@ -46,15 +50,20 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
         }
     }
 
+    /// Every architecture served.
+    const ALL: [Architecture; 4] =
+        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2, Architecture::Qwen3];
+
     fn from_model_type(t: &str) -> Option<Architecture> {
-        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2].into_iter().find(|a| a.model_type() == t)
+        Architecture::ALL.into_iter().find(|a| a.model_type() == t)
     }
 
     fn from_class_name(c: &str) -> Option<Architecture> {
-        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2].into_iter().find(|a| a.class_name() == c)
+        Architecture::ALL.into_iter().find(|a| a.class_name() == c)
     }
 }
 
@@ -133,7 +142,7 @@ pub enum ConfigError {
         reason: String,
     },
     /// The architecture named by `config.json` is not one this engine implements.
-    #[error("{}: field {field:?}: unsupported architecture {name:?} (supported: llama, mistral, qwen2)", path.display())]
+    #[error("{}: field {field:?}: unsupported architecture {name:?} (supported: llama, mistral, qwen2, qwen3)", path.display())]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,
@@ -208,6 +217,9 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Whether q/k/v carry a bias (Qwen2 always; Llama with `attention_bias`).
     pub attention_bias: bool,
+    /// Whether each query and key head is RMS-normed (its own `[head_dim]` weight, `q_norm` /
+    /// `k_norm`) before RoPE: Qwen3.
+    pub qk_norm: bool,
     /// Longest position the model supports.
     pub max_position_embeddings: usize,
     /// Mistral's sliding window, when the config enables one: each position attends to the last
@@ -387,8 +399,8 @@ impl ModelConfig {
         };
         let attention_bias = raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2);
         let sliding_window = match architecture {
-            // Qwen2 configs carry `sliding_window` even when `use_sliding_window` is false.
-            Architecture::Qwen2 if !raw.use_sliding_window.unwrap_or(false) => None,
+            // Qwen configs carry `sliding_window` even when `use_sliding_window` is false.
+            Architecture::Qwen2 | Architecture::Qwen3 if !raw.use_sliding_window.unwrap_or(false) => None,
             _ => raw.sliding_window,
         };
         let eos_token_ids = match raw.eos_token_id {
@@ -411,6 +423,7 @@ impl ModelConfig {
             hidden_act,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             attention_bias,
+            qk_norm: architecture == Architecture::Qwen3,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             sliding_window,
             bos_token_id: raw.bos_token_id,

@@ -134,11 +134,11 @@ impl GgufFile {
     pub fn config(&self) -> Result<ModelConfig> {
         let a = &self.arch;
         let model_type = match a.as_str() {
-            "llama" | "qwen2" | "mistral" => a.clone(),
+            "llama" | "qwen2" | "qwen3" | "mistral" => a.clone(),
             other => {
-                return Err(
-                    self.bad(format!("general.architecture {other:?} is not served (llama, mistral and qwen2 are)"))
-                );
+                return Err(self.bad(format!(
+                    "general.architecture {other:?} is not served (llama, mistral, qwen2 and qwen3 are)"
+                )));
             }
         };
         let int = |key: &str| self.integer(&format!("{a}.{key}"));
@@ -429,6 +429,8 @@ fn hf_name(gguf: &str) -> Option<String> {
         "ffn_down" => "mlp.down_proj",
         "attn_norm" => "input_layernorm",
         "ffn_norm" => "post_attention_layernorm",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{module}.{param}"))
@@ -458,6 +460,8 @@ pub(crate) fn gguf_name(hf: &str) -> Option<String> {
         "mlp.down_proj" => "ffn_down",
         "input_layernorm" => "attn_norm",
         "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
         _ => return None,
     };
     Some(format!("blk.{layer}.{stem}.{param}"))

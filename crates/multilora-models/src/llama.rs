@@ -1,5 +1,6 @@
 //! The Llama-family decoder: embeddings, `num_layers` × (RMSNorm → attention → RMSNorm → SiLU MLP),
-//! final norm and `lm_head`, every projection a `LoraLinear` so each token gets its own adapter.
+//! final norm and `lm_head`, every projection a `LoraLinear` so each token gets its own adapter;
+//! Qwen3 adds an RMSNorm over each query and key head before RoPE.
 //!
 //! q/k/v are fused into one `[q + 2·kv, hidden]` weight and gate/up into one `[2·inter, hidden]`
 //! weight: one GEMM each per step for the whole flat batch. The fused layers keep one slot buffer
@@ -120,6 +121,9 @@ struct Layer {
     down: LoraLinear,
     input_norm: Tensor,
     post_norm: Tensor,
+    /// Qwen3's RMSNorm weights over each query and each key head (`[head_dim]`), applied before
+    /// RoPE.
+    qk_norm: Option<(Tensor, Tensor)>,
 }
 
 /// A loaded Llama-family model with LoRA slots.
@@ -275,6 +279,13 @@ impl Model {
                 down,
                 input_norm: w.get(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_norm: w.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                qk_norm: match cfg.qk_norm {
+                    true => Some((
+                        w.get(&format!("{p}.self_attn.q_norm.weight"), &[cfg.head_dim])?,
+                        w.get(&format!("{p}.self_attn.k_norm.weight"), &[cfg.head_dim])?,
+                    )),
+                    false => None,
+                },
             });
         }
         let norm = w.get("model.norm.weight", &[h])?;
@@ -429,6 +440,7 @@ impl Model {
         for l in &self.layers {
             total += [&l.qkv, &l.o, &l.gate_up, &l.down].iter().map(|lin| lin.base_bytes() as u64).sum::<u64>();
             total += bytes(&l.input_norm) + bytes(&l.post_norm);
+            total += l.qk_norm.as_ref().map_or(0, |(q, k)| bytes(q) + bytes(k));
         }
         if !self.cfg.tie_word_embeddings {
             total += self.lm_head.base_bytes() as u64;

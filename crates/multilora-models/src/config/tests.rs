@@ -107,6 +107,14 @@ fn variants_real_checkpoints_use() {
             json!({"model_type": "qwen2", "sliding_window": 256, "attention_bias": null}),
             |c| assert_eq!((c.sliding_window, c.attention_bias, c.max_model_len()), (None, true, 512)),
         ),
+        (
+            "Qwen3: q/k norms per head, no biases, the window off unless use_sliding_window",
+            json!({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "sliding_window": 256}),
+            |c| {
+                assert_eq!((c.architecture, c.qk_norm, c.attention_bias), (Architecture::Qwen3, true, false));
+                assert_eq!((c.sliding_window, c.shapes().architecture.as_str()), (None, "Qwen3ForCausalLM"));
+            },
+        ),
         ("architectures alone names the family", json!({"model_type": null}), |c| {
             assert_eq!(c.architecture, Architecture::Llama)
         }),

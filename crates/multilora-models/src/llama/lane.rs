@@ -75,6 +75,10 @@ impl<'a> Lane<'a> {
         let Some((_, qkv)) = self.qkv.take().filter(|(at, _)| *at == l) else {
             return Err(Error::KvCache { reason: format!("layer {l}: keys written before their projection") });
         };
+        let qkv = match &self.model.layers[l].qk_norm {
+            Some((qn, kn)) => self.qk_normed(&qkv, qn, kn)?,
+            None => qkv,
+        };
         let (ck, cv) = self.cache.layer(l);
         let d = self.dims;
         let q_scale = query_scale(d);
@@ -101,6 +105,21 @@ impl<'a> Lane<'a> {
         };
         self.q = Some((l, q));
         Ok(())
+    }
+
+    /// `qkv` with each query head RMS-normed by `qn` and each key head by `kn` (Qwen3), the
+    /// values as they were.
+    fn qk_normed(&self, qkv: &Tensor, qn: &Tensor, kn: &Tensor) -> Result<Tensor> {
+        let cfg = &self.model.cfg;
+        let (tokens, qs, kvs, d) = (qkv.dim(0)?, cfg.q_size(), cfg.kv_size(), self.dims);
+        let eps = cfg.rms_norm_eps as f32;
+        let heads = |at: usize, width: usize, n: usize, w: &Tensor| -> Result<Tensor> {
+            let x = qkv.narrow(1, at, width)?.contiguous()?.reshape((tokens, n, d.head_dim))?;
+            Ok(multilora_layers::rms_norm(&x, w, eps)?.reshape((tokens, width))?)
+        };
+        let q = heads(0, qs, d.heads, qn)?;
+        let k = heads(qs, kvs, d.kv_heads, kn)?;
+        Ok(Tensor::cat(&[&q, &k, &qkv.narrow(1, qs + kvs, kvs)?], 1)?)
     }
 
     /// Layer `l`'s second phase: the attention of its queries over the cache, the rest of the
