@@ -92,7 +92,7 @@ fn teacher_forced_logits(
     slots: &HashMap<String, SlotId>,
     expected: &Value,
 ) -> Result<(Tensor, f32)> {
-    let cases = list(&expected, "cases");
+    let cases = list(expected, "cases");
     let bs = 8;
     let inputs: Vec<Vec<u32>> = cases
         .iter()
