@@ -346,11 +346,16 @@ impl Matcher {
         list.iter()
             .find(|entry| {
                 let last = entry.rsplit('.').next().unwrap_or(entry);
-                multilora_types::ModuleKind::from_short_name(last).is_none()
+                // The fused modules of a Phi-3 checkpoint are matched against its own names.
+                multilora_types::ModuleKind::from_short_name(last).is_none() && !FUSED_MODULES.contains(&last)
             })
             .cloned()
     }
 }
+
+/// The short names of the fused projections a checkpoint may store (Phi-3's), which adapters of
+/// it target ([`crate::ModelShapes::peft_module`]).
+pub(crate) const FUSED_MODULES: [&str; 2] = ["qkv_proj", "gate_up_proj"];
 
 /// The fields of `adapter_config.json` this engine reads, as written (all optional here; the
 /// defaults are PEFT's, applied in [`AdapterConfig::parse`]). Unknown fields are kept in

@@ -74,7 +74,7 @@ pub enum Error {
     },
     /// A target module outside the set this engine adapts.
     #[error(
-        "adapter {adapter:?}: module {module:?} cannot be adapted (supported: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, embed_tokens, lm_head)"
+        "adapter {adapter:?}: module {module:?} cannot be adapted (supported: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, embed_tokens, lm_head; qkv_proj and gate_up_proj on Phi-3)"
     )]
     UnsupportedModule {
         /// Adapter name.

@@ -147,7 +147,8 @@ fn plan(
     let matcher = Matcher::new(&config).map_err(invalid)?;
     let mut planned = BTreeMap::new();
     for id in shapes.modules() {
-        let module = id.peft_name();
+        // A fused module's parts (Phi-3's q/k/v in `qkv_proj`) are planned under its name.
+        let (module, _) = shapes.peft_module(id);
         if !matcher.targets(&module) {
             continue;
         }
@@ -207,12 +208,30 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
     let st = SafeTensors::deserialize(&mmap).map_err(|e| safetensors_error(name, &path, e))?;
     let ctx = Ctx { name, path: &path };
 
-    let mut tensors: BTreeMap<ModuleId, (Option<String>, Option<String>)> = BTreeMap::new();
+    // The model's modules by PEFT module name: one each, or a fused module's parts.
+    let mut groups: BTreeMap<String, Vec<ModuleId>> = BTreeMap::new();
+    for id in shapes.modules() {
+        groups.entry(shapes.peft_module(id).0).or_default().push(id);
+    }
+    let mut tensors: BTreeMap<String, (Option<String>, Option<String>)> = BTreeMap::new();
     let mut saved_embedding = None;
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
     for key in &names {
-        let (module, role) = classify(&ctx, &config, key)?;
+        let (module_name, role) = classify(&ctx, &config, key)?;
+        let Some(ids) = groups.get(module_name) else {
+            return Err(match ModuleId::from_peft_name(module_name) {
+                Some(_) => ctx.unexpected(key, "the base model has no such module"),
+                None => Error::UnsupportedModule { adapter: ctx.name.into(), module: module_name.into() },
+            });
+        };
+        let module = ids[0];
+        let embedding_form = key.contains(".lora_embedding_");
+        if embedding_form != (module.kind == ModuleKind::EmbedTokens) && role != Role::SavedBaseLayer {
+            return Err(
+                ctx.unexpected(key, "lora_embedding_A/B belong to embed_tokens only, lora_A/B to linear modules")
+            );
+        }
         if role == Role::SavedBaseLayer {
             if module != ModuleId::embed_tokens() {
                 return Err(ctx.unexpected(key, "a saved base layer is only accepted for embed_tokens"));
@@ -220,13 +239,10 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
             saved_embedding = Some(key.clone());
             continue;
         }
-        if !shapes.contains(module) {
-            return Err(ctx.unexpected(key, "the base model has no such module"));
-        }
-        if !planned.contains_key(&module) {
+        if !ids.iter().any(|id| planned.contains_key(id)) {
             return Err(ctx.unexpected(key, "adapter_config.json does not target this module"));
         }
-        let slot = tensors.entry(module).or_default();
+        let slot = tensors.entry(module_name.to_string()).or_default();
         match role {
             Role::A => slot.0 = Some(key.clone()),
             Role::B => slot.1 = Some(key.clone()),
@@ -238,9 +254,12 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
     hasher.update(FINGERPRINT_DOMAIN);
     hasher.update(&[config.use_rslora as u8]);
     let mut modules = BTreeMap::new();
+    // A fused module's A and B, read (and hashed) once for all its parts.
+    let mut read: BTreeMap<String, (Tensor, Tensor)> = BTreeMap::new();
     for (id, plan) in &planned {
-        let (a_name, b_name) = tensors.get(id).cloned().unwrap_or_default();
-        let prefix = tensor_prefix(id);
+        let (peft, offset) = shapes.peft_module(*id);
+        let (a_name, b_name) = tensors.get(&peft).cloned().unwrap_or_default();
+        let prefix = format!("base_model.model.{peft}");
         let (a_suffix, b_suffix) = if id.kind == ModuleKind::EmbedTokens {
             ("lora_embedding_A", "lora_embedding_B")
         } else {
@@ -249,13 +268,24 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
         let a_name = a_name.ok_or_else(|| ctx.missing(&format!("{prefix}.{a_suffix}")))?;
         let b_name = b_name.ok_or_else(|| ctx.missing(&format!("{prefix}.{b_suffix}")))?;
         let (in_f, out_f) = shapes.in_out(id.kind);
-        hasher.update(id.peft_name().as_bytes());
-        hasher.update(&[0]);
-        hasher.update(&(plan.rank as u64).to_le_bytes());
-        hasher.update(&plan.scaling.to_le_bytes());
-        let a = ctx.tensor(&st, &a_name, &[plan.rank, in_f], &mut hasher)?;
-        let b = ctx.tensor(&st, &b_name, &[out_f, plan.rank], &mut hasher)?;
-        let module = LoraModule::held(&a, &b, (plan.rank, plan.alpha, plan.scaling), opts.dtype).map_err(|u| {
+        let parts = groups.get(&peft).map_or(&[][..], Vec::as_slice);
+        let fused_out: usize = parts.iter().map(|p| shapes.in_out(p.kind).1).sum();
+        if !read.contains_key(&peft) {
+            hasher.update(peft.as_bytes());
+            hasher.update(&[0]);
+            hasher.update(&(plan.rank as u64).to_le_bytes());
+            hasher.update(&plan.scaling.to_le_bytes());
+            let a = ctx.tensor(&st, &a_name, &[plan.rank, in_f], &mut hasher)?;
+            let b = ctx.tensor(&st, &b_name, &[fused_out, plan.rank], &mut hasher)?;
+            read.insert(peft.clone(), (a, b));
+        }
+        let (a, b) = &read[&peft];
+        // A part of a fused module: its rows of B (PEFT's B · A over the fused output, row by row).
+        let b = match b.dim(0).map_err(|e| ctx.candle("read B's rows", e))? == out_f {
+            true => b.clone(),
+            false => b.narrow(0, offset, out_f).and_then(|p| p.contiguous()).map_err(|e| ctx.candle("split B", e))?,
+        };
+        let module = LoraModule::held(a, &b, (plan.rank, plan.alpha, plan.scaling), opts.dtype).map_err(|u| {
             let non_finite = |tensor| Error::NonFinite { adapter: name.into(), path: path.clone(), tensor };
             match u {
                 Unheld::A => non_finite(format!("{a_name} in {:?}", opts.dtype)),
@@ -309,11 +339,6 @@ fn read_capped(path: &Path, limit: u64) -> std::result::Result<String, FileRefus
         return Err(FileRefusal::Not(format!("more than the {limit} bytes it may have")));
     }
     Ok(text)
-}
-
-/// The PEFT tensor-name prefix of a module.
-fn tensor_prefix(id: &ModuleId) -> String {
-    format!("base_model.model.{}", id.peft_name())
 }
 
 fn safetensors_error(name: &str, path: &Path, e: SafeTensorError) -> Error {
@@ -401,8 +426,9 @@ impl Ctx<'_> {
     }
 }
 
-/// Maps a tensor name to its module and role, refusing DoRA, bias and saved modules by name.
-fn classify(ctx: &Ctx<'_>, config: &AdapterConfig, key: &str) -> Result<(ModuleId, Role)> {
+/// Maps a tensor name to its PEFT module name and role, refusing DoRA, bias and saved modules by
+/// name.
+fn classify<'k>(ctx: &Ctx<'_>, config: &AdapterConfig, key: &'k str) -> Result<(&'k str, Role)> {
     let Some(rest) = key.strip_prefix("base_model.model.") else {
         return Err(ctx.unexpected(key, "PEFT tensor names start with base_model.model."));
     };
@@ -442,15 +468,7 @@ fn classify(ctx: &Ctx<'_>, config: &AdapterConfig, key: &str) -> Result<(ModuleI
                 }
             });
         };
-        let module = ModuleId::from_peft_name(module_name)
-            .ok_or_else(|| Error::UnsupportedModule { adapter: ctx.name.into(), module: module_name.into() })?;
-        let embedding_form = suffix.contains("embedding");
-        if embedding_form != (module.kind == ModuleKind::EmbedTokens) && *role != Role::SavedBaseLayer {
-            return Err(
-                ctx.unexpected(key, "lora_embedding_A/B belong to embed_tokens only, lora_A/B to linear modules")
-            );
-        }
-        return Ok((module, *role));
+        return Ok((module_name, *role));
     }
     Err(ctx.unexpected(key, "not a LoRA tensor name PEFT writes"))
 }

@@ -32,6 +32,10 @@ pub struct ModelShapes {
     pub head_dim: usize,
     /// Whether `lm_head` shares the embedding's weight.
     pub tie_word_embeddings: bool,
+    /// Whether the checkpoint stores q/k/v as one `self_attn.qkv_proj` and gate/up as one
+    /// `mlp.gate_up_proj` (Phi-3): its PEFT adapters target those fused modules, one A and one B
+    /// over the fused output each ([`ModelShapes::peft_module`]).
+    pub fused_projections: bool,
     /// blake3-256 of the base embedding (see [`crate::embedding_digest`]); `None` when unknown,
     /// in which case an adapter that carries a saved embedding is refused, since it cannot be checked.
     pub embed_digest: Option<[u8; 32]>,
@@ -61,6 +65,7 @@ impl ModelShapes {
             num_kv_heads,
             head_dim: hidden_size / num_heads.max(1),
             tie_word_embeddings: false,
+            fused_projections: false,
             embed_digest: None,
             embed_dtype: None,
         }
@@ -80,6 +85,24 @@ impl ModelShapes {
             ModuleKind::EmbedTokens => (self.vocab_size, self.hidden_size),
             ModuleKind::LmHead => (self.hidden_size, self.vocab_size),
         }
+    }
+
+    /// The PEFT module `id` is part of, and the first row of `id`'s output in that module's
+    /// output: the module itself at 0, or with [`ModelShapes::fused_projections`] the fused
+    /// `qkv_proj` (q at 0, k after q, v after k) and `gate_up_proj` (gate at 0, up after it).
+    pub fn peft_module(&self, id: ModuleId) -> (String, usize) {
+        let (Some(layer), true) = (id.layer, self.fused_projections) else { return (id.peft_name(), 0) };
+        let (q, kv, inter) =
+            (self.in_out(ModuleKind::QProj).1, self.in_out(ModuleKind::KProj).1, self.intermediate_size);
+        let (name, offset) = match id.kind {
+            ModuleKind::QProj => ("self_attn.qkv_proj", 0),
+            ModuleKind::KProj => ("self_attn.qkv_proj", q),
+            ModuleKind::VProj => ("self_attn.qkv_proj", q + kv),
+            ModuleKind::GateProj => ("mlp.gate_up_proj", 0),
+            ModuleKind::UpProj => ("mlp.gate_up_proj", inter),
+            _ => return (id.peft_name(), 0),
+        };
+        (format!("model.layers.{layer}.{name}"), offset)
     }
 
     /// Every module of the model that an adapter may target, in model order.

@@ -4,8 +4,9 @@
 //!
 //! Llama 2/3, Mistral, Qwen2 and Qwen3 share one graph (RMSNorm, RoPE, GQA attention, SiLU MLP);
 //! they differ only in what is filled in here: Qwen2 has q/k/v biases, Qwen3 an RMSNorm over each
-//! query and key head before RoPE (`qk_norm`), Llama 3 scales RoPE (`rope_type: llama3`), Mistral
-//! may declare a sliding window. RoPE settings are read from
+//! query and key head before RoPE (`qk_norm`), Phi-3 stores q/k/v and gate/up fused
+//! (`fused_projections`: `qkv_proj`, `gate_up_proj`), Llama 3 scales RoPE (`rope_type: llama3`),
+//! Mistral and Phi-3 may declare a sliding window. RoPE settings are read from
 //! transformers 5's `rope_parameters` or the older top-level `rope_theta` / `rope_scaling`.
 //! Errors name the file and the field (`serde_path_to_error` for type errors).
 
@@ -31,6 +32,8 @@ pub enum Architecture {
     Qwen2,
     /// `Qwen3ForCausalLM`.
     Qwen3,
+    /// `Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4-mini's layout).
+    Phi3,
 }
 
 impl Architecture {
@@ -41,6 +44,7 @@ impl Architecture {
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Phi3 => "Phi3ForCausalLM",
         }
     }
 
@@ -51,12 +55,13 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
         }
     }
 
     /// Every architecture served.
-    const ALL: [Architecture; 4] =
-        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2, Architecture::Qwen3];
+    const ALL: [Architecture; 5] =
+        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2, Architecture::Qwen3, Architecture::Phi3];
 
     fn from_model_type(t: &str) -> Option<Architecture> {
         Architecture::ALL.into_iter().find(|a| a.model_type() == t)
@@ -142,7 +147,7 @@ pub enum ConfigError {
         reason: String,
     },
     /// The architecture named by `config.json` is not one this engine implements.
-    #[error("{}: field {field:?}: unsupported architecture {name:?} (supported: llama, mistral, qwen2, qwen3)", path.display())]
+    #[error("{}: field {field:?}: unsupported architecture {name:?} (supported: llama, mistral, qwen2, qwen3, phi3)", path.display())]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,
@@ -220,6 +225,9 @@ pub struct ModelConfig {
     /// Whether each query and key head is RMS-normed (its own `[head_dim]` weight, `q_norm` /
     /// `k_norm`) before RoPE: Qwen3.
     pub qk_norm: bool,
+    /// Whether the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+    /// (Phi-3); its adapters then target those fused modules.
+    pub fused_projections: bool,
     /// Longest position the model supports.
     pub max_position_embeddings: usize,
     /// Mistral's sliding window, when the config enables one: each position attends to the last
@@ -251,6 +259,7 @@ struct RawConfig {
     rope_theta: Option<f64>,
     rope_scaling: Option<RawRope>,
     rope_parameters: Option<RawRope>,
+    partial_rotary_factor: Option<f64>,
     hidden_act: Option<String>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
@@ -274,6 +283,7 @@ struct RawRope {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<f64>,
+    partial_rotary_factor: Option<f64>,
 }
 
 /// `eos_token_id`: one id or a list.
@@ -389,6 +399,12 @@ impl ModelConfig {
             Some(p) => rope_scaling(p, path)?,
             None => RopeScaling::Default,
         };
+        // Phi-4-mini rotates three quarters of each head: refused rather than rotated whole.
+        if let Some(f) = rope.and_then(|p| p.partial_rotary_factor).or(raw.partial_rotary_factor)
+            && f != 1.0
+        {
+            return Err(field("partial_rotary_factor", format!("is {f}; only whole heads are rotated (1.0)")));
+        }
         let hidden_act = match raw.hidden_act.as_deref() {
             None | Some("silu") | Some("swish") => HiddenAct::Silu,
             Some("gelu") => HiddenAct::Gelu,
@@ -424,6 +440,7 @@ impl ModelConfig {
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             attention_bias,
             qk_norm: architecture == Architecture::Qwen3,
+            fused_projections: architecture == Architecture::Phi3,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             sliding_window,
             bos_token_id: raw.bos_token_id,
@@ -447,6 +464,7 @@ impl ModelConfig {
         s.model_type = self.architecture.model_type().to_string();
         s.head_dim = self.head_dim;
         s.tie_word_embeddings = self.tie_word_embeddings;
+        s.fused_projections = self.fused_projections;
         s
     }
 

@@ -1,6 +1,7 @@
 //! The Llama-family decoder: embeddings, `num_layers` × (RMSNorm → attention → RMSNorm → SiLU MLP),
 //! final norm and `lm_head`, every projection a `LoraLinear` so each token gets its own adapter;
-//! Qwen3 adds an RMSNorm over each query and key head before RoPE.
+//! Qwen3 adds an RMSNorm over each query and key head before RoPE; Phi-3's checkpoints store the
+//! fused weights already (`qkv_proj`, `gate_up_proj`), cut into the same parts when loaded.
 //!
 //! q/k/v are fused into one `[q + 2·kv, hidden]` weight and gate/up into one `[2·inter, hidden]`
 //! weight: one GEMM each per step for the whole flat batch. The fused layers keep one slot buffer
@@ -221,11 +222,15 @@ impl Model {
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
             let id = |k| ModuleId::layer(l, k);
-            let qkv_w = vec![
-                mat(&format!("{p}.self_attn.q_proj.weight"), &[qs, h])?,
-                mat(&format!("{p}.self_attn.k_proj.weight"), &[kvs, h])?,
-                mat(&format!("{p}.self_attn.v_proj.weight"), &[kvs, h])?,
-            ];
+            // Phi-3 stores q/k/v (and gate/up) fused: cut into the parts the layers keep.
+            let qkv_w = match cfg.fused_projections {
+                true => w.linear_parts(&format!("{p}.self_attn.qkv_proj.weight"), &[qs, kvs, kvs], h, wdt)?,
+                false => vec![
+                    mat(&format!("{p}.self_attn.q_proj.weight"), &[qs, h])?,
+                    mat(&format!("{p}.self_attn.k_proj.weight"), &[kvs, h])?,
+                    mat(&format!("{p}.self_attn.v_proj.weight"), &[kvs, h])?,
+                ],
+            };
             let qkv_b = if cfg.attention_bias {
                 Some(Tensor::cat(
                     &[
@@ -256,10 +261,13 @@ impl Model {
                 vec![(id(ModuleKind::OProj), h)],
                 lora_for(&[ModuleKind::OProj]),
             )?;
-            let gate_up_w = vec![
-                mat(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                mat(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
-            ];
+            let gate_up_w = match cfg.fused_projections {
+                true => w.linear_parts(&format!("{p}.mlp.gate_up_proj.weight"), &[i, i], h, wdt)?,
+                false => vec![
+                    mat(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                    mat(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                ],
+            };
             let gate_up = LoraLinear::from_parts(
                 gate_up_w,
                 None,

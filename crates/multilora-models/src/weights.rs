@@ -401,6 +401,27 @@ impl Weights {
         Ok(LinearWeight::Device(Arc::new(raw.qtensor(&self.device)?)))
     }
 
+    /// A fused projection's weight `name` (`[Σ rows, cols]`: Phi-3's `qkv_proj`, `gate_up_proj`)
+    /// as one weight per part, `rows[i]` rows each, in `dtype`, read dense (a GGUF file's
+    /// quantized blocks dequantized).
+    pub(crate) fn linear_parts(
+        &self,
+        name: &str,
+        rows: &[usize],
+        cols: usize,
+        dtype: DType,
+    ) -> Result<Vec<LinearWeight>> {
+        let total: usize = rows.iter().sum();
+        let t = self.get_in(name, &[total, cols], dtype)?;
+        let mut at = 0;
+        let mut parts = Vec::with_capacity(rows.len());
+        for &r in rows {
+            parts.push(LinearWeight::Dense(t.narrow(0, at, r)?.contiguous()?));
+            at += r;
+        }
+        Ok(parts)
+    }
+
     /// The tensor `name`, checked against `shape`, in the model dtype on the model device: a
     /// tensor handed over on the device stays there; one read from disk is converted on the host
     /// for the CPU, and on the device after its upload otherwise.

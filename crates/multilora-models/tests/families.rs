@@ -274,3 +274,8 @@ fn gguf_matches_the_checkpoint(name: &str) -> Result<()> {
 fn a_qwen3_gguf_file_gives_the_checkpoints_logits() -> Result<()> {
     gguf_matches_the_checkpoint("qwen3")
 }
+
+#[test]
+fn phi3_with_its_adapters_on_the_fused_modules_follows_transformers() -> Result<()> {
+    check("phi3")
+}

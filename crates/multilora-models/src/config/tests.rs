@@ -115,6 +115,18 @@ fn variants_real_checkpoints_use() {
                 assert_eq!((c.sliding_window, c.shapes().architecture.as_str()), (None, "Qwen3ForCausalLM"));
             },
         ),
+        (
+            "Phi-3: fused projections, and its adapters target them",
+            json!({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"],
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+            |c| {
+                assert_eq!((c.architecture, c.fused_projections, c.qk_norm), (Architecture::Phi3, true, false));
+                let s = c.shapes();
+                assert!(s.fused_projections);
+                let k = multilora_adapter::ModuleId::layer(1, multilora_types::ModuleKind::KProj);
+                assert_eq!(s.peft_module(k), ("model.layers.1.self_attn.qkv_proj".to_string(), 128));
+            },
+        ),
         ("architectures alone names the family", json!({"model_type": null}), |c| {
             assert_eq!(c.architecture, Architecture::Llama)
         }),
@@ -165,6 +177,13 @@ fn refusals_name_the_field() {
             "head_dim",
         ),
         (json!({"rope_parameters": "default"}), "config", "rope_parameters"),
+        // Phi-4-mini's partial rotary and Phi-3's LongRoPE: refused, not rotated wrongly.
+        (json!({"model_type": "phi3", "partial_rotary_factor": 0.75}), "config", "partial_rotary_factor"),
+        (
+            json!({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}),
+            "unsupported_rope_scaling",
+            "longrope",
+        ),
     ];
     for (changes, kind, names) in table {
         let e = ModelConfig::from_json(&variant(changes.clone())).unwrap_err();
