@@ -139,11 +139,16 @@ fn resolvers(a: &ServeArgs, updates: bool) -> Result<impl FnOnce(EngineBuilder) 
     })
 }
 
-/// Waits for SIGINT / SIGTERM, then drains `drain` for at most `grace`; or returns at once when
-/// the engine fails.
-async fn stop(engine: multilora::EngineHandle, drain: Drain, grace: Duration) {
+/// Waits for `signal` (SIGINT / SIGTERM), then drains `drain` for at most `grace`; or returns at
+/// once when the engine fails.
+async fn stop(
+    engine: multilora::EngineHandle,
+    signal: impl std::future::Future<Output = ()>,
+    drain: Drain,
+    grace: Duration,
+) {
     tokio::select! {
-        () = multilora_server::shutdown_signal() => {}
+        () = signal => {}
         () = engine_failed(engine) => {
             tracing::error!("the engine failed: shutting the server down");
             return;
@@ -218,9 +223,11 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
+        // Caught from before the line that says the server is up.
+        let signal = multilora_server::shutdown_signal();
         tracing::info!(address = %local, "serving");
         eprintln!("multilora serving {} on http://{local}", engine.config().served_model_name);
-        let stop = stop(handle.clone(), drain, Duration::from_secs(a.shutdown_grace_secs));
+        let stop = stop(handle.clone(), signal, drain, Duration::from_secs(a.shutdown_grace_secs));
         multilora_server::serve_with(listener, app, stop, options).await.context("serving")
     })?;
     runtime.shutdown_timeout(Duration::from_secs(1));

@@ -29,24 +29,26 @@ pub(crate) fn write_kv(plan: &StepPlan, cache_k: &Tensor, cache_v: &Tensor, k: &
     Ok(())
 }
 
-/// Attention's query scale, `1 / √head_dim`.
-pub(crate) fn query_scale(d: AttnDims) -> f64 {
-    1.0 / (d.head_dim as f64).sqrt()
+/// Attention's query scale, `1 / √head_dim`, or `1 / √s` for Gemma's `query_pre_attn_scalar` `s`.
+pub(crate) fn query_scale(d: AttnDims, query_pre_attn_scalar: Option<f64>) -> f64 {
+    1.0 / query_pre_attn_scalar.unwrap_or(d.head_dim as f64).sqrt()
 }
 
 /// `q: [tokens, heads, head_dim]` (already rotated and times [`query_scale`]) → `[tokens, heads ·
 /// head_dim]`, each sequence attending over its rows of the cache (which already hold this step's
-/// keys and values).
+/// keys and values), over the sliding layers' contexts when `sliding` ([`StepPlan::attn`]).
 pub(crate) fn paged_attention(
     plan: &StepPlan,
+    sliding: bool,
     q: &Tensor,
     cache_k: &Tensor,
     cache_v: &Tensor,
     d: AttnDims,
 ) -> Result<Tensor> {
     let group = d.heads / d.kv_heads;
-    let mut outs = Vec::with_capacity(plan.seqs.len() + 1);
-    if let Some(g) = &plan.decode {
+    let (seqs, decode) = plan.attn(sliding);
+    let mut outs = Vec::with_capacity(seqs.len() + 1);
+    if let Some(g) = decode {
         let qd = match &g.rows {
             Some(rows) => q.index_select(rows, 0)?,
             None => q.narrow(0, 0, g.n)?,
@@ -64,7 +66,7 @@ pub(crate) fn paged_attention(
             }
         }
     }
-    for s in &plan.seqs {
+    for s in seqs {
         let ctx = s.ctx_rows.dim(0)?;
         // [len, heads, d] → [heads, len, d] → [kv_heads, group · len, d].
         let qs = q.narrow(0, s.offset, s.len)?.transpose(0, 1)?.contiguous()?.reshape((

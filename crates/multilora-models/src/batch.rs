@@ -77,8 +77,12 @@ pub(crate) struct Limits {
     /// Decode rows read the cache through their block tables on the device (the CUDA kernel);
     /// otherwise their context rows are listed (and, off the CPU, gathered).
     pub(crate) paged_decode: bool,
-    /// Mistral's sliding window: position `q` attends to positions `q + 1 - w ..= q` only.
+    /// The sliding window: position `q` attends to positions `q + 1 - w ..= q` only (every
+    /// layer of Mistral; the sliding layers of a model with [`Limits::mixed_windows`]).
     pub(crate) window: Option<usize>,
+    /// Some layers slide and others attend to the whole context (Gemma 3): the plan holds both
+    /// views ([`StepPlan::attn`]).
+    pub(crate) mixed_windows: bool,
 }
 
 /// One sequence's attention inputs.
@@ -152,6 +156,9 @@ pub(crate) struct StepPlan {
     pub(crate) seqs: Vec<SeqPlan>,
     /// Sequences with one new token, attended together.
     pub(crate) decode: Option<DecodeGroup>,
+    /// The sliding layers' contexts when some layers slide and others do not (then `seqs` and
+    /// `decode` are the full layers'), in the same order.
+    pub(crate) windowed: Option<Windowed>,
     /// Attention outputs come out as [decode rows, then each of `seqs`]; this gathers them back
     /// into flat batch order. `None` when that order is already the flat one.
     pub(crate) unpermute: Option<Tensor>,
@@ -161,7 +168,49 @@ pub(crate) struct StepPlan {
     pub(crate) logit_mapping: LoraMapping,
 }
 
+/// The sliding layers' attention inputs, beside the full layers' of a [`StepPlan`].
+#[derive(Debug)]
+pub(crate) struct Windowed {
+    pub(crate) seqs: Vec<SeqPlan>,
+    pub(crate) decode: Option<DecodeGroup>,
+}
+
+/// A sequence's context rows and, for more than one new token, its `[len, ctx]` causal mask,
+/// under `window`: new token `j` at position `q = start + j` sees positions from 0, or from the
+/// start of its window, to `q`.
+fn context(
+    start: usize,
+    len: usize,
+    window: Option<usize>,
+    row: impl Fn(usize) -> u32,
+    device: &Device,
+) -> Result<(Vec<u32>, Option<Tensor>)> {
+    let ctx = start + len;
+    let first = move |q: usize| window.map_or(0, |w| (q + 1).saturating_sub(w));
+    let lo = first(start);
+    let rows: Vec<u32> = (lo..ctx).map(row).collect();
+    if len == 1 {
+        return Ok((rows, None));
+    }
+    let m: Vec<f32> = (0..len)
+        .flat_map(|j| {
+            let q = start + j;
+            (lo..ctx).map(move |p| if p <= q && p >= first(q) { 0.0 } else { f32::NEG_INFINITY })
+        })
+        .collect();
+    Ok((rows, Some(Tensor::from_vec(m, (len, ctx - lo), device)?)))
+}
+
 impl StepPlan {
+    /// What layers attend with: the sliding layers' own contexts (`sliding`) when the model mixes
+    /// sliding and full layers, otherwise the step's one set.
+    pub(crate) fn attn(&self, sliding: bool) -> (&[SeqPlan], Option<&DecodeGroup>) {
+        match (&self.windowed, sliding) {
+            (Some(w), true) => (&w.seqs, w.decode.as_ref()),
+            _ => (&self.seqs, self.decode.as_ref()),
+        }
+    }
+
     /// The plan of `batch`, checked against `lim`. Its small integer tables (token ids,
     /// positions, cache rows, the decode rows' block tables or context rows, the row orders, both
     /// mappings' indexes) go to `device` in one copy through `upload`; only a prefill sequence's
@@ -181,6 +230,10 @@ impl StepPlan {
         // (offset, len, context rows, mask) of each sequence with more than one new token.
         let mut prefill: Vec<(usize, usize, Vec<u32>, Tensor)> = Vec::new();
         let mut decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
+        // The same for the sliding layers when others attend to everything.
+        let mut w_prefill: Vec<(usize, usize, Vec<u32>, Tensor)> = Vec::new();
+        let mut w_decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
+        let main_window = if lim.mixed_windows { None } else { lim.window };
         let bs = lim.block_size;
         for (i, s) in batch.seqs.iter().enumerate() {
             let len = s.tokens.len();
@@ -216,24 +269,14 @@ impl StepPlan {
             };
             logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
             logit_rows.extend(wanted.map(|r| r as u32));
-            // The first position `q` sees: 0, or the start of its window.
-            let window = lim.window;
-            let first = move |q: usize| window.map_or(0, |w| (q + 1).saturating_sub(w));
-            let lo = first(s.start_pos);
-            let ctx_rows: Vec<u32> = (lo..ctx).map(row).collect();
-            if len == 1 {
-                decode.push((offset, ctx_rows, &s.block_table[..ctx.div_ceil(bs)]));
-                continue;
+            let table = &s.block_table[..ctx.div_ceil(bs)];
+            let views = [(main_window, &mut prefill, &mut decode), (lim.window, &mut w_prefill, &mut w_decode)];
+            for (window, prefill, decode) in views.into_iter().take(if lim.mixed_windows { 2 } else { 1 }) {
+                match context(s.start_pos, len, window, row, device)? {
+                    (rows, Some(mask)) => prefill.push((offset, len, rows, mask)),
+                    (rows, None) => decode.push((offset, rows, table)),
+                }
             }
-            // New token j sits at position q = start_pos + j and sees positions first(q) ..= q.
-            let m: Vec<f32> = (0..len)
-                .flat_map(|j| {
-                    let q = s.start_pos + j;
-                    (lo..ctx).map(move |p| if p <= q && p >= first(q) { 0.0 } else { f32::NEG_INFINITY })
-                })
-                .collect();
-            let mask = Tensor::from_vec(m, (len, ctx - lo), device)?;
-            prefill.push((offset, len, ctx_rows, mask));
         }
         let mut order: Vec<u32> = decode.iter().map(|d| d.0 as u32).collect();
         for (offset, len, ..) in &prefill {
@@ -253,6 +296,8 @@ impl StepPlan {
         });
         let seq_parts: Vec<MetaPart> = prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.2))).collect();
         let decode = decode_group(decode, lim.paged_decode, device, &mut meta)?;
+        let w_parts: Vec<MetaPart> = w_prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.2))).collect();
+        let w_decode = decode_group(w_decode, false, device, &mut meta)?;
         let logit_part = (logit_rows.len() != total).then(|| meta.push(logit_rows));
         let token_mapping = token_mapping(batch, &token_slots, lim.max_loras, device, &mut meta)?;
         let logit_mapping = LoraMapping::plan(&logit_slots, lim.max_loras, device, &mut meta)?;
@@ -262,17 +307,28 @@ impl StepPlan {
             Some(p) => KvWrites::Rows(up.part(p)?),
             None => KvWrites::Host(write_rows),
         };
-        let seqs = prefill
-            .into_iter()
-            .zip(seq_parts)
-            .map(|((offset, len, _, mask), p)| Ok(SeqPlan { offset, len, ctx_rows: up.part(p)?, mask }))
-            .collect::<Result<_>>()?;
+        let plans = |prefill: Vec<(usize, usize, Vec<u32>, Tensor)>, parts: Vec<MetaPart>| {
+            prefill
+                .into_iter()
+                .zip(parts)
+                .map(|((offset, len, _, mask), p)| Ok(SeqPlan { offset, len, ctx_rows: up.part(p)?, mask }))
+                .collect::<Result<Vec<_>>>()
+        };
+        let seqs = plans(prefill, seq_parts)?;
+        let windowed = match lim.mixed_windows {
+            true => Some(Windowed {
+                seqs: plans(w_prefill, w_parts)?,
+                decode: w_decode.map(|d| d.finish(&up)).transpose()?,
+            }),
+            false => None,
+        };
         Ok(StepPlan {
             ids: up.part(ids_part)?,
             positions: up.part(positions_part)?,
             kv_writes,
             seqs,
             decode: decode.map(|d| d.finish(&up)).transpose()?,
+            windowed,
             unpermute: unpermute.map(|p| up.part(p)).transpose()?,
             logit_rows: logit_part.map(|p| up.part(p)).transpose()?,
             token_mapping: token_mapping.finish(&up)?,
@@ -386,7 +442,16 @@ mod tests {
     use super::*;
 
     fn limits(paged_decode: bool) -> Limits {
-        Limits { vocab: 100, max_len: 64, max_loras: 4, num_blocks: 16, block_size: 4, paged_decode, window: None }
+        Limits {
+            vocab: 100,
+            max_len: 64,
+            max_loras: 4,
+            num_blocks: 16,
+            block_size: 4,
+            paged_decode,
+            window: None,
+            mixed_windows: false,
+        }
     }
 
     /// The address of the storage behind a tensor: views of one upload share it.

@@ -6,7 +6,11 @@
 //! they differ only in what is filled in here: Qwen2 has q/k/v biases, Qwen3 an RMSNorm over each
 //! query and key head before RoPE (`qk_norm`), Phi-3 stores q/k/v and gate/up fused
 //! (`fused_projections`: `qkv_proj`, `gate_up_proj`), Llama 3 scales RoPE (`rope_type: llama3`),
-//! Mistral and Phi-3 may declare a sliding window. RoPE settings are read from
+//! Mistral and Phi-3 may declare a sliding window. Gemma 3 (`gemma3_text`) differs more and says so
+//! in fields the graph reads: sliding and full layers (`layer_types`, or every sixth layer full)
+//! with their own RoPE bases, `(1 + w)` RMSNorm weights (`norm_offset`), four norms a layer
+//! (`sandwich_norms`), the embedding scaled by √hidden (`embed_scale`), GELU, the query scale of
+//! `query_pre_attn_scalar`, and q/k norms. RoPE settings are read from
 //! transformers 5's `rope_parameters` or the older top-level `rope_theta` / `rope_scaling`.
 //! Errors name the file and the field (`serde_path_to_error` for type errors).
 
@@ -34,6 +38,8 @@ pub enum Architecture {
     Qwen3,
     /// `Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4-mini's layout).
     Phi3,
+    /// `Gemma3ForCausalLM` (`gemma3_text`: Gemma 3's text models).
+    Gemma3,
 }
 
 impl Architecture {
@@ -45,6 +51,7 @@ impl Architecture {
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Phi3 => "Phi3ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -56,12 +63,19 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Phi3 => "phi3",
+            Architecture::Gemma3 => "gemma3_text",
         }
     }
 
     /// Every architecture served.
-    const ALL: [Architecture; 5] =
-        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2, Architecture::Qwen3, Architecture::Phi3];
+    const ALL: [Architecture; 6] = [
+        Architecture::Llama,
+        Architecture::Mistral,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Phi3,
+        Architecture::Gemma3,
+    ];
 
     fn from_model_type(t: &str) -> Option<Architecture> {
         Architecture::ALL.into_iter().find(|a| a.model_type() == t)
@@ -147,7 +161,7 @@ pub enum ConfigError {
         reason: String,
     },
     /// The architecture named by `config.json` is not one this engine implements.
-    #[error("{}: field {field:?}: unsupported architecture {name:?} (supported: llama, mistral, qwen2, qwen3, phi3)", path.display())]
+    #[error("{}: field {field:?}: unsupported architecture {name:?} (supported: llama, mistral, qwen2, qwen3, phi3, gemma3_text)", path.display())]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,
@@ -230,9 +244,26 @@ pub struct ModelConfig {
     pub fused_projections: bool,
     /// Longest position the model supports.
     pub max_position_embeddings: usize,
-    /// Mistral's sliding window, when the config enables one: each position attends to the last
-    /// this many positions, itself included.
+    /// The sliding window, when the config enables one: each position of a sliding layer attends
+    /// to the last this many positions, itself included (every layer of Mistral, the sliding
+    /// layers of Gemma 3: [`ModelConfig::layer_window`]).
     pub sliding_window: Option<usize>,
+    /// Which layers slide (Gemma 3's `layer_types`); empty when every layer is alike.
+    pub sliding_layers: Vec<bool>,
+    /// RoPE base of the sliding layers when it differs from `rope_theta` (Gemma 3: 10,000 against
+    /// the full layers' 1,000,000).
+    pub rope_local_theta: Option<f64>,
+    /// The query scale's `1 / √s` (Gemma's `query_pre_attn_scalar`); `None`: `1 / √head_dim`.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Added to every RMSNorm weight of the checkpoint: 1 for Gemma, whose norms scale by
+    /// `(1 + w)` (its GGUF files hold `1 + w` already: 0 there), else 0.
+    pub norm_offset: f32,
+    /// Gemma's four norms a layer: the attention's and the MLP's outputs are normed too
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`) before the residual add, and
+    /// `pre_feedforward_layernorm` is the MLP's input norm.
+    pub sandwich_norms: bool,
+    /// What the embedding's rows are multiplied by (Gemma: √hidden); `None`: 1.
+    pub embed_scale: Option<f32>,
     /// `bos_token_id`.
     pub bos_token_id: Option<u32>,
     /// `eos_token_id` (several for Llama 3 instruct models).
@@ -258,9 +289,18 @@ struct RawConfig {
     rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
     rope_scaling: Option<RawRope>,
-    rope_parameters: Option<RawRope>,
+    rope_parameters: Option<RawRopeParameters>,
     partial_rotary_factor: Option<f64>,
     hidden_act: Option<String>,
+    hidden_activation: Option<String>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    #[serde(rename = "_sliding_window_pattern")]
+    sliding_window_pattern_private: Option<usize>,
+    query_pre_attn_scalar: Option<f64>,
+    rope_local_base_freq: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     max_position_embeddings: Option<usize>,
@@ -270,6 +310,14 @@ struct RawConfig {
     eos_token_id: Option<TokenIds>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
+}
+
+/// transformers 5's `rope_parameters`: one set, or one per layer type (Gemma 3).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawRopeParameters {
+    PerLayerType(std::collections::BTreeMap<String, RawRope>),
+    One(RawRope),
 }
 
 /// `rope_scaling` or `rope_parameters`.
@@ -387,14 +435,30 @@ impl ModelConfig {
                 format!("is {head_dim}; num_attention_heads {num_heads} heads of it overflow"),
             ));
         }
-        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
-        let rope_theta = raw
-            .rope_parameters
-            .as_ref()
+        // Per layer type (Gemma 3): the full layers' set is the model's, the sliding layers' gives
+        // their own base.
+        let (params, local_params) = match &raw.rope_parameters {
+            Some(RawRopeParameters::One(p)) => (Some(p), None),
+            Some(RawRopeParameters::PerLayerType(m)) => {
+                let full = m.get("full_attention").ok_or_else(|| {
+                    field("rope_parameters", "has sets per layer type but none for full_attention".to_string())
+                })?;
+                (Some(full), m.get("sliding_attention"))
+            }
+            None => (None, None),
+        };
+        let rope = params.or(raw.rope_scaling.as_ref());
+        let rope_theta = params
             .and_then(|p| p.rope_theta)
             .or(raw.rope_theta)
             .or_else(|| raw.rope_scaling.as_ref().and_then(|p| p.rope_theta))
             .unwrap_or(10_000.0);
+        if let Some(p) = local_params
+            && rope_scaling(p, path)? != RopeScaling::Default
+        {
+            return Err(field("rope_parameters", "scales the sliding layers' RoPE, which is not served".to_string()));
+        }
+        let rope_local_theta = local_params.and_then(|p| p.rope_theta).or(raw.rope_local_base_freq);
         let rope_scaling = match rope {
             Some(p) => rope_scaling(p, path)?,
             None => RopeScaling::Default,
@@ -405,7 +469,14 @@ impl ModelConfig {
         {
             return Err(field("partial_rotary_factor", format!("is {f}; only whole heads are rotated (1.0)")));
         }
-        let hidden_act = match raw.hidden_act.as_deref() {
+        let gemma = architecture == Architecture::Gemma3;
+        // Gemma names it `hidden_activation` (tanh GELU when absent).
+        let act_name = match (&raw.hidden_activation, gemma) {
+            (Some(a), _) => Some(a.as_str()),
+            (None, true) => raw.hidden_act.as_deref().or(Some("gelu_pytorch_tanh")),
+            (None, false) => raw.hidden_act.as_deref(),
+        };
+        let hidden_act = match act_name {
             None | Some("silu") | Some("swish") => HiddenAct::Silu,
             Some("gelu") => HiddenAct::Gelu,
             Some("gelu_new") | Some("gelu_pytorch_tanh") | Some("gelu_fast") => HiddenAct::GeluTanh,
@@ -414,6 +485,40 @@ impl ModelConfig {
             }
         };
         let attention_bias = raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2);
+        for (name, v) in [
+            ("attn_logit_softcapping", raw.attn_logit_softcapping),
+            ("final_logit_softcapping", raw.final_logit_softcapping),
+        ] {
+            if let Some(cap) = v {
+                return Err(field(name, format!("is {cap}: logit soft-capping (Gemma 2) is not served")));
+            }
+        }
+        let num_layers = need(raw.num_hidden_layers, "num_hidden_layers")?;
+        let sliding_layers = match (&raw.layer_types, gemma) {
+            (Some(types), _) => {
+                if types.len() != num_layers {
+                    return Err(field(
+                        "layer_types",
+                        format!("has {} entries for num_hidden_layers {num_layers}", types.len()),
+                    ));
+                }
+                let kind = |t: &String| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => {
+                        Err(field("layer_types", format!("names {other:?} (sliding_attention or full_attention)")))
+                    }
+                };
+                let sliding = types.iter().map(kind).collect::<Result<Vec<bool>, _>>()?;
+                if sliding.windows(2).all(|w| w[0] == w[1]) && !gemma { Vec::new() } else { sliding }
+            }
+            // Gemma 3 without `layer_types`: every sixth layer is full.
+            (None, true) => {
+                let pattern = raw.sliding_window_pattern.or(raw.sliding_window_pattern_private).unwrap_or(6).max(1);
+                (0..num_layers).map(|l| (l + 1) % pattern != 0).collect()
+            }
+            (None, false) => Vec::new(),
+        };
         let sliding_window = match architecture {
             // Qwen configs carry `sliding_window` even when `use_sliding_window` is false.
             Architecture::Qwen2 | Architecture::Qwen3 if !raw.use_sliding_window.unwrap_or(false) => None,
@@ -428,7 +533,7 @@ impl ModelConfig {
             architecture,
             hidden_size,
             intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
-            num_layers: need(raw.num_hidden_layers, "num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -437,12 +542,18 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             hidden_act,
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
             attention_bias,
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
             fused_projections: architecture == Architecture::Phi3,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             sliding_window,
+            sliding_layers,
+            rope_local_theta,
+            query_pre_attn_scalar: raw.query_pre_attn_scalar,
+            norm_offset: if gemma { 1.0 } else { 0.0 },
+            sandwich_norms: gemma,
+            embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
             bos_token_id: raw.bos_token_id,
             eos_token_ids,
             torch_dtype: raw.torch_dtype.or(raw.dtype),
@@ -488,6 +599,17 @@ impl ModelConfig {
     /// weights with: the checkpoint's own, f32 when it names none (transformers' default).
     pub fn auto_dtype(&self) -> DType {
         self.checkpoint_dtype().unwrap_or(DType::F32)
+    }
+
+    /// The window layer `l` attends within, if any.
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        let w = self.sliding_window.filter(|&w| w > 0)?;
+        (self.sliding_layers.is_empty() || self.sliding_layers.get(l).copied().unwrap_or(false)).then_some(w)
+    }
+
+    /// Whether some layers slide and others attend to the whole context (Gemma 3).
+    pub fn mixed_windows(&self) -> bool {
+        self.sliding_window.is_some_and(|w| w > 0) && self.sliding_layers.iter().any(|&s| !s)
     }
 
     /// Width of the query projection, `num_heads · head_dim`.

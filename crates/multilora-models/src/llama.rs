@@ -125,6 +125,9 @@ struct Layer {
     /// Qwen3's RMSNorm weights over each query and each key head (`[head_dim]`), applied before
     /// RoPE.
     qk_norm: Option<(Tensor, Tensor)>,
+    /// Gemma's norms of the attention's and the MLP's outputs (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`), before each residual add.
+    sandwich: Option<(Tensor, Tensor)>,
 }
 
 /// A loaded Llama-family model with LoRA slots.
@@ -143,6 +146,8 @@ pub struct Model {
     norm: Tensor,
     lm_head: LoraLinear,
     rope: Rope,
+    /// The sliding layers' tables when their base differs (Gemma 3).
+    rope_local: Option<Rope>,
     shapes: ModelShapes,
     /// The logits' way back to the host (a kept page-locked buffer on CUDA).
     readback: multilora_layers::RowsToHost,
@@ -211,6 +216,11 @@ impl Model {
         // The projections' weights in the served dtype, or quantized blocks (norms and biases in
         // the activations' dtype).
         let mat = |name: &str, shape: &[usize]| w.linear(name, shape, wdt, opts.quantized);
+        // An RMSNorm weight as the forward multiplies by it: Gemma's `(1 + w)` made once here.
+        let norm_w = |name: &str, n: usize| -> Result<Tensor> {
+            let t = w.get(name, &[n])?;
+            Ok(if cfg.norm_offset != 0.0 { (t + cfg.norm_offset as f64)? } else { t })
+        };
         let (qs, kvs) = (cfg.q_size(), cfg.kv_size());
         let lora = &opts.lora;
         let slot_cfg = SlotConfig::new(lora.max_loras(), lora.max_lora_rank(), lora_dtype, &opts.device);
@@ -285,18 +295,30 @@ impl Model {
                 o,
                 gate_up,
                 down,
-                input_norm: w.get(&format!("{p}.input_layernorm.weight"), &[h])?,
-                post_norm: w.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                input_norm: norm_w(&format!("{p}.input_layernorm.weight"), h)?,
+                // Gemma's MLP input norm is `pre_feedforward_layernorm`; its
+                // `post_attention_layernorm` norms the attention's output.
+                post_norm: match cfg.sandwich_norms {
+                    true => norm_w(&format!("{p}.pre_feedforward_layernorm.weight"), h)?,
+                    false => norm_w(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                },
                 qk_norm: match cfg.qk_norm {
                     true => Some((
-                        w.get(&format!("{p}.self_attn.q_norm.weight"), &[cfg.head_dim])?,
-                        w.get(&format!("{p}.self_attn.k_norm.weight"), &[cfg.head_dim])?,
+                        norm_w(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?,
+                        norm_w(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?,
+                    )),
+                    false => None,
+                },
+                sandwich: match cfg.sandwich_norms {
+                    true => Some((
+                        norm_w(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                        norm_w(&format!("{p}.post_feedforward_layernorm.weight"), h)?,
                     )),
                     false => None,
                 },
             });
         }
-        let norm = w.get("model.norm.weight", &[h])?;
+        let norm = norm_w("model.norm.weight", h)?;
         // A tied head shares the embedding's storage; a checkpoint that also stores `lm_head`
         // for a tied model is read from the embedding all the same, as transformers does.
         let head_slices = vec![(ModuleId::lm_head(), v)];
@@ -308,7 +330,11 @@ impl Model {
             (true, shared) => LoraLinear::from_weight(shared, None, head_slices, head_lora)?,
             (false, _) => LoraLinear::from_weight(mat("lm_head.weight", &[v, h])?, None, head_slices, head_lora)?,
         };
-        let rope = Rope::new(&cfg, act, &opts.device)?;
+        let rope = Rope::new(&cfg, false, act, &opts.device)?;
+        let rope_local = match cfg.rope_local_theta {
+            Some(t) if t != cfg.rope_theta => Some(Rope::new(&cfg, true, act, &opts.device)?),
+            _ => None,
+        };
         Ok(Model {
             cfg,
             dtype: wdt,
@@ -322,6 +348,7 @@ impl Model {
             norm,
             lm_head,
             rope,
+            rope_local,
             shapes,
             readback: multilora_layers::RowsToHost::new(),
             upload: multilora_layers::MetaToDevice::new(),
@@ -449,6 +476,7 @@ impl Model {
             total += [&l.qkv, &l.o, &l.gate_up, &l.down].iter().map(|lin| lin.base_bytes() as u64).sum::<u64>();
             total += bytes(&l.input_norm) + bytes(&l.post_norm);
             total += l.qk_norm.as_ref().map_or(0, |(q, k)| bytes(q) + bytes(k));
+            total += l.sandwich.as_ref().map_or(0, |(a, m)| bytes(a) + bytes(m));
         }
         if !self.cfg.tie_word_embeddings {
             total += self.lm_head.base_bytes() as u64;
@@ -513,6 +541,7 @@ impl Model {
             block_size: kc.block_size,
             paged_decode: self.paged_decode(),
             window: self.cfg.sliding_window.filter(|&w| w > 0),
+            mixed_windows: self.cfg.mixed_windows(),
         }
     }
 
@@ -528,6 +557,14 @@ impl Model {
     pub fn write_slot(&mut self, slot: SlotId, adapter: &LoraAdapter) -> Result<()> {
         if let Some(id) = adapter.modules().keys().find(|id| !self.lora.targets(id.kind)) {
             return Err(Error::NotATarget { adapter: adapter.name().to_string(), module: id.peft_name() });
+        }
+        // PEFT adds an embedding LoRA's rows after Gemma's scale, which the embedding op here
+        // would scale with the base rows.
+        if self.cfg.embed_scale.is_some() && adapter.modules().keys().any(|id| id.kind == ModuleKind::EmbedTokens) {
+            return Err(Error::NotATarget {
+                adapter: adapter.name().to_string(),
+                module: "model.embed_tokens (on a scaled embedding: not served yet)".to_string(),
+            });
         }
         // Off the CPU, the adapter goes to the device in one copy; the sites copy from there.
         let staged = multilora_layers::stage_adapter(adapter, self.lora_dtype, &self.device)?;

@@ -18,10 +18,14 @@ pub(crate) struct Rope {
 
 /// The inverse frequencies, computed in f32 the way transformers does, so positions far into a
 /// long prompt get the same angles as the reference (an f64 table drifts by ~1e-5 rad at 256).
-pub(crate) fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
+/// `local` gives the sliding layers' frequencies (their own base, no scaling: Gemma 3).
+pub(crate) fn inv_freq(cfg: &ModelConfig, local: bool) -> Vec<f32> {
     let d = cfg.head_dim;
-    let base = cfg.rope_theta as f32;
+    let base = if local { cfg.rope_local_theta.unwrap_or(cfg.rope_theta) } else { cfg.rope_theta } as f32;
     let plain: Vec<f32> = (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32)).collect();
+    if local {
+        return plain;
+    }
     match &cfg.rope_scaling {
         RopeScaling::Default => plain,
         // llama.cpp divides each frequency's angle by its factor.
@@ -49,8 +53,10 @@ pub(crate) fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
 }
 
 impl Rope {
-    pub(crate) fn new(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Rope> {
-        let freqs = inv_freq(cfg);
+    /// The tables of the model's layers, or with `local` of its sliding layers (Gemma 3's own
+    /// base).
+    pub(crate) fn new(cfg: &ModelConfig, local: bool, dtype: DType, device: &Device) -> Result<Rope> {
+        let freqs = inv_freq(cfg, local);
         let n = cfg.max_position_embeddings.max(1);
         let half = freqs.len();
         let mut cos = Vec::with_capacity(n * half);

@@ -279,3 +279,8 @@ fn a_qwen3_gguf_file_gives_the_checkpoints_logits() -> Result<()> {
 fn phi3_with_its_adapters_on_the_fused_modules_follows_transformers() -> Result<()> {
     check("phi3")
 }
+
+#[test]
+fn gemma3_with_its_adapters_follows_transformers() -> Result<()> {
+    check("gemma3")
+}

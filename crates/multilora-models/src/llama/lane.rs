@@ -37,6 +37,8 @@ pub(super) struct Lane<'a> {
     plan: &'a StepPlan,
     cos: Tensor,
     sin: Tensor,
+    /// The sliding layers' cos/sin rows when their RoPE base differs (Gemma 3).
+    local: Option<(Tensor, Tensor)>,
     dims: AttnDims,
     x: Tensor,
     /// The last layer's output, added into `x` together with the next norm.
@@ -62,9 +64,27 @@ impl<'a> Lane<'a> {
             block_size: cache.config().block_size,
         };
         let (cos, sin) = model.rope.gather(&plan.positions)?;
+        let local = model.rope_local.as_ref().map(|r| r.gather(&plan.positions)).transpose()?;
         let x = model.embed.forward(&plan.ids, &plan.token_mapping)?;
-        let mut lane =
-            Lane { model, cache, plan, cos, sin, dims, x, residual: None, qkv: None, q: None, ahead: ReadAhead::new() };
+        // Gemma's embedding times √hidden, in the activations' dtype.
+        let x = match cfg.embed_scale {
+            Some(s) => x.affine(s as f64, 0.0)?,
+            None => x,
+        };
+        let mut lane = Lane {
+            model,
+            cache,
+            plan,
+            cos,
+            sin,
+            local,
+            dims,
+            x,
+            residual: None,
+            qkv: None,
+            q: None,
+            ahead: ReadAhead::new(),
+        };
         lane.project(0)?;
         Ok(lane)
     }
@@ -81,12 +101,16 @@ impl<'a> Lane<'a> {
         };
         let (ck, cv) = self.cache.layer(l);
         let d = self.dims;
-        let q_scale = query_scale(d);
+        let q_scale = query_scale(d, self.model.cfg.query_pre_attn_scalar);
+        let (cos, sin) = match (&self.local, self.model.cfg.layer_window(l)) {
+            (Some((c, s)), Some(_)) => (c, s),
+            _ => (&self.cos, &self.sin),
+        };
         // On the CPU, the rotation, the queries' scale and the cache write in one pass;
         // elsewhere as tensor ops.
         let fused = match &self.plan.kv_writes {
             KvWrites::Host(rows) => {
-                multilora_layers::rope_write_kv(&qkv, (&self.cos, &self.sin), d, (ck, cv), rows, Some(q_scale))?
+                multilora_layers::rope_write_kv(&qkv, (cos, sin), d, (ck, cv), rows, Some(q_scale))?
             }
             _ => None,
         };
@@ -98,9 +122,9 @@ impl<'a> Lane<'a> {
                 let q = qkv.narrow(1, 0, qs)?.reshape((tokens, d.heads, d.head_dim))?;
                 let k = qkv.narrow(1, qs, kvs)?.reshape((tokens, d.kv_heads, d.head_dim))?;
                 let v = qkv.narrow(1, qs + kvs, kvs)?;
-                let k = Rope::apply(&k, &self.cos, &self.sin)?.reshape((tokens, kvs))?;
+                let k = Rope::apply(&k, cos, sin)?.reshape((tokens, kvs))?;
                 write_kv(self.plan, ck, cv, &k, &v)?;
-                (Rope::apply(&q, &self.cos, &self.sin)? * q_scale)?
+                (Rope::apply(&q, cos, sin)? * q_scale)?
             }
         };
         self.q = Some((l, q));
@@ -129,7 +153,8 @@ impl<'a> Lane<'a> {
             return Err(Error::KvCache { reason: format!("layer {l} attended before its keys were written") });
         };
         let (ck, cv) = self.cache.layer(l);
-        let attn = paged_attention(self.plan, &q, ck, cv, self.dims)?;
+        let sliding = self.model.cfg.layer_window(l).is_some();
+        let attn = paged_attention(self.plan, sliding, &q, ck, cv, self.dims)?;
         self.after_attention(l, &attn)?;
         if l + 1 < self.model.layers.len() {
             self.project(l + 1)?;
@@ -170,7 +195,8 @@ impl<'a> Lane<'a> {
 
     /// Adds the cache rows layer `l`'s attention reads to what the next product asks for.
     fn ask_for_context(&mut self, l: usize) {
-        let context_rows = self.plan.decode.as_ref().map_or(&[][..], |g| g.host_ctx.as_slice());
+        let sliding = self.model.cfg.layer_window(l).is_some();
+        let context_rows = self.plan.attn(sliding).1.map_or(&[][..], |g| g.host_ctx.as_slice());
         if let Some(kv) = self.cache.host_rows(l) {
             self.ahead.push_listed_rows(&kv, context_rows);
         }
@@ -194,7 +220,13 @@ impl<'a> Lane<'a> {
     fn after_attention(&mut self, l: usize, attn: &Tensor) -> Result<()> {
         let (m, map) = (self.model, &self.plan.token_mapping);
         let layer = &m.layers[l];
+        let eps = m.cfg.rms_norm_eps as f32;
         let o = layer.o.forward_ahead(attn, map, &mut self.ahead)?;
+        // Gemma norms the attention's and the MLP's outputs before each residual add.
+        let o = match &layer.sandwich {
+            Some((attn_out, _)) => multilora_layers::rms_norm(&o, attn_out, eps)?,
+            None => o,
+        };
         self.residual = Some(o);
         let h = self.add_norm(&layer.post_norm)?;
         // The next layer's attention reads its sequences' cache rows: asked for while this
@@ -219,7 +251,11 @@ impl<'a> Lane<'a> {
                 (gate * gu.narrow(1, inter, inter)?)?
             }
         };
-        self.residual = Some(layer.down.forward_ahead(&act, map, &mut self.ahead)?);
+        let down = layer.down.forward_ahead(&act, map, &mut self.ahead)?;
+        self.residual = Some(match &layer.sandwich {
+            Some((_, mlp_out)) => multilora_layers::rms_norm(&down, mlp_out, eps)?,
+            None => down,
+        });
         Ok(())
     }
 }
