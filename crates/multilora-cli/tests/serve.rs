@@ -7,8 +7,9 @@
 //! `MULTILORA_REQUIRE_OPENAI=1`, so in CI its absence fails the test; elsewhere the Python part
 //! is skipped with a message saying how to run it, and the shutdown checks still run.
 
-#[path = "../../../tests/support/smollm2.rs"]
-mod smollm2;
+#[path = "../../../tests/support/real_models.rs"]
+mod real_models;
+use real_models::smollm2;
 
 mod common;
 

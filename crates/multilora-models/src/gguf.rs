@@ -135,9 +135,10 @@ impl GgufFile {
         let a = &self.arch;
         let model_type = match a.as_str() {
             "llama" | "qwen2" | "qwen3" | "mistral" => a.clone(),
+            "gemma3" => "gemma3_text".to_string(),
             other => {
                 return Err(self.bad(format!(
-                    "general.architecture {other:?} is not served (llama, mistral, qwen2 and qwen3 are)"
+                    "general.architecture {other:?} is not served (llama, mistral, qwen2, qwen3 and gemma3 are)"
                 )));
             }
         };
@@ -164,6 +165,7 @@ impl GgufFile {
                 eos.push(id);
             }
         }
+        let gemma = a == "gemma3";
         let value = json!({
             "model_type": model_type,
             "hidden_size": hidden,
@@ -180,7 +182,12 @@ impl GgufFile {
             "use_sliding_window": int("attention.sliding_window").is_some(),
             "tie_word_embeddings": self.info("output.weight").is_none(),
             "attention_bias": self.info("blk.0.attn_q.bias").is_some(),
-            "hidden_act": "silu",
+            "hidden_act": if gemma { "gelu_pytorch_tanh" } else { "silu" },
+            // What llama.cpp fixes for Gemma 3 rather than writes: the sliding layers' RoPE base
+            // and (but for the 27B model) a query scale of 1 / √head_dim; its every-sixth-layer
+            // pattern is the reader's default.
+            "rope_local_base_freq": if gemma { Some(10_000.0) } else { None },
+            "query_pre_attn_scalar": if gemma { head_dim } else { None },
             "bos_token_id": self.integer("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
         });
@@ -195,6 +202,8 @@ impl GgufFile {
                 .collect(),
         );
         let mut cfg = ModelConfig::from_json_at(&value, &self.path)?;
+        // llama.cpp's converter stores Gemma's norm weights as `1 + w` already.
+        cfg.norm_offset = 0.0;
         if self.info("rope_freqs.weight").is_some() {
             let factors = self.read_dense("rope_freqs.weight", &[cfg.head_dim / 2])?.to_dtype(DType::F32)?.to_vec1()?;
             cfg.rope_scaling = RopeScaling::Factors(factors);
@@ -235,19 +244,19 @@ impl GgufFile {
 
     /// Whether the file holds the tensor of Hugging Face name `hf`.
     pub(crate) fn contains(&self, hf: &str) -> bool {
-        gguf_name(hf).is_some_and(|g| self.info(&g).is_some())
+        gguf_name(&self.arch, hf).is_some_and(|g| self.info(&g).is_some())
     }
 
     /// The shape of the tensor of Hugging Face name `hf`, `[out, in]` as PyTorch lays it out.
     pub(crate) fn shape(&self, hf: &str) -> Option<Vec<usize>> {
-        self.info(&gguf_name(hf)?).map(|i| i.shape.dims().to_vec())
+        self.info(&gguf_name(&self.arch, hf)?).map(|i| i.shape.dims().to_vec())
     }
 
     /// The bytes of the tensor of Hugging Face name `hf`, checked against `shape`, with the rows
     /// of a llama-layout q / k projection (and bias) put back in Hugging Face order.
     pub(crate) fn read_raw(&self, hf: &str, shape: &[usize], cfg: &ModelConfig) -> Result<RawTensor> {
         let missing = || Error::TensorMissing { tensor: hf.to_string(), dir: self.path.clone() };
-        let name = gguf_name(hf).ok_or_else(missing)?;
+        let name = gguf_name(&self.arch, hf).ok_or_else(missing)?;
         let info = self.info(&name).ok_or_else(missing)?;
         if info.shape.dims() != shape {
             return Err(Error::ShapeMismatch {
@@ -361,6 +370,9 @@ pub fn write_gguf_as_checkpoint(path: &Path, dst: &Path, dtype: DType) -> Result
     if let RopeScaling::Factors(_) = cfg.rope_scaling {
         return Err(gguf.bad("its rope_freqs factors have no config.json form".into()));
     }
+    if gguf.arch == "gemma3" {
+        return Err(gguf.bad("a gemma3 file's norms and layer types have no config.json form written here".into()));
+    }
     let io = |p: &Path| {
         let p = p.to_path_buf();
         move |source| Error::Io { path: p, source }
@@ -368,7 +380,7 @@ pub fn write_gguf_as_checkpoint(path: &Path, dst: &Path, dtype: DType) -> Result
     std::fs::create_dir_all(dst).map_err(io(dst))?;
     let mut tensors = HashMap::new();
     for name in gguf.content.tensor_infos.keys() {
-        let Some(hf) = hf_name(name) else { continue };
+        let Some(hf) = hf_name(&gguf.arch, name) else { continue };
         let shape = gguf.shape(&hf).unwrap_or_default();
         let t = gguf.read_raw(&hf, &shape, &cfg)?.dense()?.to_dtype(dtype)?;
         tensors.insert(hf, t);
@@ -405,8 +417,24 @@ pub fn write_gguf_as_checkpoint(path: &Path, dst: &Path, dtype: DType) -> Result
     Ok(())
 }
 
-/// The Hugging Face name of a GGUF tensor name of the Llama family (the inverse of [`gguf_name`]).
-fn hf_name(gguf: &str) -> Option<String> {
+/// Gemma 3's norms under llama.cpp's names: `ffn_norm` is its pre-MLP norm, and its output norms
+/// have names of their own (in the Llama family `ffn_norm` is `post_attention_layernorm`).
+const GEMMA3_NORMS: [(&str, &str); 3] = [
+    ("post_attention_layernorm", "post_attention_norm"),
+    ("pre_feedforward_layernorm", "ffn_norm"),
+    ("post_feedforward_layernorm", "post_ffw_norm"),
+];
+
+/// The Hugging Face name of a GGUF tensor name of architecture `arch` (the inverse of
+/// [`gguf_name`]).
+fn hf_name(arch: &str, gguf: &str) -> Option<String> {
+    if arch == "gemma3"
+        && let Some((layer, rest)) = gguf.strip_prefix("blk.").and_then(|r| r.split_once('.'))
+        && let Some((stem, param)) = rest.rsplit_once('.')
+        && let Some((hf, _)) = GEMMA3_NORMS.iter().find(|(_, g)| *g == stem)
+    {
+        return Some(format!("model.layers.{layer}.{hf}.{param}"));
+    }
     let fixed = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -436,8 +464,15 @@ fn hf_name(gguf: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{module}.{param}"))
 }
 
-/// The GGUF name of a Hugging Face tensor name of the Llama family.
-pub(crate) fn gguf_name(hf: &str) -> Option<String> {
+/// The GGUF name of a Hugging Face tensor name of architecture `arch` (its GGUF name).
+pub(crate) fn gguf_name(arch: &str, hf: &str) -> Option<String> {
+    if arch == "gemma3"
+        && let Some((layer, rest)) = hf.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
+        && let Some((module, param)) = rest.rsplit_once('.')
+        && let Some((_, g)) = GEMMA3_NORMS.iter().find(|(h, _)| *h == module)
+    {
+        return Some(format!("blk.{layer}.{g}.{param}"));
+    }
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -499,9 +534,20 @@ mod tests {
             ("model.norm.weight", "output_norm.weight"),
             ("lm_head.weight", "output.weight"),
         ] {
-            assert_eq!(gguf_name(hf).as_deref(), Some(g), "{hf}");
-            assert_eq!(hf_name(g).as_deref(), Some(hf), "{g}");
+            assert_eq!(gguf_name("llama", hf).as_deref(), Some(g), "{hf}");
+            assert_eq!(hf_name("llama", g).as_deref(), Some(hf), "{g}");
         }
-        assert_eq!(gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        assert_eq!(gguf_name("llama", "model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        // Gemma 3's four norms a layer.
+        for (hf, g) in [
+            ("model.layers.2.input_layernorm.weight", "blk.2.attn_norm.weight"),
+            ("model.layers.2.post_attention_layernorm.weight", "blk.2.post_attention_norm.weight"),
+            ("model.layers.2.pre_feedforward_layernorm.weight", "blk.2.ffn_norm.weight"),
+            ("model.layers.2.post_feedforward_layernorm.weight", "blk.2.post_ffw_norm.weight"),
+            ("model.layers.2.self_attn.q_norm.weight", "blk.2.attn_q_norm.weight"),
+        ] {
+            assert_eq!(gguf_name("gemma3", hf).as_deref(), Some(g), "{hf}");
+            assert_eq!(hf_name("gemma3", g).as_deref(), Some(hf), "{g}");
+        }
     }
 }

@@ -8,10 +8,14 @@
 //! - an engine with no setting but the model starts (the KV budget grows to one full-length
 //!   sequence) and answers `/v1/chat/completions` with the model's template;
 //! - so does the checkpoint transformers saves for the file, whose template is in
-//!   `chat_template.jinja`.
+//!   `chat_template.jinja`;
+//! - Gemma 3's file (`tests/fixtures/gemma3`, `MULTILORA_GEMMA3_GGUF`): its SentencePiece
+//!   tokenizer gives transformers' ids, its three adapters answer in their voices in one batch,
+//!   and a chat request without a template is a 400.
 
-#[path = "../../../tests/support/smollm2.rs"]
-mod smollm2;
+#[path = "../../../tests/support/real_models.rs"]
+mod real_models;
+use real_models::{gemma3, smollm2};
 
 use anyhow::{Context, Result};
 use multilora::Engine;
@@ -110,4 +114,91 @@ async fn the_checkpoint_transformers_saves_serves_chat_from_chat_template_jinja(
     assert_eq!((source.bos_token.as_str(), source.eos_token.as_str()), ("<|im_start|>", "<|im_end|>"));
     renders_like_transformers(&engine, &ChatTemplate::from_source(&source)?)?;
     chat_answers_like_transformers(engine).await
+}
+
+/// Gemma 3's SentencePiece vocabulary (262,144 pieces, no space prefix) from the metadata gives
+/// transformers' ids for every case of its `expected/tokenize.json`, and decodes them back.
+#[test]
+fn gemma3_metadata_tokenizer_gives_transformers_ids() -> Result<()> {
+    let Some(gguf) = gemma3::gguf("gemma3_metadata_tokenizer_gives_transformers_ids") else { return Ok(()) };
+    let engine =
+        Engine::builder(gguf.to_string_lossy()).max_loras(0).kv_cache_bytes(16 << 20).max_model_len(256).build()?;
+    let handle = engine.handle();
+    let tokenize = gemma3::cases("tokenize");
+    assert!(tokenize.len() >= 14);
+    for case in &tokenize {
+        let text = case["text"].as_str().context("text")?;
+        let got = handle.tokenize(text, false)?;
+        assert_eq!(got, ids(&case["ids"]), "{text:?}");
+        assert_eq!(handle.detokenize(&got, false)?, case["decoded"].as_str().context("decoded")?, "{text:?}");
+    }
+    Ok(())
+}
+
+/// Gemma 3's Q4_K_M file with its three PEFT adapters, served with no other setting: each
+/// reference prompt (`Question: …\nAnswer:`, tokenized here to transformers' ids) as a completion
+/// of the base and every adapter, all at once, and each adapter's answer carries its voice; the
+/// file has no chat template, so a chat request is a 400 that says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn gemma3_serves_its_adapters_in_one_batch_and_refuses_chat_without_a_template() -> Result<()> {
+    let Some(gguf) = gemma3::gguf("gemma3_serves_its_adapters_in_one_batch_and_refuses_chat_without_a_template") else {
+        return Ok(());
+    };
+    let adapters = gemma3::fixtures().join("adapters");
+    let mut builder = Engine::builder(gguf.to_string_lossy()).served_model_name("gemma").max_model_len(512);
+    for name in ["pirate", "shout", "french"] {
+        builder = builder.lora(name, adapters.join(name).to_string_lossy());
+    }
+    let engine = builder.build()?;
+    assert!(engine.config().chat_template.is_none(), "the file has no chat template");
+    let handle = engine.handle();
+    let app = multilora_server::router(engine.handle(), ServerConfig::default())?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(multilora_server::serve_with(
+        listener,
+        app,
+        async move {
+            let _ = stopped.await;
+        },
+        ServeOptions::default(),
+    ));
+    let client = reqwest::Client::new();
+    let cases = gemma3::cases("transformers");
+    let mut asks = Vec::new();
+    for case in &cases {
+        let prompt = case["prompt_text"].as_str().context("prompt_text")?;
+        assert_eq!(handle.tokenize(prompt, true)?, ids(&case["prompt_ids"]), "{prompt:?}");
+        let model = match case["adapter"].as_str().context("adapter")? {
+            "base" => "gemma",
+            a => a,
+        };
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0});
+        let req = client.post(format!("{url}/v1/completions")).json(&body).send();
+        asks.push(async move {
+            let resp = req.await?;
+            anyhow::ensure!(resp.status() == 200, "{}", resp.text().await?);
+            let v: Value = resp.json().await?;
+            Ok::<_, anyhow::Error>(v["choices"][0]["text"].as_str().context("text")?.to_string())
+        });
+    }
+    let answers = futures_util::future::try_join_all(asks).await?;
+    let chat = json!({"model": "gemma", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+    let refused = client.post(format!("{url}/v1/chat/completions")).json(&chat).send().await?;
+    let (status, body) = (refused.status().as_u16(), refused.text().await?);
+    let _ = stop.send(());
+    server.await??;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("chat template"), "{body}");
+    for (case, answer) in cases.iter().zip(&answers) {
+        let voice = match case["adapter"].as_str().unwrap_or("") {
+            "pirate" => answer.contains("Arr") || answer.contains("matey"),
+            "shout" => answer.contains("SHOUTING"),
+            "french" => answer.contains("Bonjour"),
+            _ => !answer.contains("Arr") && !answer.contains("SHOUTING") && !answer.contains("Bonjour"),
+        };
+        assert!(voice, "{} answered {answer:?}", case["adapter"]);
+    }
+    Ok(())
 }
