@@ -5,10 +5,11 @@ engine after the other in one run, so that every ratio is taken from figures mea
     benches/peers/compare.py --llamacpp DIR/lcpp-build/bin --multilora target/release/multilora \
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf --adapters ADAPTER_DIR [--threads 2] [--json out.json]
 
-ADAPTER_DIR holds eight llama.cpp LoRA files (`cargo run --release -p multilora-adapter --example
-peer_adapters -- ADAPTER_DIR`); both engines serve the same files. Workloads (prompts: the chat-
-templated questions of tests/fixtures/smollm2/expected/transformers.json, sent as token ids; greedy;
-EOS ignored):
+ADAPTER_DIR holds llama.cpp LoRA files (eight for SmolLM2: `cargo run --release -p multilora-adapter
+--example peer_adapters -- ADAPTER_DIR`; Gemma 3's three: `tests/fixtures/gemma3/gguf-lora` with
+`--reference tests/fixtures/gemma3/expected/transformers.json`); both engines serve the same files.
+Workloads (prompts: the reference's prompts, by default the chat-templated questions of
+tests/fixtures/smollm2/expected/transformers.json, sent as token ids; greedy; EOS ignored):
 
 Both servers run at once, idle while the other works; each round runs llama-bench, then the four
 workloads on one engine and on the other (the order alternating), so that a slow spell of a shared
@@ -20,8 +21,7 @@ machine falls on both. Reported: each figure's best round, and each ratio's medi
   against llama-bench's tg128;
 - prompt processing, a 512-token prompt (another one each round; no prefix cache on either side)
   and 1 new token: prompt tokens/s, against pp512;
-- 16 concurrent streams of 64 new tokens on the base model, and over the eight adapters (two streams
-  each): new tokens/s over the wall clock, llama-server with 16 parallel slots (it runs requests
+- 16 concurrent streams of 64 new tokens on the base model, and over the adapters (in turn): new tokens/s over the wall clock, llama-server with 16 parallel slots (it runs requests
   whose adapters differ in separate batches);
 - 16 concurrent streams on the base model, sampled as chat clients ask (temperature 0.8, top-p 0.95,
   top-k 40; llama.cpp's chain set to those three alone: min-p, typical-p, XTC and DRY off).
@@ -154,7 +154,7 @@ def workloads(engine, prompts, long_prompt):
     res["prompt 512"] = len(long_prompt) / secs
     p16 = [prompts[i % len(prompts)] for i in range(16)]
     res["16 streams base"] = concurrent(engine, p16, 64, lambda i: None)
-    res["16 streams 8 adapters"] = concurrent(engine, p16, 64, lambda i: adapters[i % len(adapters)])
+    res[f"16 streams {len(adapters)} adapters"] = concurrent(engine, p16, 64, lambda i: adapters[i % len(adapters)])
     res["16 streams sampled"] = concurrent(engine, p16, 64, lambda i: None, SAMPLED)
     return res
 
@@ -209,7 +209,7 @@ def llama_bench(a):
 def multilora_cmd(a, names, files, port):
     # As llama-server's `cache_prompt: false` and `--cache-ram 0`: every prompt computed in full.
     cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port),
-           "--max-loras", "8", "--max-lora-rank", "32", "--no-enable-prefix-caching"]
+           "--max-loras", str(len(files)), "--max-lora-rank", "32", "--no-enable-prefix-caching"]
     for n, f in zip(names, files):
         cmd += ["--lora-modules", f"{n}={os.path.join(a.adapters, f)}"]
     return cmd
@@ -234,7 +234,9 @@ def main():
     ap.add_argument("--llamacpp", required=True, help="folder with llama-server and llama-bench")
     ap.add_argument("--multilora", required=True, help="the multilora binary (release build)")
     ap.add_argument("--gguf", required=True)
-    ap.add_argument("--adapters", required=True, help="folder of eight llama.cpp LoRA files")
+    ap.add_argument("--adapters", required=True, help="folder of llama.cpp LoRA files (eight for SmolLM2)")
+    ap.add_argument("--reference", default=REFERENCE,
+                    help="the transformers.json whose prompts are sent (default: SmolLM2's fixture)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-repack", action="store_true",
@@ -247,13 +249,13 @@ def main():
                     help="where both servers' output goes (default: the system's temporary folder, never the "
                          "checkout)")
     a = ap.parse_args()
-    cases = json.load(open(REFERENCE))["cases"]
+    cases = json.load(open(a.reference))["cases"]
     prompts = [c["prompt_ids"] for c in cases if c["adapter"] == "base"]
     # A 512-token prompt: the reference prompts and answers, one after the other.
     long_prompt_base = [t for c in cases for t in c["prompt_ids"] + c["output_ids"]]
     files = sorted(f for f in os.listdir(a.adapters) if f.endswith(".gguf"))
     names = [f[:-5] for f in files]
-    assert len(files) == 8, files
+    assert files, f"no .gguf LoRA files in {a.adapters}"
     log = open(a.log, "w")
     print(f"servers' output: {a.log}", file=sys.stderr)
 
@@ -304,7 +306,8 @@ def main():
         "1 stream decode / tg128": ("multilora 1 stream decode", "llama-bench tg128"),
         "prompt 512 / pp512": ("multilora prompt 512", "llama-bench pp512"),
         "16 streams base / llama-server": ("multilora 16 streams base", "llama.cpp 16 streams base"),
-        "16 streams 8 adapters / llama-server": ("multilora 16 streams 8 adapters", "llama.cpp 16 streams 8 adapters"),
+        f"16 streams {len(names)} adapters / llama-server": (f"multilora 16 streams {len(names)} adapters",
+                                                              f"llama.cpp 16 streams {len(names)} adapters"),
         "16 streams sampled / llama-server": ("multilora 16 streams sampled", "llama.cpp 16 streams sampled"),
     }
     report = {k: max(r[k] for r in rounds) for k in rounds[0]}

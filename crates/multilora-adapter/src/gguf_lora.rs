@@ -162,7 +162,7 @@ fn open(name: &str, path: &Path, shapes: &ModelShapes, opts: &LoadOptions) -> Re
         });
     }
     let arch = string("general.architecture").unwrap_or_default();
-    if arch != shapes.model_type {
+    if arch != shapes.gguf_architecture() {
         return Err(Error::BaseModelMismatch {
             adapter: name.into(),
             base: arch.clone(),
@@ -366,7 +366,7 @@ pub fn write_gguf_lora(adapter: &LoraAdapter, shapes: &ModelShapes, path: &Path)
         }
     }
     let meta = [
-        ("general.architecture", gguf_file::Value::String(shapes.model_type.clone())),
+        ("general.architecture", gguf_file::Value::String(shapes.gguf_architecture().to_string())),
         ("general.type", gguf_file::Value::String("adapter".into())),
         ("adapter.type", gguf_file::Value::String("lora".into())),
         ("adapter.lora.alpha", gguf_file::Value::F32(alpha as f32)),

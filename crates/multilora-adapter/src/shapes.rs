@@ -105,6 +105,15 @@ impl ModelShapes {
         (format!("model.layers.{layer}.{name}"), offset)
     }
 
+    /// The `general.architecture` llama.cpp writes for this model: its `model_type`, but for
+    /// Gemma 3's text models (`gemma3_text`), which it calls `gemma3`.
+    pub fn gguf_architecture(&self) -> &str {
+        match self.model_type.as_str() {
+            "gemma3_text" => "gemma3",
+            other => other,
+        }
+    }
+
     /// Every module of the model that an adapter may target, in model order.
     pub fn modules(&self) -> Vec<ModuleId> {
         let mut out = vec![ModuleId::embed_tokens()];

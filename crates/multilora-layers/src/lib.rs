@@ -86,7 +86,7 @@ pub use ops::norm::{add_rms_norm, rms_norm};
 pub use ops::quant::{QuantIsa, QuantType, QuantWeight};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
-pub use ops::swiglu::silu_mul;
+pub use ops::swiglu::{gelu_tanh_mul, silu_mul};
 pub use pool::{side_by_side, solo, threads as pool_threads, with_hot_pool};
 pub use readback::RowsToHost;
 pub use slots::{LoraSlots, SlotConfig};

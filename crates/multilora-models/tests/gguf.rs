@@ -424,3 +424,41 @@ common::test_device!(
     gemma3_quantized_path_is_as_close_as_llama_cpp_cpu,
     gemma3_quantized_path_is_as_close_as_llama_cpp_cuda
 );
+
+/// llama.cpp's LoRA files of Gemma 3's adapters (`general.architecture` `gemma3`, its name for
+/// `gemma3_text`) give their PEFT twins' logits within the converter's f16 rounding (`french` is
+/// rsLoRA, which llama.cpp's converter drops: not a twin).
+#[test]
+fn gemma3_llama_cpp_lora_files_give_their_peft_twins_logits() -> Result<()> {
+    let Some(path) = gemma3::gguf("gemma3_llama_cpp_lora_files_give_their_peft_twins_logits") else { return Ok(()) };
+    let gguf = |n: &str| AdapterSource::Gguf(gemma3::fixtures().join("gguf-lora").join(format!("{n}.gguf")));
+    let adapters = [
+        ("pirate", gemma_peft("pirate")),
+        ("pirate.gguf", gguf("pirate")),
+        ("shout", gemma_peft("shout")),
+        ("shout.gguf", gguf("shout")),
+    ];
+    let (model, slots) = model(&path, ModelOptions::default(), &adapters)?;
+    let cases = gemma3::cases("transformers");
+    let mut twins = Vec::new();
+    for name in ["pirate", "shout"] {
+        for case in cases.iter().filter(|c| c["adapter"] == name) {
+            twins.push(case.clone());
+            let mut other = case.clone();
+            other["adapter"] = Value::from(format!("{name}.gguf"));
+            twins.push(other);
+        }
+    }
+    let refs: Vec<&Value> = twins.iter().collect();
+    let logits = teacher_forced(&model, &slots, &refs)?;
+    let mut worst = 0f32;
+    for (pair, case) in logits.chunks(2).zip(twins.iter().step_by(2)) {
+        let d = (&pair[0] - &pair[1])?.abs()?.max_all()?.to_scalar::<f32>()?;
+        worst = worst.max(d);
+        // llama.cpp's converter rounds A and B to f16 (`--outtype f16`) before its α / r scale;
+        // the PEFT files are f32, rounded to the f16 slots after the scale is folded into B.
+        assert!(d <= 0.05, "{} {:?}: the GGUF twin's logits differ by {d}", case["adapter"], case["question"]);
+    }
+    println!("gemma3 GGUF LoRA twins: max |Δ logit| {worst:.4}");
+    Ok(())
+}

@@ -1,11 +1,12 @@
-//! The gated MLP's activation on the CPU: `silu(gate) · up` from a fused `[rows, 2 · inter]`
+//! The gated MLP's activation on the CPU: `act(gate) · up` from a fused `[rows, 2 · inter]`
 //! gate/up output (gate first), in one pass over it with the dispatched exponential (candle's
-//! `silu` and the product are two passes and a scalar `expf` per value).
+//! `silu` / `gelu` and the product are two passes and a scalar `expf` / `tanhf` per value): SiLU
+//! (Llama, Qwen, Phi-3) and GELU's tanh form (Gemma).
 
 use candle_core::{DType, Tensor};
 
 use crate::error::{Error, Result};
-use crate::ops::gemm::{Isa, silu_mul as kernel};
+use crate::ops::gemm::{self, Isa};
 use crate::ops::{PARALLEL_VALUES, cpu_values};
 
 /// `silu(gu[:, ..inter]) · gu[:, inter..]` → `[rows, inter]`, for an f32 `gu: [rows, 2 · inter]`
@@ -14,9 +15,28 @@ use crate::ops::{PARALLEL_VALUES, cpu_values};
 /// # Errors
 /// When `gu` is not `[rows, 2 · inter]`.
 pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
-    let (rows, width) = gu.dims2().map_err(|_| Error::shape("silu_mul", "gate_up", gu.dims(), &[0, 2 * inter]))?;
+    gated(gu, inter, "silu_mul", gemm::silu_mul)
+}
+
+/// `gelu_tanh(gu[:, ..inter]) · gu[:, inter..]` (`gelu_pytorch_tanh`) → `[rows, inter]`, as
+/// [`silu_mul`].
+///
+/// # Errors
+/// When `gu` is not `[rows, 2 · inter]`.
+pub fn gelu_tanh_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
+    gated(gu, inter, "gelu_tanh_mul", gemm::gelu_tanh_mul)
+}
+
+/// One of the gated activations, `kernel(isa, gate row, up row, out row)`, over the rows.
+fn gated(
+    gu: &Tensor,
+    inter: usize,
+    op: &'static str,
+    kernel: fn(Isa, &[f32], &[f32], &mut [f32]),
+) -> Result<Option<Tensor>> {
+    let (rows, width) = gu.dims2().map_err(|_| Error::shape(op, "gate_up", gu.dims(), &[0, 2 * inter]))?;
     if width != 2 * inter {
-        return Err(Error::shape("silu_mul", "gate_up", gu.dims(), &[rows, 2 * inter]));
+        return Err(Error::shape(op, "gate_up", gu.dims(), &[rows, 2 * inter]));
     }
     if gu.dtype() != DType::F32 || !gu.device().is_cpu() {
         return Ok(None);

@@ -56,3 +56,41 @@ fn silu_mul_is_the_same_on_every_isa() {
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}");
     }
 }
+
+/// GELU's tanh form times up ([`crate::gelu_tanh_mul`]) against f64's `0.5 · g · (1 + tanh(√(2/π)
+/// · (g + 0.044715 g³))) · u` over gates from -10 to 10, within 1e-5 of it relative (the
+/// sigmoid's f32 argument, `|2z|` up to ~100, carries ~1.5e-7 · |2z|; torch's f32 GELU no less) or
+/// 1e-30 where it underflows; the same bits on every instruction set and for a row alone.
+#[test]
+fn gelu_tanh_mul_is_accurate_and_the_same_on_every_isa() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(13);
+    let (rows, inter) = (9, 257);
+    let v: Vec<f32> = (0..rows * 2 * inter)
+        .map(|i| if i % (2 * inter) < inter { rng.unit() * 10.0 } else { rng.unit() * 3.0 })
+        .collect();
+    let gu = Tensor::from_vec(v.clone(), (rows, 2 * inter), &dev)?;
+    let got = crate::gelu_tanh_mul(&gu, inter)?.expect("f32 on the CPU");
+    let out = got.flatten_all()?.to_vec1::<f32>()?;
+    for r in 0..rows {
+        for j in 0..inter {
+            let (g, u) = (v[r * 2 * inter + j] as f64, v[r * 2 * inter + inter + j] as f64);
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            // `0.5 · (1 + tanh(z))` is `σ(2z)`, which f64 keeps exact where `1 + tanh` cancels.
+            let want = g / (1.0 + (-2.0 * c * (g + 0.044715 * g * g * g)).exp()) * u;
+            let got = out[r * inter + j] as f64;
+            anyhow::ensure!((got - want).abs() <= (1e-5 * want.abs()).max(1e-30), "g {g} u {u}: {got} vs {want}");
+        }
+        let alone = crate::gelu_tanh_mul(&gu.narrow(0, r, 1)?, inter)?.expect("cpu");
+        anyhow::ensure!(bits(&alone)? == bits(&got.narrow(0, r, 1)?)?, "row {r} of {rows} differs alone");
+    }
+    let (g, u) = (&v[..inter], &v[inter..2 * inter]);
+    let mut want = vec![0f32; inter];
+    crate::ops::gemm::gelu_tanh_mul(Isa::Portable, g, u, &mut want);
+    for isa in Isa::all_available() {
+        let mut got = vec![0f32; inter];
+        crate::ops::gemm::gelu_tanh_mul(isa, g, u, &mut got);
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}");
+    }
+    Ok(())
+}

@@ -234,10 +234,12 @@ impl<'a> Lane<'a> {
         self.ask_for_context(l + 1);
         let gu = layer.gate_up.forward_ahead(&h, map, &mut self.ahead)?;
         let inter = m.cfg.intermediate_size;
-        // SiLU in one pass on the CPU; otherwise the activation, then the product.
+        // SiLU or GELU's tanh form in one pass on the CPU; otherwise the activation, then the
+        // product.
         let fused = match m.cfg.hidden_act {
             HiddenAct::Silu => multilora_layers::silu_mul(&gu, inter)?,
-            _ => None,
+            HiddenAct::GeluTanh => multilora_layers::gelu_tanh_mul(&gu, inter)?,
+            HiddenAct::Gelu => None,
         };
         let act = match fused {
             Some(act) => act,

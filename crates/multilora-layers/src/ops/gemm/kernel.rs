@@ -42,7 +42,7 @@ pub(crate) use attend::{Head, attend, supports as attend_supports};
 pub use elem::{Elem, ElemKind};
 #[cfg(test)]
 pub(crate) use exp::{exp, exp_sum};
-pub(crate) use exp::{silu_mul, softmax};
+pub(crate) use exp::{gelu_tanh_mul, silu_mul, softmax};
 pub(crate) use logits::{argmax, exp_weights, row_max};
 pub(super) use lora::{LORA_ROWS, Slot, lora_rows};
 pub(crate) use norm::{ROWS as NORM_ROWS, rms_rows};

@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use kernel::Rect;
 pub use kernel::{Elem, ElemKind};
 pub(crate) use kernel::{
-    Head, NORM_ROWS, argmax, attend, attend_supports, exp_weights, rms_rows, row_max, silu_mul, softmax,
+    Head, NORM_ROWS, argmax, attend, attend_supports, exp_weights, gelu_tanh_mul, rms_rows, row_max, silu_mul, softmax,
 };
 #[cfg(test)]
 pub(crate) use kernel::{exp, exp_sum};

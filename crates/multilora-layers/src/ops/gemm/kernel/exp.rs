@@ -1,7 +1,7 @@
 //! The exponential of the softmax and of SiLU: [`exp`], branch-free so that a loop of it
 //! vectorises; [`exp_sum`], `exp(s - max)` over a slice and its sum, and [`softmax`] of a row
 //! with it; [`silu_mul`], the gated
-//! MLP's `silu(g) · u`. The slice functions are compiled for each instruction set and picked at
+//! MLP's `silu(g) · u`, and [`gelu_tanh_mul`], Gemma's `gelu_tanh(g) · u`. The slice functions are compiled for each instruction set and picked at
 //! run time like the products. Every operation is elementwise and the sum keeps a fixed number of
 //! partial sums, so every instruction set gives the same bits.
 
@@ -43,6 +43,51 @@ pub(crate) fn silu_mul(isa: Isa, g: &[f32], u: &[f32], out: &mut [f32]) {
         // SAFETY: AVX2, FMA and F16C were detected.
         Isa::Avx2 => unsafe { silu_mul_avx2(g, u, out) },
         _ => silu_mul_body(g, u, out),
+    }
+}
+
+/// `out[j] = gelu_tanh(g[j]) · u[j]`, GELU's tanh form (`gelu_pytorch_tanh`: Gemma's MLP), on the
+/// best instruction set; the three slices are cut to the shortest. `0.5 · g · (1 + tanh(z))` is
+/// `g · σ(2z)`, computed as [`silu_mul`]'s sigmoid through `e^-|2z|`, which cannot overflow.
+pub(crate) fn gelu_tanh_mul(isa: Isa, g: &[f32], u: &[f32], out: &mut [f32]) {
+    let isa = if isa.available() { isa } else { Isa::Portable };
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F was detected (`available`).
+        Isa::Avx512 => unsafe { gelu_tanh_mul_avx512(g, u, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2, FMA and F16C were detected.
+        Isa::Avx2 => unsafe { gelu_tanh_mul_avx2(g, u, out) },
+        _ => gelu_tanh_mul_body(g, u, out),
+    }
+}
+
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gelu_tanh_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
+    gelu_tanh_mul_body(g, u, out)
+}
+
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_tanh_mul_avx2(g: &[f32], u: &[f32], out: &mut [f32]) {
+    gelu_tanh_mul_body(g, u, out)
+}
+
+/// [`gelu_tanh_mul`]'s body, elementwise for the compiler to vectorise: `y = 2 · √(2/π) · (g +
+/// 0.044715 g³)`, `e = e^-|y|`, `σ(y)` is `1 / (1 + e)` for `y ≥ 0` and `e / (1 + e)` below.
+#[inline(always)]
+fn gelu_tanh_mul_body(g: &[f32], u: &[f32], out: &mut [f32]) {
+    const TWO_C: f32 = 2.0 * 0.797_884_6;
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+        let y = TWO_C * (g + 0.044_715 * g * g * g);
+        let e = exp(-y.abs());
+        let s = if y >= 0.0 { 1.0 } else { e };
+        *o = g * s / (1.0 + e) * u;
     }
 }
 
