@@ -23,21 +23,28 @@ use multilora_server::{ChatTemplate, ServeOptions, ServerConfig};
 use serde_json::{Value, json};
 use smollm2::{cases, fixtures, ids};
 
-#[test]
-fn the_metadata_tokenizer_gives_transformers_ids() -> Result<()> {
-    let Some(gguf) = smollm2::gguf("the_metadata_tokenizer_gives_transformers_ids") else { return Ok(()) };
+/// The tokenizer the GGUF file at `gguf` gives: transformers' ids for every case of `tokenize`,
+/// decoded back.
+fn tokenizes_like_transformers(gguf: &std::path::Path, tokenize: &[Value]) -> Result<()> {
     let engine =
         Engine::builder(gguf.to_string_lossy()).max_loras(0).kv_cache_bytes(16 << 20).max_model_len(256).build()?;
     let handle = engine.handle();
-    let tokenize = cases("tokenize");
-    assert!(tokenize.len() >= 15);
-    for case in &tokenize {
+    assert!(tokenize.len() >= 14);
+    for case in tokenize {
         let text = case["text"].as_str().context("text")?;
         let got = handle.tokenize(text, false)?;
         assert_eq!(got, ids(&case["ids"]), "{text:?}");
         assert_eq!(handle.detokenize(&got, false)?, case["decoded"].as_str().context("decoded")?, "{text:?}");
     }
     Ok(())
+}
+
+#[test]
+fn the_metadata_tokenizer_gives_transformers_ids() -> Result<()> {
+    let Some(gguf) = smollm2::gguf("the_metadata_tokenizer_gives_transformers_ids") else { return Ok(()) };
+    let tokenize = cases("tokenize");
+    assert!(tokenize.len() >= 15);
+    tokenizes_like_transformers(&gguf, &tokenize)
 }
 
 /// Renders every reference question through `template` and checks transformers' text and ids.
@@ -51,11 +58,11 @@ fn renders_like_transformers(engine: &Engine, template: &ChatTemplate) -> Result
     Ok(())
 }
 
-/// Serves `engine`, asks it the reference's first question through the chat route (greedy, 12
-/// tokens), and checks the answer begins transformers' answer.
-async fn chat_answers_like_transformers(engine: Engine) -> Result<()> {
-    let case = cases("transformers").into_iter().find(|c| c["adapter"] == "base").context("a base case")?;
-    let model = engine.config().served_model_name.clone();
+/// Serves `engine` on a free port until `stop` is sent (or dropped): its URL, `stop` and the
+/// server's task.
+async fn serving(
+    engine: &Engine,
+) -> Result<(String, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<std::io::Result<()>>)> {
     let app = multilora_server::router(engine.handle(), ServerConfig::default())?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
@@ -68,6 +75,15 @@ async fn chat_answers_like_transformers(engine: Engine) -> Result<()> {
         },
         ServeOptions::default(),
     ));
+    Ok((url, stop, server))
+}
+
+/// Serves `engine`, asks it the reference's first question through the chat route (greedy, 12
+/// tokens), and checks the answer begins transformers' answer.
+async fn chat_answers_like_transformers(engine: Engine) -> Result<()> {
+    let case = cases("transformers").into_iter().find(|c| c["adapter"] == "base").context("a base case")?;
+    let model = engine.config().served_model_name.clone();
+    let (url, stop, server) = serving(&engine).await?;
     let body = json!({"model": model, "messages": [{"role": "user", "content": case["question"]}],
         "max_tokens": 12, "temperature": 0});
     let resp = reqwest::Client::new().post(format!("{url}/v1/chat/completions")).json(&body).send().await?;
@@ -121,18 +137,7 @@ async fn the_checkpoint_transformers_saves_serves_chat_from_chat_template_jinja(
 #[test]
 fn gemma3_metadata_tokenizer_gives_transformers_ids() -> Result<()> {
     let Some(gguf) = gemma3::gguf("gemma3_metadata_tokenizer_gives_transformers_ids") else { return Ok(()) };
-    let engine =
-        Engine::builder(gguf.to_string_lossy()).max_loras(0).kv_cache_bytes(16 << 20).max_model_len(256).build()?;
-    let handle = engine.handle();
-    let tokenize = gemma3::cases("tokenize");
-    assert!(tokenize.len() >= 14);
-    for case in &tokenize {
-        let text = case["text"].as_str().context("text")?;
-        let got = handle.tokenize(text, false)?;
-        assert_eq!(got, ids(&case["ids"]), "{text:?}");
-        assert_eq!(handle.detokenize(&got, false)?, case["decoded"].as_str().context("decoded")?, "{text:?}");
-    }
-    Ok(())
+    tokenizes_like_transformers(&gguf, &gemma3::cases("tokenize"))
 }
 
 /// Gemma 3's Q4_K_M file with its three PEFT adapters, served with no other setting: each
@@ -152,18 +157,7 @@ async fn gemma3_serves_its_adapters_in_one_batch_and_refuses_chat_without_a_temp
     let engine = builder.build()?;
     assert!(engine.config().chat_template.is_none(), "the file has no chat template");
     let handle = engine.handle();
-    let app = multilora_server::router(engine.handle(), ServerConfig::default())?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(multilora_server::serve_with(
-        listener,
-        app,
-        async move {
-            let _ = stopped.await;
-        },
-        ServeOptions::default(),
-    ));
+    let (url, stop, server) = serving(&engine).await?;
     let client = reqwest::Client::new();
     let cases = gemma3::cases("transformers");
     let mut asks = Vec::new();

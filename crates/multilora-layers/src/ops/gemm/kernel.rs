@@ -31,6 +31,40 @@ use half::f16;
 
 use super::Isa;
 
+/// Generates the dispatch of a slice function over the instruction sets: `$name` picks
+/// `$body` compiled for AVX-512F, for AVX2 + FMA, or portable.
+macro_rules! dispatched {
+    ($(#[$doc:meta])* fn $name:ident / $body:ident ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        $(#[$doc])*
+        pub(crate) fn $name(isa: Isa, $($arg: $ty),*) -> $ret {
+            /// # Safety
+            /// AVX-512F must be available.
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            unsafe fn avx512($($arg: $ty),*) -> $ret {
+                $body($($arg),*)
+            }
+            /// # Safety
+            /// AVX2 and FMA must be available.
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($arg: $ty),*) -> $ret {
+                $body($($arg),*)
+            }
+            let isa = if isa.available() { isa } else { Isa::Portable };
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX-512F was detected (`available`).
+                Isa::Avx512 => unsafe { avx512($($arg),*) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2, FMA and F16C were detected.
+                Isa::Avx2 => unsafe { avx2($($arg),*) },
+                _ => $body($($arg),*),
+            }
+        }
+    };
+}
+
 mod attend;
 mod elem;
 mod exp;

@@ -46,36 +46,12 @@ pub(crate) fn silu_mul(isa: Isa, g: &[f32], u: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `out[j] = gelu_tanh(g[j]) · u[j]`, GELU's tanh form (`gelu_pytorch_tanh`: Gemma's MLP), on the
-/// best instruction set; the three slices are cut to the shortest. `0.5 · g · (1 + tanh(z))` is
-/// `g · σ(2z)`, computed as [`silu_mul`]'s sigmoid through `e^-|2z|`, which cannot overflow.
-pub(crate) fn gelu_tanh_mul(isa: Isa, g: &[f32], u: &[f32], out: &mut [f32]) {
-    let isa = if isa.available() { isa } else { Isa::Portable };
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512F was detected (`available`).
-        Isa::Avx512 => unsafe { gelu_tanh_mul_avx512(g, u, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2, FMA and F16C were detected.
-        Isa::Avx2 => unsafe { gelu_tanh_mul_avx2(g, u, out) },
-        _ => gelu_tanh_mul_body(g, u, out),
-    }
-}
-
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn gelu_tanh_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
-    gelu_tanh_mul_body(g, u, out)
-}
-
-/// # Safety
-/// AVX2 and FMA must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gelu_tanh_mul_avx2(g: &[f32], u: &[f32], out: &mut [f32]) {
-    gelu_tanh_mul_body(g, u, out)
+dispatched! {
+    /// `out[j] = gelu_tanh(g[j]) · u[j]`, GELU's tanh form (`gelu_pytorch_tanh`: Gemma's MLP), on
+    /// the best instruction set; the three slices are cut to the shortest. `0.5 · g · (1 +
+    /// tanh(z))` is `g · σ(2z)`, computed as [`silu_mul`]'s sigmoid through `e^-|2z|`, which cannot
+    /// overflow.
+    fn gelu_tanh_mul / gelu_tanh_mul_body(g: &[f32], u: &[f32], out: &mut [f32]) -> ()
 }
 
 /// [`gelu_tanh_mul`]'s body, elementwise for the compiler to vectorise: `y = 2 · √(2/π) · (g +
