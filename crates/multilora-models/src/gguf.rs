@@ -184,10 +184,14 @@ impl GgufFile {
             "attention_bias": self.info("blk.0.attn_q.bias").is_some(),
             "hidden_act": if gemma { "gelu_pytorch_tanh" } else { "silu" },
             // What llama.cpp fixes for Gemma 3 rather than writes: the sliding layers' RoPE base
-            // and (but for the 27B model) a query scale of 1 / √head_dim; its every-sixth-layer
-            // pattern is the reader's default.
+            // and a query scale of 1 / √head_dim, but for the 27B model (62 layers), whose is
+            // 1 / √(hidden / heads); its every-sixth-layer pattern is the reader's default.
             "rope_local_base_freq": if gemma { Some(10_000.0) } else { None },
-            "query_pre_attn_scalar": if gemma { head_dim } else { None },
+            "query_pre_attn_scalar": match (gemma, int("block_count")) {
+                (false, _) => None,
+                (true, Some(62)) => hidden.zip(heads).map(|(h, n)| h / n.max(1)),
+                (true, _) => head_dim,
+            },
             "bos_token_id": self.integer("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
         });
