@@ -148,6 +148,9 @@ pub struct Model {
     rope: Rope,
     /// The sliding layers' tables when their base differs (Gemma 3).
     rope_local: Option<Rope>,
+    /// Gemma's embedding factor √hidden as a one-value tensor of the activations' dtype (rounded
+    /// to it first, as transformers makes it a tensor of that dtype).
+    embed_scale: Option<Tensor>,
     shapes: ModelShapes,
     /// The logits' way back to the host (a kept page-locked buffer on CUDA).
     readback: multilora_layers::RowsToHost,
@@ -331,6 +334,7 @@ impl Model {
             (false, _) => LoraLinear::from_weight(mat("lm_head.weight", &[v, h])?, None, head_slices, head_lora)?,
         };
         let rope = Rope::new(&cfg, false, act, &opts.device)?;
+        let embed_scale = cfg.embed_scale.map(|s| Tensor::new(&[s], &opts.device)?.to_dtype(act)).transpose()?;
         let rope_local = match cfg.rope_local_theta {
             Some(t) if t != cfg.rope_theta => Some(Rope::new(&cfg, true, act, &opts.device)?),
             _ => None,
@@ -349,6 +353,7 @@ impl Model {
             lm_head,
             rope,
             rope_local,
+            embed_scale,
             shapes,
             readback: multilora_layers::RowsToHost::new(),
             upload: multilora_layers::MetaToDevice::new(),

@@ -66,13 +66,9 @@ impl<'a> Lane<'a> {
         let (cos, sin) = model.rope.gather(&plan.positions)?;
         let local = model.rope_local.as_ref().map(|r| r.gather(&plan.positions)).transpose()?;
         let x = model.embed.forward(&plan.ids, &plan.token_mapping)?;
-        // Gemma's embedding times √hidden, the factor rounded to the activations' dtype first
-        // (as transformers makes it a tensor of that dtype).
-        let x = match cfg.embed_scale {
-            Some(s) => {
-                let s = Tensor::new(&[s], &model.device)?.to_dtype(x.dtype())?;
-                x.broadcast_mul(&s)?
-            }
+        // Gemma's embedding times √hidden (made at load, in the activations' dtype).
+        let x = match &model.embed_scale {
+            Some(s) => x.broadcast_mul(s)?,
             None => x,
         };
         let mut lane = Lane {

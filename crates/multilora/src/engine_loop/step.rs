@@ -1,7 +1,8 @@
 //! One engine step: schedule → pin the slots of requests that start running (and unpin the
 //! preempted) → activate the step's generations into slots → one forward over the flat
 //! batch → prompt logprobs and sampling (the requests side by side on the pool's threads), stop
-//! strings → the scheduler's update → stream the events and count the step. Also the warm-up that seeds the step cost model.
+//! strings → the scheduler's update → stream the events and count the step. Also the warm-up
+//! that seeds the step cost model.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
