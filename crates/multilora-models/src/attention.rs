@@ -15,14 +15,15 @@ use crate::error::Result;
 /// Shapes of the attention (the layers' decode-kernel shapes).
 pub(crate) use multilora_layers::PagedDecodeDims as AttnDims;
 
-/// Writes the step's new `k`, `v` (`[tokens, kv_heads · head_dim]`) into the layer's cache rows.
+/// Writes the step's new `k`, `v` (`[tokens, kv_heads · head_dim]`) into the layer's cache rows
+/// (`writes`, [`StepPlan::kv_writes`]).
 /// Keys and values are rounded to the cache's dtype (bf16 / f16 caches under f32 activations on
 /// the CPU). On the CPU in place from the step's rows on the host; on CUDA the KV-write kernel
 /// reads each token's row from the step's rows directly (one block per token; `v`, a column range
 /// of the fused qkv output, is read in place).
-pub(crate) fn write_kv(plan: &StepPlan, cache_k: &Tensor, cache_v: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+pub(crate) fn write_kv(writes: &KvWrites, cache_k: &Tensor, cache_v: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     let dt = cache_k.dtype();
-    match &plan.kv_writes {
+    match writes {
         KvWrites::Host(rows) => write_kv_rows(cache_k, cache_v, k, v, rows)?,
         KvWrites::Rows(rows) => paged_kv_write(cache_k, cache_v, &k.to_dtype(dt)?, &v.to_dtype(dt)?, rows)?,
     }

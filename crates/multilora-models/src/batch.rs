@@ -18,6 +18,11 @@ pub struct SeqInput {
     pub start_pos: usize,
     /// The sequence's blocks, in order; it must cover `start_pos + tokens.len()` positions.
     pub block_table: Vec<u32>,
+    /// The sliding layers' blocks when the cache keeps them in a pool of their own
+    /// ([`KvCacheConfig::sliding_blocks`](crate::KvCacheConfig)): as long as `block_table`, the
+    /// blocks before the first token's window may be anything (they are never read); empty
+    /// otherwise.
+    pub sliding_table: Vec<u32>,
     /// The LoRA slot, `None` for the base model.
     pub slot: Option<SlotId>,
     /// Which new tokens want logits.
@@ -27,7 +32,13 @@ pub struct SeqInput {
 impl SeqInput {
     /// A sequence with logits for its last token.
     pub fn new(tokens: Vec<u32>, start_pos: usize, block_table: Vec<u32>, slot: Option<SlotId>) -> SeqInput {
-        SeqInput { tokens, start_pos, block_table, slot, logits: LogitsWanted::Last }
+        SeqInput { tokens, start_pos, block_table, sliding_table: Vec::new(), slot, logits: LogitsWanted::Last }
+    }
+
+    /// Sets the sliding layers' block table.
+    pub fn with_sliding_table(mut self, table: Vec<u32>) -> SeqInput {
+        self.sliding_table = table;
+        self
     }
 
     /// Sets which rows produce logits.
@@ -73,6 +84,9 @@ pub(crate) struct Limits {
     pub(crate) max_len: usize,
     pub(crate) max_loras: usize,
     pub(crate) num_blocks: usize,
+    /// Blocks of the sliding layers' own pool, when they have one (then each sequence brings a
+    /// sliding table).
+    pub(crate) sliding_blocks: Option<usize>,
     pub(crate) block_size: usize,
     /// Decode rows read the cache through their block tables on the device (the CUDA kernel);
     /// otherwise their context rows are listed (and, off the CPU, gathered).
@@ -83,6 +97,9 @@ pub(crate) struct Limits {
     /// Some layers slide and others attend to the whole context (Gemma 3): the plan holds both
     /// views ([`StepPlan::attn`]).
     pub(crate) mixed_windows: bool,
+    /// LongRoPE (Phi-3): `(original, offset)`: the tokens of a sequence whose context passes
+    /// `original` read the RoPE tables' long rows, `offset` past their position.
+    pub(crate) long_rope: Option<(usize, usize)>,
 }
 
 /// One sequence's attention inputs.
@@ -149,6 +166,8 @@ pub(crate) enum KvWrites {
 #[derive(Debug)]
 pub(crate) struct StepPlan {
     pub(crate) ids: Tensor,
+    /// The RoPE tables' row of each token: its position (past the short rows, with LongRoPE, for
+    /// a sequence whose context passes the original length).
     pub(crate) positions: Tensor,
     /// The flat cache row of each new token, as the K/V write of the step's device reads it.
     pub(crate) kv_writes: KvWrites,
@@ -173,6 +192,8 @@ pub(crate) struct StepPlan {
 pub(crate) struct Windowed {
     pub(crate) seqs: Vec<SeqPlan>,
     pub(crate) decode: Option<DecodeGroup>,
+    /// The rows the new keys and values go to when the sliding layers have a pool of their own.
+    pub(crate) kv_writes: Option<KvWrites>,
 }
 
 /// A sequence's context rows and, for more than one new token, its `[len, ctx]` causal mask,
@@ -211,6 +232,15 @@ impl StepPlan {
         }
     }
 
+    /// Where a layer's new keys and values go: the sliding layers' own rows (`sliding`) when
+    /// they have a pool of their own, otherwise the step's one set.
+    pub(crate) fn kv_writes(&self, sliding: bool) -> &KvWrites {
+        match (&self.windowed, sliding) {
+            (Some(Windowed { kv_writes: Some(w), .. }), true) => w,
+            _ => &self.kv_writes,
+        }
+    }
+
     /// The plan of `batch`, checked against `lim`. Its small integer tables (token ids,
     /// positions, cache rows, the decode rows' block tables or context rows, the row orders, both
     /// mappings' indexes) go to `device` in one copy through `upload`; only a prefill sequence's
@@ -224,6 +254,8 @@ impl StepPlan {
         let mut ids = Vec::with_capacity(total);
         let mut positions = Vec::with_capacity(total);
         let mut write_rows = Vec::with_capacity(total);
+        let own_pool = lim.mixed_windows && lim.sliding_blocks.is_some();
+        let mut w_write_rows = Vec::with_capacity(if own_pool { total } else { 0 });
         let mut token_slots = Vec::with_capacity(total);
         let mut logit_rows = Vec::new();
         let mut logit_slots = Vec::new();
@@ -257,10 +289,20 @@ impl StepPlan {
                 return Err(Error::batch(i, format!("token {t} is out of the vocabulary of {}", lim.vocab)));
             }
             let row = |p: usize| s.block_table[p / bs] * bs as u32 + (p % bs) as u32;
+            // The sliding layers' rows: from their own table, which is checked where it is read.
+            let w_table = if own_pool { sliding_table(i, s, lim)? } else { &s.block_table };
+            let w_row = |p: usize| w_table[p / bs] * bs as u32 + (p % bs) as u32;
             let offset = ids.len();
             ids.extend_from_slice(&s.tokens);
-            positions.extend((s.start_pos..ctx).map(|p| p as u32));
+            let rope_row = match lim.long_rope {
+                Some((original, offset)) if ctx > original => offset,
+                _ => 0,
+            };
+            positions.extend((s.start_pos..ctx).map(|p| (p + rope_row) as u32));
             write_rows.extend((s.start_pos..ctx).map(row));
+            if own_pool {
+                w_write_rows.extend((s.start_pos..ctx).map(w_row));
+            }
             token_slots.extend(std::iter::repeat_n(s.slot, len));
             let wanted = match s.logits {
                 LogitsWanted::Last => offset + len - 1..offset + len,
@@ -270,11 +312,14 @@ impl StepPlan {
             logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
             logit_rows.extend(wanted.map(|r| r as u32));
             let table = &s.block_table[..ctx.div_ceil(bs)];
-            let views = [(main_window, &mut prefill, &mut decode), (lim.window, &mut w_prefill, &mut w_decode)];
-            for (window, prefill, decode) in views.into_iter().take(if lim.mixed_windows { 2 } else { 1 }) {
-                match context(s.start_pos, len, window, row, device)? {
-                    (rows, Some(mask)) => prefill.push((offset, len, rows, mask)),
-                    (rows, None) => decode.push((offset, rows, table)),
+            match context(s.start_pos, len, main_window, row, device)? {
+                (rows, Some(mask)) => prefill.push((offset, len, rows, mask)),
+                (rows, None) => decode.push((offset, rows, table)),
+            }
+            if lim.mixed_windows {
+                match context(s.start_pos, len, lim.window, w_row, device)? {
+                    (rows, Some(mask)) => w_prefill.push((offset, len, rows, mask)),
+                    (rows, None) => w_decode.push((offset, rows, &w_table[..ctx.div_ceil(bs)])),
                 }
             }
         }
@@ -287,6 +332,7 @@ impl StepPlan {
         let positions_part = meta.push(positions);
         // The CUDA KV-write kernel reads each token's row; the CPU writes from the host's copy.
         let rows_part = device.is_cuda().then(|| meta.push(write_rows.iter().copied()));
+        let w_rows_part = (own_pool && device.is_cuda()).then(|| meta.push(w_write_rows.iter().copied()));
         let unpermute = (!order.iter().enumerate().all(|(i, &r)| i as u32 == r)).then(|| {
             let mut inv = vec![0u32; order.len()];
             for (i, &r) in order.iter().enumerate() {
@@ -307,6 +353,10 @@ impl StepPlan {
             Some(p) => KvWrites::Rows(up.part(p)?),
             None => KvWrites::Host(write_rows),
         };
+        let w_kv_writes = match w_rows_part {
+            Some(p) => Some(KvWrites::Rows(up.part(p)?)),
+            None => own_pool.then_some(KvWrites::Host(w_write_rows)),
+        };
         let plans = |prefill: Vec<(usize, usize, Vec<u32>, Tensor)>, parts: Vec<MetaPart>| {
             prefill
                 .into_iter()
@@ -319,6 +369,7 @@ impl StepPlan {
             true => Some(Windowed {
                 seqs: plans(w_prefill, w_parts)?,
                 decode: w_decode.map(|d| d.finish(&up)).transpose()?,
+                kv_writes: w_kv_writes,
             }),
             false => None,
         };
@@ -335,6 +386,22 @@ impl StepPlan {
             logit_mapping: logit_mapping.finish(&up)?,
         })
     }
+}
+
+/// Sequence `i`'s sliding table, checked: it covers the context, and every block from the first
+/// token's window on is one of the sliding pool's (those before are never read).
+fn sliding_table<'a>(i: usize, s: &'a SeqInput, lim: Limits) -> Result<&'a [u32]> {
+    let (bs, ctx) = (lim.block_size, s.start_pos + s.tokens.len());
+    let blocks = lim.sliding_blocks.unwrap_or(0);
+    let t = &s.sliding_table;
+    if t.len() * bs < ctx {
+        return Err(Error::batch(i, format!("{} sliding blocks of {bs} tokens cannot hold {ctx} positions", t.len())));
+    }
+    let first = lim.window.map_or(0, |w| (s.start_pos + 1).saturating_sub(w)) / bs;
+    if let Some(b) = t[first..ctx.div_ceil(bs)].iter().find(|&&b| b as usize >= blocks) {
+        return Err(Error::batch(i, format!("sliding block {b} is out of range (the sliding pool has {blocks})")));
+    }
+    Ok(t)
 }
 
 /// The step's per-token mapping. `LoraMapping::plan` is the one place a step's slots are checked;
@@ -447,10 +514,12 @@ mod tests {
             max_len: 64,
             max_loras: 4,
             num_blocks: 16,
+            sliding_blocks: None,
             block_size: 4,
             paged_decode,
             window: None,
             mixed_windows: false,
+            long_rope: None,
         }
     }
 

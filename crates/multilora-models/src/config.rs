@@ -106,6 +106,21 @@ pub enum RopeScaling {
     /// One divisor per rotary frequency (`head_dim / 2` of them): how llama.cpp's GGUF files
     /// carry Llama 3.1's scaling, precomputed (the `rope_freqs.weight` tensor).
     Factors(Vec<f32>),
+    /// Phi-3's LongRoPE (`rope_type: longrope`): one divisor per rotary frequency for contexts of
+    /// up to `original_max_position_embeddings` tokens (`short_factor`) and another beyond
+    /// (`long_factor`), chosen per sequence by its context as transformers chooses by the
+    /// sequence length of a call, and cos / sin scaled by `attention_factor`.
+    LongRope {
+        /// `short_factor`, `head_dim / 2` divisors.
+        short_factor: Vec<f32>,
+        /// `long_factor`, `head_dim / 2` divisors.
+        long_factor: Vec<f32>,
+        /// The context up to which the short factors apply.
+        original_max_position_embeddings: usize,
+        /// `attention_factor`, or `√(1 + ln s / ln original)` for `s = max_position_embeddings /
+        /// original` above 1 (1 otherwise), as transformers computes it.
+        attention_factor: f64,
+    },
 }
 
 /// The MLP's activation (`hidden_act`). Exhaustive: a new activation is a compile error in the
@@ -304,6 +319,7 @@ struct RawConfig {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     max_position_embeddings: Option<usize>,
+    original_max_position_embeddings: Option<usize>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
     bos_token_id: Option<u32>,
@@ -332,6 +348,9 @@ struct RawRope {
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<f64>,
     partial_rotary_factor: Option<f64>,
+    short_factor: Option<Vec<f64>>,
+    long_factor: Option<Vec<f64>>,
+    attention_factor: Option<f64>,
 }
 
 /// `eos_token_id`: one id or a list.
@@ -454,13 +473,13 @@ impl ModelConfig {
             .or_else(|| raw.rope_scaling.as_ref().and_then(|p| p.rope_theta))
             .unwrap_or(10_000.0);
         if let Some(p) = local_params
-            && rope_scaling(p, path)? != RopeScaling::Default
+            && rope_scaling(p, &raw, head_dim, path)? != RopeScaling::Default
         {
             return Err(field("rope_parameters", "scales the sliding layers' RoPE, which is not served".to_string()));
         }
         let rope_local_theta = local_params.and_then(|p| p.rope_theta).or(raw.rope_local_base_freq);
         let rope_scaling = match rope {
-            Some(p) => rope_scaling(p, path)?,
+            Some(p) => rope_scaling(p, &raw, head_dim, path)?,
             None => RopeScaling::Default,
         };
         // Phi-4-mini rotates three quarters of each head: refused rather than rotated whole.
@@ -623,10 +642,40 @@ impl ModelConfig {
     }
 }
 
-fn rope_scaling(p: &RawRope, path: &Path) -> Result<RopeScaling, ConfigError> {
+fn rope_scaling(p: &RawRope, raw: &RawConfig, head_dim: usize, path: &Path) -> Result<RopeScaling, ConfigError> {
     let kind = p.rope_type.as_deref().or(p.legacy_type.as_deref()).unwrap_or("default");
+    let field = |field: &'static str, reason: String| ConfigError::Field { path: path.to_path_buf(), field, reason };
     match kind {
         "default" => Ok(RopeScaling::Default),
+        "longrope" => {
+            let factors = |v: &Option<Vec<f64>>, name: &'static str| -> Result<Vec<f32>, ConfigError> {
+                let v = v.as_ref().ok_or_else(|| field(name, "is missing; longrope needs it".into()))?;
+                if v.len() != head_dim / 2 || v.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+                    return Err(field(
+                        name,
+                        format!("has {} values; longrope needs {} positive ones (head_dim / 2)", v.len(), head_dim / 2),
+                    ));
+                }
+                Ok(v.iter().map(|&f| f as f32).collect())
+            };
+            let original = raw
+                .original_max_position_embeddings
+                .or(p.original_max_position_embeddings.map(|v| v as usize))
+                .filter(|&o| o > 1)
+                .ok_or_else(|| field("original_max_position_embeddings", "is missing; longrope needs it".into()))?;
+            let scale = raw.max_position_embeddings.unwrap_or(original) as f64 / original as f64;
+            let attention_factor = match p.attention_factor {
+                Some(f) => f,
+                None if scale > 1.0 => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
+                None => 1.0,
+            };
+            Ok(RopeScaling::LongRope {
+                short_factor: factors(&p.short_factor, "short_factor")?,
+                long_factor: factors(&p.long_factor, "long_factor")?,
+                original_max_position_embeddings: original,
+                attention_factor,
+            })
+        }
         "llama3" => {
             let need = |v: Option<f64>, field: &'static str| {
                 v.ok_or_else(|| ConfigError::Field {

@@ -134,11 +134,11 @@ impl GgufFile {
     pub fn config(&self) -> Result<ModelConfig> {
         let a = &self.arch;
         let model_type = match a.as_str() {
-            "llama" | "qwen2" | "qwen3" | "mistral" => a.clone(),
+            "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" => a.clone(),
             "gemma3" => "gemma3_text".to_string(),
             other => {
                 return Err(self.bad(format!(
-                    "general.architecture {other:?} is not served (llama, mistral, qwen2, qwen3 and gemma3 are)"
+                    "general.architecture {other:?} is not served (llama, mistral, qwen2, qwen3, phi3 and gemma3 are)"
                 )));
             }
         };
@@ -166,6 +166,7 @@ impl GgufFile {
             }
         }
         let gemma = a == "gemma3";
+        let long_rope = self.long_rope()?;
         let value = json!({
             "model_type": model_type,
             "hidden_size": hidden,
@@ -194,6 +195,8 @@ impl GgufFile {
             },
             "bos_token_id": self.integer("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
+            "rope_scaling": long_rope,
+            "original_max_position_embeddings": int("rope.scaling.original_context_length"),
         });
         // `null` stands for absent: the reader's defaults apply.
         let value = serde_json::Value::Object(
@@ -213,6 +216,29 @@ impl GgufFile {
             cfg.rope_scaling = RopeScaling::Factors(factors);
         }
         Ok(cfg)
+    }
+
+    /// Phi-3's LongRoPE as llama.cpp's converter writes it (`rope_factors_short.weight` and
+    /// `rope_factors_long.weight`, `{arch}.rope.scaling.attn_factor`), in `config.json`'s form;
+    /// `null` for a file without the factors, an error for a file with one set only.
+    fn long_rope(&self) -> Result<serde_json::Value> {
+        let (short, long) = (self.info("rope_factors_short.weight"), self.info("rope_factors_long.weight"));
+        let (Some(short), Some(long)) = (short, long) else {
+            return match short.or(long) {
+                Some(_) => Err(self.bad("it has one of rope_factors_short / rope_factors_long only".into())),
+                None => Ok(serde_json::Value::Null),
+            };
+        };
+        let read = |name: &str, dims: &[usize]| -> Result<Vec<f32>> {
+            Ok(self.read_dense(name, dims)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+        };
+        let (s, l) = (short.shape.dims().to_vec(), long.shape.dims().to_vec());
+        Ok(json!({
+            "rope_type": "longrope",
+            "short_factor": read("rope_factors_short.weight", &s)?,
+            "long_factor": read("rope_factors_long.weight", &l)?,
+            "attention_factor": self.number(&format!("{}.rope.scaling.attn_factor", self.arch)),
+        }))
     }
 
     fn bad(&self, reason: String) -> Error {
@@ -415,6 +441,19 @@ pub fn write_gguf_as_checkpoint(path: &Path, dst: &Path, dtype: DType) -> Result
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_ids,
         "torch_dtype": torch_dtype,
+        "rope_scaling": match &cfg.rope_scaling {
+            RopeScaling::LongRope { short_factor, long_factor, attention_factor, .. } => json!({
+                "rope_type": "longrope",
+                "short_factor": short_factor,
+                "long_factor": long_factor,
+                "attention_factor": attention_factor,
+            }),
+            _ => serde_json::Value::Null,
+        },
+        "original_max_position_embeddings": match &cfg.rope_scaling {
+            RopeScaling::LongRope { original_max_position_embeddings, .. } => Some(*original_max_position_embeddings),
+            _ => None,
+        },
     });
     let out = dst.join("config.json");
     std::fs::write(&out, config.to_string()).map_err(io(&out))?;
@@ -463,8 +502,11 @@ fn hf_name(arch: &str, gguf: &str) -> Option<String> {
         "ffn_norm" => "post_attention_layernorm",
         "attn_q_norm" => "self_attn.q_norm",
         "attn_k_norm" => "self_attn.k_norm",
+        "attn_qkv" => "self_attn.qkv_proj",
         _ => return None,
     };
+    // Phi-3's `ffn_up` is its fused gate and up.
+    let module = if arch == "phi3" && module == "mlp.up_proj" { "mlp.gate_up_proj" } else { module };
     Some(format!("model.layers.{layer}.{module}.{param}"))
 }
 
@@ -501,6 +543,9 @@ pub(crate) fn gguf_name(arch: &str, hf: &str) -> Option<String> {
         "post_attention_layernorm" => "ffn_norm",
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
+        // Phi-3's fused projections (its `ffn_up` holds gate and up, gate first).
+        "self_attn.qkv_proj" => "attn_qkv",
+        "mlp.gate_up_proj" => "ffn_up",
         _ => return None,
     };
     Some(format!("blk.{layer}.{stem}.{param}"))

@@ -5,6 +5,12 @@
 //! its new rows with one in-place write per layer and cache (candle's scatter on the CPU, the
 //! KV-write kernel on CUDA), and a sequence's context is one row gather.
 //! Block ids come from the prefix cache's block pool; this type only stores what they address.
+//!
+//! A model whose layers mix a sliding window with full attention (Gemma 3) may keep its sliding
+//! layers in a pool of their own ([`KvCacheConfig::sliding_blocks`]): their tensors then have
+//! that pool's rows, addressed by each sequence's sliding table, whose blocks behind the window
+//! the prefix cache frees. A long context costs its full layers' KV and only a window's in the
+//! others.
 
 use candle_core::{DType, Device, Tensor};
 use multilora_layers::HostRows;
@@ -20,17 +26,60 @@ pub struct KvCacheConfig {
     pub num_blocks: usize,
     /// Tokens per block.
     pub block_size: usize,
+    /// Blocks of the sliding layers' own pool (a model with [`ModelConfig::mixed_windows`]);
+    /// `None`: every layer's blocks are the `num_blocks` of the one pool.
+    pub sliding_blocks: Option<usize>,
 }
 
 impl KvCacheConfig {
     /// `num_blocks` blocks of `block_size` tokens.
     pub fn new(num_blocks: usize, block_size: usize) -> KvCacheConfig {
-        KvCacheConfig { num_blocks, block_size }
+        KvCacheConfig { num_blocks, block_size, sliding_blocks: None }
+    }
+
+    /// The sliding layers in a pool of their own of `blocks` blocks.
+    pub fn with_sliding_blocks(mut self, blocks: usize) -> KvCacheConfig {
+        self.sliding_blocks = Some(blocks);
+        self
     }
 
     /// As many blocks of `block_size` tokens as fit in `budget_bytes` for `cfg` in `dtype`.
     pub fn for_budget(cfg: &ModelConfig, dtype: DType, block_size: usize, budget_bytes: u64) -> KvCacheConfig {
-        KvCacheConfig { num_blocks: num_blocks_for_budget(cfg, dtype, block_size, budget_bytes), block_size }
+        KvCacheConfig::new(num_blocks_for_budget(cfg, dtype, block_size, budget_bytes), block_size)
+    }
+
+    /// For a model with [`ModelConfig::mixed_windows`]: its sliding layers in a pool of their own
+    /// of `sliding_cap` blocks (what the requests served at once can hold: each keeps only its
+    /// window), the full layers taking the rest of `budget_bytes`. Neither pool gets fewer blocks
+    /// than one pool for every layer would have: the sliding pool is at most that many, so a cap
+    /// above it gains nothing (then both pools get the one pool's blocks). Other models:
+    /// [`KvCacheConfig::for_budget`].
+    pub fn for_budget_sliding(
+        cfg: &ModelConfig,
+        dtype: DType,
+        block_size: usize,
+        budget_bytes: u64,
+        sliding_cap: usize,
+    ) -> KvCacheConfig {
+        if !cfg.mixed_windows() {
+            return KvCacheConfig::for_budget(cfg, dtype, block_size, budget_bytes);
+        }
+        let sliding = (0..cfg.num_layers).filter(|&l| cfg.layer_window(l).is_some()).count() as u64;
+        let full = (cfg.num_layers as u64 - sliding).max(1);
+        let per_layer = 2 * (cfg.kv_size() * dtype.size_in_bytes() * block_size.max(1)) as u64;
+        let layer_blocks = budget_bytes / per_layer.max(1);
+        let one_pool = layer_blocks / cfg.num_layers.max(1) as u64;
+        let sliding_blocks = (sliding_cap as u64).min(one_pool);
+        let num_blocks = (layer_blocks - sliding * sliding_blocks) / full;
+        KvCacheConfig::new(num_blocks as usize, block_size).with_sliding_blocks(sliding_blocks as usize)
+    }
+
+    /// The blocks of layer `l`'s pool.
+    fn layer_blocks(&self, cfg: &ModelConfig, l: usize) -> usize {
+        match self.sliding_blocks {
+            Some(n) if cfg.mixed_windows() && cfg.layer_window(l).is_some() => n,
+            _ => self.num_blocks,
+        }
     }
 }
 
@@ -106,31 +155,48 @@ impl KvCache {
         if config.block_size == 0 {
             return Err(Error::KvCache { reason: "block_size must be positive".into() });
         }
-        let rows = config.num_blocks.checked_mul(config.block_size).ok_or_else(|| Error::KvCache {
-            reason: format!("{} blocks of {} rows overflow", config.num_blocks, config.block_size),
-        })?;
+        if config.sliding_blocks.is_some() && !cfg.mixed_windows() {
+            return Err(Error::KvCache {
+                reason: "a sliding pool of its own needs a model whose layers mix sliding and full attention".into(),
+            });
+        }
+        let layer_rows = (0..cfg.num_layers)
+            .map(|l| {
+                let blocks = config.layer_blocks(cfg, l);
+                blocks.checked_mul(config.block_size).ok_or_else(|| Error::KvCache {
+                    reason: format!("{blocks} blocks of {} rows overflow", config.block_size),
+                })
+            })
+            .collect::<Result<Vec<usize>>>()?;
         // Pages handed out as rows are written: a pool sized for the longest context costs
         // memory only as far as it is used. On the CPU every layer's K and V are views of one
         // buffer whose huge pages are advised: a decode step reads its sequences' rows of every
         // layer as short streams (and asks for them ahead, `ReadAhead`), which on 4 KiB pages
         // are a page walk every 4 KiB (docs/BENCHMARKS.md, "A ninth look").
-        let (k, v) = if device.is_cpu() {
-            let per = rows * cfg.kv_size();
-            let total = per.checked_mul(2 * cfg.num_layers).ok_or_else(|| Error::KvCache {
-                reason: format!("{rows} rows of {} values for {} layers overflow", cfg.kv_size(), cfg.num_layers),
+        // The keys of every layer, then the values: tensor `i` holds layer `i % layers`.
+        let tensor_rows: Vec<usize> = layer_rows.iter().chain(&layer_rows).copied().collect();
+        let tensors = if device.is_cpu() {
+            let overflow = || Error::KvCache {
+                reason: format!("{} layers of {} values a row overflow", cfg.num_layers, cfg.kv_size()),
+            };
+            let total = tensor_rows.iter().try_fold(0usize, |sum, &rows| {
+                rows.checked_mul(cfg.kv_size()).and_then(|n| sum.checked_add(n)).ok_or_else(overflow)
             })?;
             let all = multilora_layers::huge_zeros(total, dtype, device)?;
-            let view =
-                |i: usize| -> Result<Tensor> { Ok(all.narrow(0, i * per, per)?.reshape((rows, cfg.kv_size()))?) };
-            let k = (0..cfg.num_layers).map(view).collect::<Result<Vec<_>>>()?;
-            let v = (cfg.num_layers..2 * cfg.num_layers).map(view).collect::<Result<Vec<_>>>()?;
-            (k, v)
+            let mut at = 0;
+            let mut views = Vec::with_capacity(tensor_rows.len());
+            for &rows in &tensor_rows {
+                views.push(all.narrow(0, at, rows * cfg.kv_size())?.reshape((rows, cfg.kv_size()))?);
+                at += rows * cfg.kv_size();
+            }
+            views
         } else {
-            let alloc = || multilora_layers::lazy_zeros(&[rows, cfg.kv_size()], dtype, device);
-            let k = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
-            let v = (0..cfg.num_layers).map(|_| alloc()).collect::<multilora_layers::Result<Vec<_>>>()?;
-            (k, v)
+            tensor_rows
+                .iter()
+                .map(|&rows| multilora_layers::lazy_zeros(&[rows, cfg.kv_size()], dtype, device))
+                .collect::<multilora_layers::Result<Vec<_>>>()?
         };
+        let (k, v) = (tensors[..cfg.num_layers].to_vec(), tensors[cfg.num_layers..].to_vec());
         let host = k.iter().zip(&v).map(|(k, v)| Some([HostRows::of(k)?, HostRows::of(v)?])).collect();
         Ok(KvCache { k, v, host, config, kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim })
     }
@@ -150,7 +216,8 @@ impl KvCache {
         self.k.iter().chain(&self.v).map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum()
     }
 
-    /// Layer `layer`'s keys as `[num_blocks, block_size, kv_heads, head_dim]` (a view).
+    /// Layer `layer`'s keys as `[num_blocks, block_size, kv_heads, head_dim]` (a view; a sliding
+    /// layer's with its own pool has `sliding_blocks` blocks).
     pub fn keys(&self, layer: usize) -> Result<Tensor> {
         self.view(&self.k[layer])
     }
@@ -161,7 +228,8 @@ impl KvCache {
     }
 
     fn view(&self, t: &Tensor) -> Result<Tensor> {
-        Ok(t.reshape((self.config.num_blocks, self.config.block_size, self.kv_heads, self.head_dim))?)
+        let bs = self.config.block_size;
+        Ok(t.reshape((t.dim(0)? / bs, bs, self.kv_heads, self.head_dim))?)
     }
 
     /// The flat `[rows, kv_heads · head_dim]` K and V of a layer.
@@ -176,6 +244,7 @@ impl KvCache {
 
     pub(crate) fn check(&self, cfg: &ModelConfig, dtype: DType) -> Result<()> {
         let ok = self.k.len() == cfg.num_layers
+            && (self.config.sliding_blocks.is_none() || cfg.mixed_windows())
             && self.kv_heads == cfg.num_kv_heads
             && self.head_dim == cfg.head_dim
             && self.k.first().is_none_or(|t| t.dtype() == dtype);

@@ -237,7 +237,9 @@ impl Model {
             let id = |k| ModuleId::layer(l, k);
             // Phi-3 stores q/k/v (and gate/up) fused: cut into the parts the layers keep.
             let qkv_w = match cfg.fused_projections {
-                true => w.linear_parts(&format!("{p}.self_attn.qkv_proj.weight"), &[qs, kvs, kvs], h, wdt)?,
+                true => {
+                    w.linear_parts(&format!("{p}.self_attn.qkv_proj.weight"), &[qs, kvs, kvs], h, wdt, opts.quantized)?
+                }
                 false => vec![
                     mat(&format!("{p}.self_attn.q_proj.weight"), &[qs, h])?,
                     mat(&format!("{p}.self_attn.k_proj.weight"), &[kvs, h])?,
@@ -275,7 +277,7 @@ impl Model {
                 lora_for(&[ModuleKind::OProj]),
             )?;
             let gate_up_w = match cfg.fused_projections {
-                true => w.linear_parts(&format!("{p}.mlp.gate_up_proj.weight"), &[i, i], h, wdt)?,
+                true => w.linear_parts(&format!("{p}.mlp.gate_up_proj.weight"), &[i, i], h, wdt, opts.quantized)?,
                 false => vec![
                     mat(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
                     mat(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
@@ -543,10 +545,12 @@ impl Model {
             max_len: self.cfg.max_model_len(),
             max_loras: self.lora.max_loras(),
             num_blocks: kc.num_blocks,
+            sliding_blocks: kc.sliding_blocks,
             block_size: kc.block_size,
             paged_decode: self.paged_decode(),
             window: self.cfg.sliding_window.filter(|&w| w > 0),
             mixed_windows: self.cfg.mixed_windows(),
+            long_rope: Rope::long_rows(&self.cfg),
         }
     }
 

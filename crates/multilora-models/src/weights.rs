@@ -13,7 +13,7 @@ use multilora_layers::LinearWeight;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, RawTensor};
 use crate::reader::SafetensorsFiles;
 
 /// A file of a hub repo through the shared hub settings, with the bare reason on failure (the
@@ -383,7 +383,11 @@ impl Weights {
         let Source::Gguf(g, cfg) = &self.source else {
             return Ok(LinearWeight::Dense(self.get_in(name, shape, dtype)?));
         };
-        let raw = g.read_raw(name, shape, cfg)?;
+        self.from_raw(name, g.read_raw(name, shape, cfg)?, dtype, quantized)
+    }
+
+    /// A GGUF tensor's bytes as [`Weights::linear`] gives them.
+    fn from_raw(&self, name: &str, raw: RawTensor, dtype: DType, quantized: bool) -> Result<LinearWeight> {
         if !quantized || raw.quant_type().is_none() {
             let t = raw.dense()?;
             return Ok(LinearWeight::Dense(if self.device.is_cpu() {
@@ -402,16 +406,35 @@ impl Weights {
     }
 
     /// A fused projection's weight `name` (`[Σ rows, cols]`: Phi-3's `qkv_proj`, `gate_up_proj`)
-    /// as one weight per part, `rows[i]` rows each, in `dtype`, read dense (a GGUF file's
-    /// quantized blocks dequantized).
+    /// as one weight per part, `rows[i]` rows each, as [`Weights::linear`] gives a weight: a GGUF
+    /// file's quantized rows stay quantized when `quantized` is asked (a row is whole blocks, so
+    /// a part is its rows' bytes).
     pub(crate) fn linear_parts(
         &self,
         name: &str,
         rows: &[usize],
         cols: usize,
         dtype: DType,
+        quantized: bool,
     ) -> Result<Vec<LinearWeight>> {
         let total: usize = rows.iter().sum();
+        if let Source::Gguf(g, cfg) = &self.source {
+            let raw = g.read_raw(name, &[total, cols], cfg)?;
+            let row_bytes = raw.bytes.len() / total.max(1);
+            let mut at = 0;
+            let mut parts = Vec::with_capacity(rows.len());
+            for &r in rows {
+                let bytes = raw.bytes[at * row_bytes..(at + r) * row_bytes].to_vec();
+                parts.push(self.from_raw(
+                    name,
+                    RawTensor { dtype: raw.dtype, shape: vec![r, cols], bytes },
+                    dtype,
+                    quantized,
+                )?);
+                at += r;
+            }
+            return Ok(parts);
+        }
         let t = self.get_in(name, &[total, cols], dtype)?;
         let mut at = 0;
         let mut parts = Vec::with_capacity(rows.len());

@@ -18,7 +18,7 @@ use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{D, DType, Tensor};
 use common::{Blocks, argmax, cache, ids, list, text};
 use multilora_adapter::LoadOptions;
-use multilora_models::{Batch, Model, ModelConfig, ModelOptions, ModelSource, SeqInput};
+use multilora_models::{Batch, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource, SeqInput};
 use multilora_types::{LogitsWanted, LoraLimits, SlotId};
 use serde_json::Value;
 
@@ -92,6 +92,17 @@ fn teacher_forced_logits(
     slots: &HashMap<String, SlotId>,
     expected: &Value,
 ) -> Result<(Tensor, f32)> {
+    let (logits, worst) = teacher_forced_logits_unchecked(model, slots, expected)?;
+    ensure!(worst <= LOGPROB_TOL, "{name}: a teacher-forced logprob is {worst} from the reference's");
+    Ok((logits, worst))
+}
+
+/// [`teacher_forced_logits`] without the tolerance: the logits and the largest |Δ logprob|.
+fn teacher_forced_logits_unchecked(
+    model: &Model,
+    slots: &HashMap<String, SlotId>,
+    expected: &Value,
+) -> Result<(Tensor, f32)> {
     let cases = list(expected, "cases");
     let bs = 8;
     let inputs: Vec<Vec<u32>> = cases
@@ -120,38 +131,81 @@ fn teacher_forced_logits(
         for (j, (&token, &w)) in out.iter().zip(&want).enumerate() {
             let row = at + prompt.len() - 1 + j;
             let got = logprobs.get(row)?.get(token as usize)?.to_scalar::<f32>()?;
-            let d = (got - w as f32).abs();
-            worst = worst.max(d);
-            ensure!(d <= LOGPROB_TOL, "{name} {} position {j}: logprob {got} vs {w}", text(c, "adapter"));
+            worst = worst.max((got - w as f32).abs());
         }
         at += input.len();
     }
     Ok((logits, worst))
 }
 
-/// Every case generated greedily in one mixed batch; returns how many tokens were compared.
-fn greedy(name: &str) -> Result<usize> {
+/// How [`greedy`] feeds the cases: each prompt in chunks of at most `chunk` tokens, and with
+/// `ring`, the sliding layers in a pool of their own where each case's sliding blocks are a ring of
+/// `ring` blocks, reused as the window moves past them; its table holds `u32::MAX` (out of every
+/// pool) for the blocks behind the window, so a read of one would fail the step.
+#[derive(Clone, Copy)]
+struct Feed {
+    chunk: usize,
+    ring: Option<usize>,
+}
+
+const WHOLE_PROMPTS: Feed = Feed { chunk: usize::MAX, ring: None };
+
+/// Every case generated greedily in one mixed batch, fed as `feed` says; returns how many tokens
+/// were compared.
+fn greedy(name: &str, feed: Feed) -> Result<usize> {
     let (model, slots, expected) = load(name)?;
     let cases = list(&expected, "cases");
-    let bs = 8;
+    let bs = 4;
     let n = cases.iter().map(|c| ids(&c["output_ids"]).len()).max().context("no cases")?;
-    let mut kv = cache(&model, cases.iter().map(|c| (ids(&c["prompt_ids"]).len() + n).div_ceil(bs)).sum(), bs)?;
+    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| ids(&c["prompt_ids"])).collect();
+    let total_blocks = prompts.iter().map(|p| (p.len() + n).div_ceil(bs)).sum();
+    let mut kv = match feed.ring {
+        Some(ring) => {
+            model.new_kv_cache(KvCacheConfig::new(total_blocks, bs).with_sliding_blocks(cases.len() * ring))?
+        }
+        None => cache(&model, total_blocks, bs)?,
+    };
+    let window = model.config().sliding_window.unwrap_or(usize::MAX);
     let mut blocks = Blocks::default();
-    let tables: Vec<Vec<u32>> = cases.iter().map(|c| blocks.table(ids(&c["prompt_ids"]).len() + n, bs)).collect();
-    let mut pending: Vec<(Vec<u32>, usize)> = cases.iter().map(|c| (ids(&c["prompt_ids"]), 0)).collect();
+    let tables: Vec<Vec<u32>> = prompts.iter().map(|p| blocks.table(p.len() + n, bs)).collect();
+    let mut computed = vec![0usize; cases.len()];
     let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
-    for _ in 0..n {
-        let seqs = cases
-            .iter()
-            .zip(&pending)
-            .zip(&tables)
-            .map(|((c, (toks, start)), table)| SeqInput::new(toks.clone(), *start, table.clone(), slot(&slots, c)))
-            .collect();
+    while outputs.iter().any(|o| o.len() < n) {
+        let mut seqs = Vec::new();
+        let mut fed = Vec::new();
+        for (i, c) in cases.iter().enumerate() {
+            let (start, prompt) = (computed[i], &prompts[i]);
+            if outputs[i].len() == n {
+                continue;
+            }
+            let toks = match outputs[i].last() {
+                Some(&t) => vec![t],
+                None => prompt[start..prompt.len().min(start.saturating_add(feed.chunk))].to_vec(),
+            };
+            let last = outputs[i].last().is_some() || start + toks.len() == prompt.len();
+            let mut seq = SeqInput::new(toks.clone(), start, tables[i].clone(), slot(&slots, c)).with_logits(if last {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            });
+            if let Some(ring) = feed.ring {
+                let first = (start + 1).saturating_sub(window) / bs;
+                let sliding = (0..tables[i].len())
+                    .map(|b| if b < first { u32::MAX } else { (i * ring + b % ring) as u32 })
+                    .collect();
+                seq = seq.with_sliding_table(sliding);
+            }
+            seqs.push(seq);
+            fed.push((i, toks.len(), last));
+        }
         let logits = model.forward(&Batch::new(seqs), &mut kv)?;
-        for (i, p) in pending.iter_mut().enumerate() {
-            let next = argmax(&logits.get(i)?)?;
-            outputs[i].push(next);
-            *p = (vec![next], p.1 + p.0.len());
+        let mut row = 0;
+        for (i, len, last) in fed {
+            computed[i] += len;
+            if last {
+                outputs[i].push(argmax(&logits.get(row)?)?);
+                row += 1;
+            }
         }
     }
     let mut compared = 0;
@@ -176,7 +230,7 @@ fn greedy(name: &str) -> Result<usize> {
 
 fn check(name: &str) -> Result<()> {
     let worst = teacher_forced(name)?;
-    let compared = greedy(name)?;
+    let compared = greedy(name, WHOLE_PROMPTS)?;
     println!("{name}: teacher-forced max |Δ logprob| {worst:.2e}; {compared} greedy tokens equal to the reference's");
     ensure!(compared > 0, "{name}: no greedy token compared");
     Ok(())
@@ -187,9 +241,10 @@ fn qwen3_with_its_adapters_follows_transformers() -> Result<()> {
     check("qwen3")
 }
 
-/// The family's checkpoint as a GGUF file in `dir`: every tensor in f32 under llama.cpp's name,
-/// the hyper-parameters under `{arch}.*` as its converter writes them.
-fn write_gguf(name: &str, dir: &Path) -> Result<PathBuf> {
+/// The family's checkpoint as a GGUF file in `dir`: every tensor in f32 (the projections in
+/// `projections`) under llama.cpp's name, the hyper-parameters under `{arch}.*` as its converter
+/// writes them.
+fn write_gguf(name: &str, dir: &Path, projections: GgmlDType) -> Result<PathBuf> {
     let base = family(name).join("base");
     let cfg = ModelConfig::from_file(&base.join("config.json"))?;
     let arch = cfg.architecture.model_type();
@@ -211,6 +266,8 @@ fn write_gguf(name: &str, dir: &Path) -> Result<PathBuf> {
             ("self_attn.v_proj", "attn_v"),
             ("self_attn.o_proj", "attn_output"),
             ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.qkv_proj", "attn_qkv"),
+            ("mlp.gate_up_proj", "ffn_up"),
             ("self_attn.k_norm", "attn_k_norm"),
             ("mlp.gate_proj", "ffn_gate"),
             ("mlp.up_proj", "ffn_up"),
@@ -228,7 +285,8 @@ fn write_gguf(name: &str, dir: &Path) -> Result<PathBuf> {
             continue;
         }
         let g = gguf_name(hf).with_context(|| format!("no GGUF name for {hf}"))?;
-        q.push((g, QTensor::quantize(&t.to_dtype(DType::F32)?, GgmlDType::F32)?));
+        let ty = if t.rank() == 2 && hf.contains("_proj") { projections } else { GgmlDType::F32 };
+        q.push((g, QTensor::quantize(&t.to_dtype(DType::F32)?, ty)?));
     }
     use gguf_file::Value as V;
     let k = |key: &str| format!("{arch}.{key}");
@@ -256,7 +314,7 @@ fn write_gguf(name: &str, dir: &Path) -> Result<PathBuf> {
 /// (the same weights through the GGUF reader: its names, its metadata, its tied head).
 fn gguf_matches_the_checkpoint(name: &str) -> Result<()> {
     let tmp = tempfile::tempdir()?;
-    let path = write_gguf(name, tmp.path())?;
+    let path = write_gguf(name, tmp.path(), GgmlDType::F32)?;
     let (model, slots, expected) = load(name)?;
     let (want, _) = teacher_forced_logits(name, &model, &slots, &expected)?;
     let (gguf, slots, expected) = load_from(name, Some(&path))?;
@@ -283,4 +341,85 @@ fn phi3_with_its_adapters_on_the_fused_modules_follows_transformers() -> Result<
 #[test]
 fn gemma3_with_its_adapters_follows_transformers() -> Result<()> {
     check("gemma3")
+}
+
+/// Tiny Gemma 3's sliding layers keep only their window: prompts of up to five windows (8
+/// tokens) fed in chunks of 4 and 16 tokens decoded, each case's sliding blocks a ring of 4
+/// (the window behind a chunk and the chunk) in a pool of their own, the blocks behind the window
+/// out of every pool: the reference's greedy tokens still.
+#[test]
+fn gemma3_sliding_layers_need_only_their_window() -> Result<()> {
+    let compared = greedy("gemma3", Feed { chunk: 4, ring: Some(4) })?;
+    println!("gemma3, sliding blocks in rings of 4: {compared} greedy tokens equal to the reference's");
+    ensure!(compared > 0, "no greedy token compared");
+    Ok(())
+}
+
+#[test]
+fn a_phi3_gguf_file_gives_the_checkpoints_logits() -> Result<()> {
+    gguf_matches_the_checkpoint("phi3")
+}
+
+/// A Phi-3 GGUF file with Q8_0 projections, its fused `attn_qkv` and `ffn_up` kept quantized and
+/// cut into their parts by rows (each row is whole blocks), gives the logits of the same file
+/// dequantized to f32 (the reference path), within the activations' 8-bit rounding.
+#[test]
+fn a_quantized_phi3_gguf_file_keeps_its_fused_parts_quantized() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let path = write_gguf("phi3", tmp.path(), GgmlDType::Q8_0)?;
+    let (reference, slots, expected) = load_from("phi3", Some(&path))?;
+    let (want, _) = teacher_forced_logits_unchecked(&reference, &slots, &expected)?;
+    let lora = LoraLimits::new(3, 16, &LoraLimits::default_targets())?;
+    let source = ModelSource::parse(path.to_str().context("path")?)?;
+    let mut quantized = Model::load(&source, &ModelOptions::default().lora(lora).quantized(true))?;
+    ensure!(quantized.kernels().contains("Q8_0"), "not kept quantized: {}", quantized.kernels());
+    for (a, slot) in &slots {
+        let load = LoadOptions::new(DType::F16).max_lora_rank(16);
+        let dir = family("phi3").join("adapters").join(a);
+        quantized.write_slot(*slot, &multilora_adapter::load_dir(a, &dir, quantized.shapes(), &load)?)?;
+    }
+    let (got, _) = teacher_forced_logits_unchecked(&quantized, &slots, &expected)?;
+    let d = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    println!("phi3 Q8_0 kept quantized: max |Δ logit| against the file dequantized {d:.2e}");
+    ensure!(d <= 0.05, "the quantized path's logits differ by {d}");
+    Ok(())
+}
+
+/// The tiny Phi-3 with LongRoPE (original context 16; short factors 1, long factors 4, a scale
+/// of 1): a sequence within 16 tokens gives exactly the plain checkpoint's logits (its short
+/// factors are plain RoPE); one past 16 reads the long factors and gives other logits; and each
+/// sequence's factors are its own, whatever shares its step.
+#[test]
+fn phi3_longrope_picks_its_factors_per_sequence() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let base = family("phi3").join("base");
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(base.join(f), tmp.path().join(f))?;
+    }
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(base.join("config.json"))?)?;
+    cfg["original_max_position_embeddings"] = 16.into();
+    cfg["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": vec![1.0; 16], "long_factor": vec![4.0; 16], "attention_factor": 1.0});
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string())?;
+    let opts = ModelOptions::default();
+    let (plain, long) = (Model::load_dir(&base, &opts)?, Model::load_dir(tmp.path(), &opts)?);
+    let short_ids: Vec<u32> = (3..15).collect();
+    let long_ids: Vec<u32> = (3..40).collect();
+    let run = |m: &Model, seqs: &[&[u32]]| -> Result<Tensor> {
+        let mut kv = cache(m, 16, 4)?;
+        let mut blocks = Blocks::default();
+        let seqs = seqs.iter().map(|ids| SeqInput::new(ids.to_vec(), 0, blocks.table(ids.len(), 4), None)).collect();
+        Ok(m.forward(&Batch::new(seqs), &mut kv)?)
+    };
+    let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+    ensure!(
+        diff(&run(&long, &[&short_ids])?, &run(&plain, &[&short_ids])?)? == 0.0,
+        "short factors of 1 are plain RoPE"
+    );
+    let alone = run(&long, &[&long_ids])?;
+    ensure!(diff(&alone, &run(&plain, &[&long_ids])?)? > 1e-3, "past 16 tokens the long factors apply");
+    let both = run(&long, &[&short_ids, &long_ids])?;
+    ensure!(diff(&both.get(0)?, &run(&plain, &[&short_ids])?.get(0)?)? == 0.0, "the short sequence beside a long one");
+    ensure!(diff(&both.get(1)?, &alone.get(0)?)? <= 1e-5, "the long sequence beside a short one");
+    Ok(())
 }

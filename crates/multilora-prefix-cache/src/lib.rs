@@ -10,7 +10,8 @@
 //!   in which a freed cached block stays findable until it is reused.
 //! - [`KvManager`]: per-request block tables on top, as the scheduler drives them: `admit` (take
 //!   the cached prefix, allocate the rest), `allocate` (grow), `commit` (cache newly full blocks),
-//!   `free`.
+//!   `free`; with [`SlidingKv`], a second table per request for a model's sliding-window
+//!   layers, whose blocks behind the window are freed as the request advances.
 //!
 //! ```
 //! use multilora_prefix_cache::{ExtraKeys, KvConfig, KvManager};
@@ -40,12 +41,14 @@ mod hash;
 mod manager;
 mod metrics;
 mod pool;
+mod sliding;
 
 pub use error::{Error, Result};
 pub use hash::{AdapterKey, BlockHash, BlockHashes, ExtraKeys, extend_hashes, hash_blocks, seed_parent};
 pub use manager::{DEFAULT_HASH_SEED, KvConfig, KvManager};
 pub use metrics::KvMetrics;
 pub use pool::BlockPool;
+pub use sliding::{NULL_BLOCK, SlidingKv};
 
 /// Index of a KV block in the pool, `0..num_blocks`.
 pub type BlockId = u32;

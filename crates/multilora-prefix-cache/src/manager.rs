@@ -2,9 +2,10 @@
 
 use std::collections::HashMap;
 
+use crate::sliding::{NULL_BLOCK, SlidingGroup};
 use crate::{
-    BlockHash, BlockHashes, BlockId, BlockPool, Error, ExtraKeys, KvMetrics, RequestId, Result, extend_hashes,
-    hash_blocks, seed_parent,
+    BlockHash, BlockHashes, BlockId, BlockPool, Error, ExtraKeys, KvMetrics, RequestId, Result, SlidingKv,
+    extend_hashes, hash_blocks, seed_parent,
 };
 
 /// The default [`KvConfig::hash_seed`]: the ASCII bytes `"multilor"` read as a big-endian `u64`.
@@ -22,11 +23,21 @@ pub struct KvConfig {
     /// The parent value of the first block; deployments with different seeds never share hashes
     /// (default [`DEFAULT_HASH_SEED`]).
     pub hash_seed: u64,
+    /// The sliding layers' own group, for a model whose layers mix a sliding window with full
+    /// attention (Gemma 3): each request gets a second block table from a second pool, whose
+    /// blocks behind the window are freed (default none: one table for every layer).
+    pub sliding: Option<SlidingKv>,
 }
 
 impl Default for KvConfig {
     fn default() -> Self {
-        Self { num_blocks: 1024, block_size: 16, enable_prefix_caching: true, hash_seed: DEFAULT_HASH_SEED }
+        Self {
+            num_blocks: 1024,
+            block_size: 16,
+            enable_prefix_caching: true,
+            hash_seed: DEFAULT_HASH_SEED,
+            sliding: None,
+        }
     }
 }
 
@@ -41,6 +52,9 @@ struct RequestState {
     hashes: Vec<BlockHash>,
     /// Leading blocks already in the cache (hit at admission or registered by `commit`).
     num_committed: usize,
+    /// The sliding layers' table (empty without a sliding group): as long as `blocks`,
+    /// [`NULL_BLOCK`] where the window has passed.
+    sliding: Vec<BlockId>,
 }
 
 /// Per-request block tables over a [`BlockPool`], with prefix caching keyed on [`ExtraKeys`].
@@ -52,6 +66,7 @@ struct RequestState {
 pub struct KvManager {
     config: KvConfig,
     pool: BlockPool,
+    sliding: Option<SlidingGroup>,
     requests: HashMap<RequestId, RequestState>,
     queries: u64,
     query_tokens: u64,
@@ -79,8 +94,17 @@ impl KvManager {
         if config.num_blocks >= u32::MAX as usize {
             return Err(Error::InvalidConfig("num_blocks must fit u32 block ids"));
         }
+        if let Some(s) = config.sliding {
+            if s.window == 0 {
+                return Err(Error::InvalidConfig("the sliding window must be at least 1 token"));
+            }
+            if s.num_blocks >= NULL_BLOCK as usize {
+                return Err(Error::InvalidConfig("sliding num_blocks must fit u32 block ids"));
+            }
+        }
         Ok(Self {
             pool: BlockPool::new(config.num_blocks),
+            sliding: config.sliding.map(SlidingGroup::new),
             config,
             requests: HashMap::new(),
             queries: 0,
@@ -104,6 +128,19 @@ impl KvManager {
         self.pool.num_free_blocks()
     }
 
+    /// The sliding layers' pool, read-only, when there is a sliding group.
+    pub fn sliding_pool(&self) -> Option<&BlockPool> {
+        self.sliding.as_ref().map(|g| &g.pool)
+    }
+
+    /// Whether a new request of `num_tokens` tokens fits in the free blocks of every group even
+    /// without a cache hit.
+    pub fn fits(&self, num_tokens: usize) -> bool {
+        let blocks = num_tokens.div_ceil(self.config.block_size);
+        self.pool.num_free_blocks() >= blocks
+            && self.sliding.as_ref().is_none_or(|g| g.pool.num_free_blocks() >= blocks)
+    }
+
     /// Number of requests holding blocks.
     pub fn num_requests(&self) -> usize {
         self.requests.len()
@@ -119,10 +156,11 @@ impl KvManager {
             return 0;
         }
         // Hash lazily, so a prompt that misses early costs only the blocks up to the miss.
-        let hits = BlockHashes::new(seed_parent(self.config.hash_seed), self.config.block_size, tokens, extra)
-            .take_while(|h| self.pool.cached_block(*h).is_some())
-            .count();
-        self.usable_hits(hits, tokens.len()) * self.config.block_size
+        let hashes: Vec<BlockHash> =
+            BlockHashes::new(seed_parent(self.config.hash_seed), self.config.block_size, tokens, extra)
+                .take_while(|h| self.pool.cached_block(*h).is_some())
+                .collect();
+        self.hits(&hashes, tokens.len()) * self.config.block_size
     }
 
     /// Admits a new request: takes references on its cached prefix blocks (exactly what
@@ -147,7 +185,7 @@ impl KvManager {
         // Hashes of a skipped request are computed by `commit`, as its blocks fill.
         let hashes = if query { self.hash(tokens, extra) } else { Vec::new() };
         let mut hits = self.pool.cached_prefix(&hashes);
-        hits.truncate(self.usable_hits(hits.len(), tokens.len()));
+        hits.truncate(self.hits(&hashes[..hits.len()], tokens.len()));
         let num_hits = hits.len();
         let cached = num_hits * bs;
         let fresh = (cached + num_new_tokens).div_ceil(bs).saturating_sub(num_hits);
@@ -158,35 +196,53 @@ impl KvManager {
         if fresh > free {
             return Err(Error::NoFreeBlocks { needed: fresh, free });
         }
+        if let Some(g) = &self.sliding {
+            let free = g.pool.num_free_blocks() - g.revived(&hashes, num_hits, bs);
+            if fresh > free {
+                return Err(Error::NoFreeBlocks { needed: fresh, free });
+            }
+        }
         self.pool.touch(&hits).unwrap_or_else(|e| unreachable!("cached blocks are in the pool: {e}"));
         let mut blocks = hits;
         let new_blocks = self.pool.allocate(fresh).unwrap_or_else(|e| unreachable!("checked free blocks: {e}"));
         blocks.extend(new_blocks);
+        let sliding = self.sliding.as_mut().map_or_else(Vec::new, |g| g.admit(&hashes, num_hits, fresh, bs));
         if query {
             self.queries += 1;
             self.query_tokens += tokens.len() as u64;
             self.hit_tokens += cached as u64;
         }
-        self.requests.insert(id, RequestState { extra: extra.clone(), blocks, hashes, num_committed: num_hits });
+        self.requests
+            .insert(id, RequestState { extra: extra.clone(), blocks, hashes, num_committed: num_hits, sliding });
         Ok(cached)
     }
 
     /// Grows a running request's blocks so that it holds room for `total_tokens` tokens (never
-    /// shrinks). All or nothing.
+    /// shrinks), in every group. All or nothing.
     pub fn allocate(&mut self, id: RequestId, total_tokens: usize) -> Result<()> {
         let bs = self.config.block_size;
         let state = self.requests.get_mut(&id).ok_or(Error::UnknownRequest(id))?;
         let needed = total_tokens.div_ceil(bs).saturating_sub(state.blocks.len());
+        if let Some(g) = &self.sliding
+            && needed > g.pool.num_free_blocks()
+        {
+            return Err(Error::NoFreeBlocks { needed, free: g.pool.num_free_blocks() });
+        }
         let new_blocks = self.pool.allocate(needed)?;
         state.blocks.extend(new_blocks);
+        if let Some(g) = &mut self.sliding {
+            state.sliding.extend(g.pool.allocate(needed).unwrap_or_else(|e| unreachable!("checked free blocks: {e}")));
+        }
         Ok(())
     }
 
     /// After a step computed KV for `tokens[..num_computed]` (`tokens` being the request's prompt
-    /// and outputs so far), registers its newly full blocks in the cache; a no-op when caching is
-    /// off. Only the blocks that became full since the last commit are hashed.
+    /// and outputs so far), registers its newly full blocks in the cache (when caching is on),
+    /// then frees the sliding blocks that the next query, at `num_computed`, no longer reads.
+    /// Only the blocks that became full since the last commit are hashed.
     ///
-    /// `tokens` must extend the tokens the request was admitted and committed with.
+    /// `tokens` must extend the tokens the request was admitted and committed with, and no step
+    /// that reads the request's blocks may still be running.
     pub fn commit(&mut self, id: RequestId, tokens: &[u32], num_computed: usize) -> Result<()> {
         let bs = self.config.block_size;
         let caching = self.config.enable_prefix_caching;
@@ -197,27 +253,42 @@ impl KvManager {
             return Err(Error::ComputedOutOfRange { id, num_computed, num_tokens: tokens.len(), capacity });
         }
         let full = num_computed / bs;
-        if !caching || full <= state.num_committed {
-            return Ok(());
+        if caching && full > state.num_committed {
+            if state.hashes.len() < full {
+                let parent = state.hashes.last().copied().unwrap_or(seed_parent(seed));
+                let from = state.hashes.len() * bs;
+                extend_hashes(parent, bs, &tokens[from..full * bs], &state.extra, &mut state.hashes);
+            }
+            for i in state.num_committed..full {
+                // A block whose hash is already cached elsewhere stays private; that is harmless.
+                self.pool
+                    .cache_block(state.blocks[i], state.hashes[i])
+                    .unwrap_or_else(|e| unreachable!("block of a request is in the pool: {e}"));
+                if let Some(g) = &mut self.sliding
+                    && state.sliding[i] != NULL_BLOCK
+                {
+                    g.pool
+                        .cache_block(state.sliding[i], state.hashes[i])
+                        .unwrap_or_else(|e| unreachable!("sliding block of a request is in the pool: {e}"));
+                }
+            }
+            state.num_committed = full;
         }
-        if state.hashes.len() < full {
-            let parent = state.hashes.last().copied().unwrap_or(seed_parent(seed));
-            let from = state.hashes.len() * bs;
-            extend_hashes(parent, bs, &tokens[from..full * bs], &state.extra, &mut state.hashes);
+        if let Some(g) = &mut self.sliding {
+            g.slide(&mut state.sliding, num_computed, bs);
         }
-        for i in state.num_committed..full {
-            // A block whose hash is already cached elsewhere stays private; that is harmless.
-            self.pool
-                .cache_block(state.blocks[i], state.hashes[i])
-                .unwrap_or_else(|e| unreachable!("block of a request is in the pool: {e}"));
-        }
-        state.num_committed = full;
         Ok(())
     }
 
     /// The request's block table (block ids in order); an empty slice for an unknown id.
     pub fn block_table(&self, id: RequestId) -> &[BlockId] {
         self.requests.get(&id).map_or(&[], |s| &s.blocks)
+    }
+
+    /// The request's sliding table: as long as its block table, with [`NULL_BLOCK`] where the
+    /// window has passed; empty without a sliding group or for an unknown id.
+    pub fn sliding_table(&self, id: RequestId) -> &[BlockId] {
+        self.requests.get(&id).map_or(&[], |s| &s.sliding)
     }
 
     /// Number of leading tokens of the request whose blocks are in the cache (0 for an unknown id).
@@ -231,6 +302,9 @@ impl KvManager {
         if let Some(state) = self.requests.remove(&id) {
             // Every block of a table holds one reference taken for this request.
             self.pool.free(&state.blocks).unwrap_or_else(|e| unreachable!("request held its blocks: {e}"));
+            if let Some(g) = &mut self.sliding {
+                g.release(&state.sliding);
+            }
         }
     }
 
@@ -259,10 +333,14 @@ impl KvManager {
         hash_blocks(self.config.hash_seed, self.config.block_size, tokens, extra)
     }
 
-    /// Hit blocks a request may use: all of them, except that a prompt hitting in full leaves its
-    /// last block to compute, so the last token produces logits.
-    fn usable_hits(&self, hits: usize, num_tokens: usize) -> usize {
-        if hits > 0 && hits * self.config.block_size == num_tokens { hits - 1 } else { hits }
+    /// Of the blocks of `hashes` (all cached in the full group), how many a request may use: all
+    /// of them, except that a prompt hitting in full leaves its last block to compute, so the
+    /// last token produces logits; and with a sliding group, no more than it holds the window of.
+    fn hits(&self, hashes: &[BlockHash], num_tokens: usize) -> usize {
+        let bs = self.config.block_size;
+        let hits = hashes.len();
+        let hits = if hits > 0 && hits * bs == num_tokens { hits - 1 } else { hits };
+        self.sliding.as_ref().map_or(hits, |g| g.usable(hashes, hits, bs))
     }
 }
 
@@ -271,7 +349,13 @@ mod tests {
     use super::*;
 
     fn manager(num_blocks: usize, caching: bool) -> KvManager {
-        KvManager::new(KvConfig { num_blocks, block_size: 4, enable_prefix_caching: caching, hash_seed: 1 })
+        KvManager::new(KvConfig {
+            num_blocks,
+            block_size: 4,
+            enable_prefix_caching: caching,
+            hash_seed: 1,
+            ..KvConfig::default()
+        })
     }
 
     fn toks(n: u32) -> Vec<u32> {
@@ -457,5 +541,101 @@ mod tests {
         kv.commit(1, &p, 6).unwrap(); // a chunk of prefill
         assert_eq!(kv.num_committed_tokens(1), 4);
         assert_eq!(kv.lookup(&p, &ExtraKeys::base(), false), 4);
+    }
+
+    fn sliding(num_blocks: usize, sliding_blocks: usize) -> KvManager {
+        KvManager::new(KvConfig {
+            num_blocks,
+            block_size: 4,
+            hash_seed: 1,
+            sliding: Some(SlidingKv { window: 8, num_blocks: sliding_blocks }),
+            ..KvConfig::default()
+        })
+    }
+
+    /// Blocks held in a sliding table.
+    fn held(table: &[BlockId]) -> usize {
+        table.iter().filter(|&&b| b != NULL_BLOCK).count()
+    }
+
+    /// A request of three windows, prefilled by a chunk of one block then decoded token by
+    /// token: its sliding table keeps the full table's length, and after every step holds only
+    /// the blocks the next query reads (a window of 8 and one block: 3 blocks of 4), so a pool
+    /// of 4 sliding blocks serves it; every freed block is back on the sliding pool.
+    #[test]
+    fn sliding_blocks_behind_the_window_are_freed() {
+        let mut kv = sliding(8, 4);
+        let all = toks(24);
+        kv.admit(1, &all[..4], &ExtraKeys::base(), false, 4).unwrap();
+        let mut most = 0;
+        for n in 4..=all.len() {
+            kv.commit(1, &all[..n], n).unwrap();
+            let table = kv.sliding_table(1);
+            assert_eq!(table.len(), kv.block_table(1).len());
+            // The next query at n reads positions n − 7 ..= n.
+            let first = (n + 1).saturating_sub(8) / 4;
+            assert!(table[..first].iter().all(|&b| b == NULL_BLOCK), "after {n}: {table:?}");
+            assert!(table[first..].iter().all(|&b| b != NULL_BLOCK), "after {n}: {table:?}");
+            most = most.max(held(table));
+            assert_eq!(kv.sliding_pool().unwrap().num_free_blocks(), 4 - held(table));
+            if n < all.len() {
+                kv.allocate(1, n + 1).unwrap();
+            }
+        }
+        assert_eq!(most, 3, "window + one block");
+        assert_eq!(kv.block_table(1).len(), 6, "the full layers keep every block");
+        kv.free(1);
+        assert_eq!(kv.sliding_pool().unwrap().num_free_blocks(), 4);
+        assert_eq!(kv.num_free_blocks(), 8);
+    }
+
+    /// A prefix hit is usable only as far as the sliding pool still holds its window: after a
+    /// request of 24 tokens only the last blocks of its window stay cached in the sliding pool
+    /// (the first ones were reused), which is all a hit of 6 blocks reads; the hit's table is
+    /// null before that window. Once the window's blocks are evicted too, the hit falls back to
+    /// the longest prefix whose window is still cached.
+    #[test]
+    fn sliding_hits_need_their_window_cached() {
+        let mut kv = sliding(16, 4);
+        let all = toks(24);
+        kv.admit(1, &all, &ExtraKeys::base(), false, 4).unwrap();
+        for n in (4..=24).step_by(4) {
+            kv.commit(1, &all[..n], n).unwrap();
+            kv.allocate(1, (n + 4).min(24)).unwrap();
+        }
+        kv.free(1);
+        let mut prompt = all.clone();
+        prompt.push(7);
+        assert_eq!(kv.lookup(&prompt, &ExtraKeys::base(), false), 24);
+        assert_eq!(kv.admit(2, &prompt, &ExtraKeys::base(), false, 1).unwrap(), 24);
+        let table = kv.sliding_table(2).to_vec();
+        assert_eq!(table.len(), 7);
+        assert!(table[..4].iter().all(|&b| b == NULL_BLOCK) && held(&table) == 3, "{table:?}");
+        kv.free(2);
+        // Another request takes every sliding block: the 24-token prefix's window is gone.
+        kv.admit(3, &[9; 16], &ExtraKeys::base(), false, 16).unwrap();
+        kv.free(3);
+        assert_eq!(kv.lookup(&prompt, &ExtraKeys::base(), false), 0);
+        assert_eq!(kv.admit(4, &prompt, &ExtraKeys::base(), false, 8), Ok(0));
+        assert_eq!(held(kv.sliding_table(4)), 2);
+    }
+
+    /// Both groups must have room: an allocation the sliding pool cannot hold fails and changes
+    /// neither pool.
+    #[test]
+    fn sliding_allocations_are_all_or_nothing() {
+        let mut kv = sliding(16, 2);
+        kv.admit(1, &toks(8), &ExtraKeys::base(), false, 8).unwrap();
+        assert_eq!(kv.allocate(1, 12), Err(Error::NoFreeBlocks { needed: 1, free: 0 }));
+        assert_eq!((kv.block_table(1).len(), kv.num_free_blocks()), (2, 14));
+        assert!(!kv.fits(4));
+        assert_eq!(
+            kv.admit(2, &toks(4), &ExtraKeys::base(), false, 4),
+            Err(Error::NoFreeBlocks { needed: 1, free: 0 })
+        );
+        kv.commit(1, &toks(8), 8).unwrap(); // the next query at 8 still reads block 0
+        assert_eq!(held(kv.sliding_table(1)), 2);
+        let bad = KvConfig { sliding: Some(SlidingKv { window: 0, num_blocks: 4 }), ..KvConfig::default() };
+        assert_eq!(KvManager::try_new(bad).unwrap_err().kind(), "invalid_config");
     }
 }

@@ -143,6 +143,7 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
         block_size: BLOCK_SIZE,
         enable_prefix_caching: caching,
         hash_seed: 0,
+        sliding: None,
     });
     let mut reqs: HashMap<u64, Req> = HashMap::new();
     // Content of the KV each block holds, set when a commit says it was computed.

@@ -195,6 +195,19 @@ impl SchedulerConfig {
                 self.kv.num_blocks, self.kv.block_size, self.max_model_len
             ));
         }
+        if let Some(sliding) = self.kv.sliding {
+            let chunk = self.max_num_batched_tokens.min(self.max_model_len);
+            let needed = sliding
+                .blocks_per_request(self.kv.block_size, chunk)
+                .min(self.max_model_len.div_ceil(self.kv.block_size));
+            if sliding.num_blocks < needed {
+                return fail(format!(
+                    "the sliding layers' kv pool holds {} blocks; one request with a window of {} and steps of {chunk} \
+                     tokens needs {needed}",
+                    sliding.num_blocks, sliding.window
+                ));
+            }
+        }
         Ok(())
     }
 }

@@ -34,7 +34,7 @@ pub mod sim;
 pub use budget::StepCost;
 pub use config::{DEFAULT_MAX_SKIPPED_STEPS, DEFAULT_MIN_PREFILL_CHUNK, Policy, SchedulerConfig};
 pub use error::{Error, Result};
-pub use multilora_prefix_cache::{BlockId, KvConfig, KvMetrics, RequestId};
+pub use multilora_prefix_cache::{BlockId, KvConfig, KvMetrics, NULL_BLOCK, RequestId, SlidingKv};
 pub use output::{FinishedRequest, RequestResult, ScheduledRequest, SchedulerCounts, SchedulerOutput};
 pub use request::Request;
 pub use scheduler::Scheduler;

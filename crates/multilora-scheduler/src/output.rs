@@ -18,6 +18,9 @@ pub struct ScheduledRequest {
     pub token_ids: Vec<u32>,
     /// The request's KV blocks, covering at least `num_computed_tokens + token_ids.len()` tokens.
     pub block_table: Vec<BlockId>,
+    /// The sliding layers' blocks when the pool has a sliding group (`KvConfig::sliding`), as
+    /// long as `block_table`, `NULL_BLOCK` where the window has passed; otherwise empty.
+    pub sliding_table: Vec<BlockId>,
     /// Which logits the model must produce.
     pub logits: LogitsWanted,
     /// Whether the engine samples one token for this request after the step (the chunk reaches the

@@ -418,6 +418,7 @@ impl Scheduler {
 
         let mut finished = Vec::new();
         let caching = self.kv.config().enable_prefix_caching;
+        let sliding = self.kv.config().sliding.is_some();
         let block_size = self.kv.config().block_size;
         let mut in_flight = std::mem::take(&mut self.in_flight);
         for &(slot, id) in &in_flight {
@@ -429,13 +430,13 @@ impl Scheduler {
                 continue;
             }
             req.in_flight = false;
-            // Only a step that filled a block has anything to commit (most decodes do not).
+            // Only a step that filled a block has anything to cache (most decodes do not); with a
+            // sliding group every step may move the window past a block, which is freed.
             if req.status == Status::Running
-                && caching
-                && req.num_computed / block_size > req.computed_before_step / block_size
+                && (sliding || caching && req.num_computed / block_size > req.computed_before_step / block_size)
             {
                 // Caching is an optimization: a failed commit only means these blocks are not
-                // shared, so it must not fail the step.
+                // shared, so it must not fail the step (its one error is a count out of range).
                 let committed = self.kv.commit(id, &req.tokens, req.num_computed);
                 debug_assert!(committed.is_ok(), "commit of request {id}: {committed:?}");
             }
@@ -550,8 +551,7 @@ impl Scheduler {
             };
             let skip_cache = req.prompt_logprobs;
             let num_tokens = req.num_tokens();
-            let block_size = self.kv.config().block_size;
-            let admitted = if self.kv.num_free_blocks() >= num_tokens.div_ceil(block_size) {
+            let admitted = if self.kv.fits(num_tokens) {
                 // Room for every token even without hits: admit the cached prefix alone, then
                 // grow by the chunk; both succeed (hit blocks that leave the free queue are no
                 // more than the blocks they save), and the prompt is hashed once.
@@ -651,6 +651,7 @@ impl Scheduler {
             num_computed_tokens: start,
             token_ids: req.tokens[start..end].to_vec(),
             block_table: self.kv.block_table(req.id).to_vec(),
+            sliding_table: self.kv.sliding_table(req.id).to_vec(),
             logits,
             sample,
             num_prompt_tokens: req.num_prompt_tokens,

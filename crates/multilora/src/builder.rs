@@ -11,7 +11,7 @@ use candle_core::{DType, Device};
 use multilora_adapter::HubConfig;
 use multilora_adapter::{LoadOptions, SourceExt};
 use multilora_models::{Checkpoint, GenerationConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
-use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig};
+use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig, SlidingKv};
 use multilora_store::{Store, StoreBuilder, StoreConfig};
 use multilora_types::AdapterSource;
 use multilora_types::{DEFAULT_MAX_LORA_RANK, DEFAULT_STEP_FACTOR, LoraLimits, ModuleKind, StepTime};
@@ -315,8 +315,8 @@ impl EngineBuilder {
 
         let slot_bytes = model.lora_slot_bytes();
         let (kv_budget, budget_from, max_model_len) = self.kv_budget(&model, slot_bytes, model_limit)?;
-        let kv_cfg = KvCacheConfig::for_budget(model.config(), kv_cache_dtype, self.block_size, kv_budget);
-        let scheduler = self.build_scheduler(&lora, max_model_len, kv_cfg.num_blocks).map_err(|e| {
+        let kv_cfg = self.kv_cache_config(model.config(), kv_cache_dtype, kv_budget, max_model_len);
+        let scheduler = self.build_scheduler(&lora, max_model_len, kv_cfg, model.config()).map_err(|e| {
             BuildError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
         })?;
         let kv = model.new_kv_cache(kv_cfg).map_err(BuildError::model)?;
@@ -337,6 +337,7 @@ impl EngineBuilder {
             kv_bytes = kv_cfg.num_blocks as u64 * self.block_size as u64 * model.kv_bytes_per_token(),
             kv_blocks = kv_cfg.num_blocks,
             kv_tokens = kv_cfg.num_blocks * self.block_size,
+            sliding_kv_blocks = kv_cfg.sliding_blocks,
             "multilora engine ready"
         );
         let config = EngineConfig {
@@ -357,6 +358,7 @@ impl EngineBuilder {
             step_time: self.step_time,
             block_size: self.block_size,
             num_kv_blocks: kv_cfg.num_blocks,
+            sliding_kv_blocks: kv_cfg.sliding_blocks,
             lora_slot_bytes: slot_bytes,
             enable_prefix_caching: self.enable_prefix_caching,
             allow_runtime_lora_updating: self.allow_runtime_lora_updating,
@@ -446,13 +448,35 @@ impl EngineBuilder {
         })
     }
 
-    /// The scheduler over `num_blocks` KV blocks.
+    /// The KV cache's pools for `budget` bytes: one for every layer, or for a model whose layers
+    /// mix a sliding window with full attention (Gemma 3), the sliding layers' own, as large as
+    /// `max_num_seqs` requests each holding its window (and the two blocks it only partly fills)
+    /// plus one step's tokens need, the full layers taking the rest
+    /// ([`KvCacheConfig::for_budget_sliding`]: neither pool below one pool's blocks).
+    fn kv_cache_config(&self, cfg: &ModelConfig, dtype: DType, budget: u64, max_model_len: usize) -> KvCacheConfig {
+        let bs = self.block_size;
+        match cfg.sliding_window.filter(|_| cfg.mixed_windows()) {
+            Some(window) => {
+                let chunk = self.max_num_batched_tokens.min(max_model_len);
+                let per_request = (window.div_ceil(bs) + 2).min(max_model_len.div_ceil(bs));
+                let one_request = SlidingKv { window, num_blocks: 0 }.blocks_per_request(bs, chunk);
+                let cap = per_request.saturating_mul(self.max_num_seqs).saturating_add(chunk.div_ceil(bs));
+                KvCacheConfig::for_budget_sliding(cfg, dtype, bs, budget, cap.max(one_request))
+            }
+            None => KvCacheConfig::for_budget(cfg, dtype, bs, budget),
+        }
+    }
+
+    /// The scheduler over the blocks of `kv` (and its sliding layers' pool).
     fn build_scheduler(
         &self,
         lora: &LoraLimits,
         max_model_len: usize,
-        num_blocks: usize,
+        kv: KvCacheConfig,
+        cfg: &ModelConfig,
     ) -> std::result::Result<Scheduler, multilora_scheduler::Error> {
+        let sliding =
+            kv.sliding_blocks.zip(cfg.sliding_window).map(|(num_blocks, window)| SlidingKv { window, num_blocks });
         let cfg = SchedulerConfig::default()
             .max_num_seqs(self.max_num_seqs)
             .max_num_batched_tokens(self.max_num_batched_tokens)
@@ -460,7 +484,8 @@ impl EngineBuilder {
             .max_model_len(max_model_len)
             .max_loras(lora.max_loras())
             .kv(KvConfig {
-                num_blocks,
+                num_blocks: kv.num_blocks,
+                sliding,
                 block_size: self.block_size,
                 enable_prefix_caching: self.enable_prefix_caching,
                 ..KvConfig::default()

@@ -56,6 +56,10 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// KV blocks allocated.
     pub num_kv_blocks: usize,
+    /// Blocks of the sliding layers' own KV pool, for a model whose layers mix a sliding window
+    /// with full attention (Gemma 3): each request holds only its window there; `None` for other
+    /// models (every layer's KV in the `num_kv_blocks`).
+    pub sliding_kv_blocks: Option<usize>,
     /// Bytes of all slot buffers.
     pub lora_slot_bytes: u64,
     /// Prefix caching on.

@@ -177,12 +177,19 @@ fn refusals_name_the_field() {
             "head_dim",
         ),
         (json!({"rope_parameters": "default"}), "config", "rope_parameters"),
-        // Phi-4-mini's partial rotary and Phi-3's LongRoPE: refused, not rotated wrongly.
+        // Phi-4-mini's partial rotary: refused, not rotated wrongly; LongRoPE's factors must be
+        // one per rotary frequency, and it needs the original context.
         (json!({"model_type": "phi3", "partial_rotary_factor": 0.75}), "config", "partial_rotary_factor"),
         (
-            json!({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}),
-            "unsupported_rope_scaling",
-            "longrope",
+            json!({"model_type": "phi3", "original_max_position_embeddings": 16,
+                   "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}),
+            "config",
+            "short_factor",
+        ),
+        (
+            json!({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope"}}),
+            "config",
+            "original_max_position_embeddings",
         ),
     ];
     for (changes, kind, names) in table {
@@ -206,4 +213,27 @@ fn only_a_small_regular_file_is_read() {
     let e = ModelConfig::from_file(&dir.join("absent.json")).unwrap_err();
     assert_eq!(e.kind(), "io", "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Phi-3-mini-128k's LongRoPE: both factor sets, the original context, and the cos / sin scale
+/// transformers derives when the config gives none (`√(1 + ln 32 / ln 4096)`), or the one given.
+#[test]
+fn longrope_is_read_with_its_attention_factor() {
+    let factors = |v: f64| vec![v; 48];
+    let cfg = json!({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "vocab_size": 32064, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": factors(1.0), "long_factor": factors(2.5)}});
+    let c = ModelConfig::from_json(&cfg).unwrap();
+    let RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor } =
+        c.rope_scaling
+    else {
+        panic!("not longrope: {:?}", c.rope_scaling)
+    };
+    assert_eq!((short_factor.len(), long_factor[0], original_max_position_embeddings), (48, 2.5, 4096));
+    assert!((attention_factor - (1.0 + 32f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12, "{attention_factor}");
+    let mut given = cfg.clone();
+    given["rope_scaling"]["attention_factor"] = json!(1.0);
+    let c = ModelConfig::from_json(&given).unwrap();
+    assert!(matches!(c.rope_scaling, RopeScaling::LongRope { attention_factor: 1.0, .. }));
 }

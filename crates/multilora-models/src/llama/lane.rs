@@ -102,13 +102,15 @@ impl<'a> Lane<'a> {
         let (ck, cv) = self.cache.layer(l);
         let d = self.dims;
         let q_scale = query_scale(d, self.model.cfg.query_pre_attn_scalar);
-        let (cos, sin) = match (&self.local, self.model.cfg.layer_window(l)) {
-            (Some((c, s)), Some(_)) => (c, s),
+        let sliding = self.model.cfg.layer_window(l).is_some();
+        let (cos, sin) = match (&self.local, sliding) {
+            (Some((c, s)), true) => (c, s),
             _ => (&self.cos, &self.sin),
         };
+        let writes = self.plan.kv_writes(sliding);
         // On the CPU, the rotation, the queries' scale and the cache write in one pass;
         // elsewhere as tensor ops.
-        let fused = match &self.plan.kv_writes {
+        let fused = match writes {
             KvWrites::Host(rows) => {
                 multilora_layers::rope_write_kv(&qkv, (cos, sin), d, (ck, cv), rows, Some(q_scale))?
             }
@@ -123,7 +125,7 @@ impl<'a> Lane<'a> {
                 let k = qkv.narrow(1, qs, kvs)?.reshape((tokens, d.kv_heads, d.head_dim))?;
                 let v = qkv.narrow(1, qs + kvs, kvs)?;
                 let k = Rope::apply(&k, cos, sin)?.reshape((tokens, kvs))?;
-                write_kv(self.plan, ck, cv, &k, &v)?;
+                write_kv(writes, ck, cv, &k, &v)?;
                 (Rope::apply(&q, cos, sin)? * q_scale)?
             }
         };

@@ -31,21 +31,25 @@ type RowWork<'a> = (&'a ScheduledRequest, Option<&'a mut Live>, &'a mut [Vec<f32
 impl EngineLoop {
     /// Seeds the step cost model before the first request: a 32-token prefill and decode steps
     /// of 1 and 8 rows, each run twice and timed the second time (the first pays one-time
-    /// costs). They write into the first KV blocks, which are free; no real step reads what a
-    /// request did not write. Skipped when the cache is too small to hold them.
+    /// costs). They write into the first KV blocks (of each pool), which are free; no real step
+    /// reads what a request did not write. Skipped when the cache is too small to hold them.
     pub(super) fn warm_up(&mut self) {
         let bs = self.config.block_size;
         let prompt = 32.min(self.config.max_model_len.saturating_sub(2));
         let blocks = (prompt + 1).div_ceil(bs);
-        if prompt < 2 || blocks > self.config.num_kv_blocks {
+        // The sliding layers' own pool, when they have one, gives its first blocks too.
+        let sliding = self.config.sliding_kv_blocks;
+        if prompt < 2 || blocks > self.config.num_kv_blocks || sliding.is_some_and(|n| blocks > n) {
             return;
         }
         let table: Vec<u32> = (0..blocks as u32).collect();
-        let ids: Vec<u32> = (0..prompt as u32).map(|t| (t * 7 + 3) % self.config.vocab_size.max(1) as u32).collect();
-        let prefill = Batch::new(vec![SeqInput::new(ids.clone(), 0, table.clone(), None)]);
-        let decode = |rows: usize| {
-            Batch::new((0..rows).map(|_| SeqInput::new(vec![ids[0]], prompt, table.clone(), None)).collect())
+        let seq = |ids: Vec<u32>, start: usize| {
+            let s = SeqInput::new(ids, start, table.clone(), None);
+            if sliding.is_some() { s.with_sliding_table(table.clone()) } else { s }
         };
+        let ids: Vec<u32> = (0..prompt as u32).map(|t| (t * 7 + 3) % self.config.vocab_size.max(1) as u32).collect();
+        let prefill = Batch::new(vec![seq(ids.clone(), 0)]);
+        let decode = |rows: usize| Batch::new((0..rows).map(|_| seq(vec![ids[0]], prompt)).collect());
         for (batch, rows, tokens) in [(prefill, 0, prompt), (decode(1), 1, 0), (decode(8), 8, 0)] {
             let mut seconds = f64::NAN;
             for _ in 0..2 {
@@ -102,6 +106,7 @@ impl EngineLoop {
             }
             seqs.push(
                 SeqInput::new(s.token_ids.clone(), s.num_computed_tokens, s.block_table.clone(), slot)
+                    .with_sliding_table(s.sliding_table.clone())
                     .with_logits(s.logits),
             );
             kept.push(s);
