@@ -390,7 +390,7 @@ impl StepPlan {
 
 /// Sequence `i`'s sliding table, checked: it covers the context, and every block from the first
 /// token's window on is one of the sliding pool's (those before are never read).
-fn sliding_table<'a>(i: usize, s: &'a SeqInput, lim: Limits) -> Result<&'a [u32]> {
+fn sliding_table(i: usize, s: &SeqInput, lim: Limits) -> Result<&[u32]> {
     let (bs, ctx) = (lim.block_size, s.start_pos + s.tokens.len());
     let blocks = lim.sliding_blocks.unwrap_or(0);
     let t = &s.sliding_table;

@@ -383,11 +383,11 @@ impl Weights {
         let Source::Gguf(g, cfg) = &self.source else {
             return Ok(LinearWeight::Dense(self.get_in(name, shape, dtype)?));
         };
-        self.from_raw(name, g.read_raw(name, shape, cfg)?, dtype, quantized)
+        self.linear_from_raw(name, g.read_raw(name, shape, cfg)?, dtype, quantized)
     }
 
     /// A GGUF tensor's bytes as [`Weights::linear`] gives them.
-    fn from_raw(&self, name: &str, raw: RawTensor, dtype: DType, quantized: bool) -> Result<LinearWeight> {
+    fn linear_from_raw(&self, name: &str, raw: RawTensor, dtype: DType, quantized: bool) -> Result<LinearWeight> {
         if !quantized || raw.quant_type().is_none() {
             let t = raw.dense()?;
             return Ok(LinearWeight::Dense(if self.device.is_cpu() {
@@ -425,7 +425,7 @@ impl Weights {
             let mut parts = Vec::with_capacity(rows.len());
             for &r in rows {
                 let bytes = raw.bytes[at * row_bytes..(at + r) * row_bytes].to_vec();
-                parts.push(self.from_raw(
+                parts.push(self.linear_from_raw(
                     name,
                     RawTensor { dtype: raw.dtype, shape: vec![r, cols], bytes },
                     dtype,

@@ -58,7 +58,7 @@ fn a_request_of_three_windows_holds_a_window_and_a_block() -> anyhow::Result<()>
 /// scheduler is built, naming both.
 #[test]
 fn a_sliding_pool_smaller_than_one_window_is_refused() {
-    let e = Scheduler::new(config(3, 8)).err().expect("refused");
+    let Err(e) = Scheduler::new(config(3, 8)) else { panic!("a sliding pool of 3 blocks was accepted") };
     let msg = e.to_string();
     assert!(msg.contains("sliding") && msg.contains("window of 8"), "{msg}");
 }
