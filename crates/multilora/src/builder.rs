@@ -334,7 +334,7 @@ impl EngineBuilder {
             max_loras = lora.max_loras(),
             max_lora_rank = lora.max_lora_rank(),
             lora_slot_bytes = slot_bytes,
-            kv_bytes = kv_cfg.num_blocks as u64 * self.block_size as u64 * model.kv_bytes_per_token(),
+            kv_bytes = kv.nbytes(),
             kv_blocks = kv_cfg.num_blocks,
             kv_tokens = kv_cfg.num_blocks * self.block_size,
             sliding_kv_blocks = kv_cfg.sliding_blocks,
