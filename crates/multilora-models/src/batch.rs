@@ -1,6 +1,7 @@
 //! One step's input as plain data ([`Batch`], [`SeqInput`]), and the per-step plan the forward
 //! derives from it once and shares with every layer: flat token ids and positions, the cache rows
-//! to write and to read per sequence, causal masks, the rows that want logits, and the two
+//! to write and to read per sequence (their causal masks made per query tile where they are read),
+//! the rows that want logits, and the two
 //! `LoraMapping`s (per token, per logit row).
 
 use candle_core::{Device, Tensor};
@@ -112,8 +113,19 @@ pub(crate) struct SeqPlan {
     /// Flat cache rows of the positions its new tokens may see: `0..start_pos + len`, or from
     /// the first token's window start under a sliding window.
     pub(crate) ctx_rows: Tensor,
-    /// `[len, ctx]` additive causal (and window) mask in f32.
-    pub(crate) mask: Tensor,
+    /// The position of its first new token.
+    pub(crate) start: usize,
+    /// The position of `ctx_rows`' first row.
+    pub(crate) lo: usize,
+    /// The sliding window its keys are seen through, if any.
+    pub(crate) window: Option<usize>,
+}
+
+impl SeqPlan {
+    /// The first position a query at position `q` sees.
+    pub(crate) fn first(&self, q: usize) -> usize {
+        self.window.map_or(0, |w| (q + 1).saturating_sub(w))
+    }
 }
 
 /// The one-token sequences of a step (decode rows), attended together.
@@ -187,6 +199,15 @@ pub(crate) struct StepPlan {
     pub(crate) logit_mapping: LoraMapping,
 }
 
+/// A [`SeqPlan`] before its context rows are uploaded.
+struct SeqPlan0 {
+    offset: usize,
+    len: usize,
+    start: usize,
+    lo: usize,
+    window: Option<usize>,
+}
+
 /// The sliding layers' attention inputs, beside the full layers' of a [`StepPlan`].
 #[derive(Debug)]
 pub(crate) struct Windowed {
@@ -196,30 +217,11 @@ pub(crate) struct Windowed {
     pub(crate) kv_writes: Option<KvWrites>,
 }
 
-/// A sequence's context rows and, for more than one new token, its `[len, ctx]` causal mask,
-/// under `window`: new token `j` at position `q = start + j` sees positions from 0, or from the
-/// start of its window, to `q`.
-fn context(
-    start: usize,
-    len: usize,
-    window: Option<usize>,
-    row: impl Fn(usize) -> u32,
-    device: &Device,
-) -> Result<(Vec<u32>, Option<Tensor>)> {
-    let ctx = start + len;
-    let first = move |q: usize| window.map_or(0, |w| (q + 1).saturating_sub(w));
-    let lo = first(start);
-    let rows: Vec<u32> = (lo..ctx).map(row).collect();
-    if len == 1 {
-        return Ok((rows, None));
-    }
-    let m: Vec<f32> = (0..len)
-        .flat_map(|j| {
-            let q = start + j;
-            (lo..ctx).map(move |p| if p <= q && p >= first(q) { 0.0 } else { f32::NEG_INFINITY })
-        })
-        .collect();
-    Ok((rows, Some(Tensor::from_vec(m, (len, ctx - lo), device)?)))
+/// A sequence's context rows under `window`: the positions its first new token sees (from 0, or
+/// from the start of its window) to its last new token.
+fn context(start: usize, len: usize, window: Option<usize>, row: impl Fn(usize) -> u32) -> (usize, Vec<u32>) {
+    let lo = window.map_or(0, |w| (start + 1).saturating_sub(w));
+    (lo, (lo..start + len).map(row).collect())
 }
 
 impl StepPlan {
@@ -243,9 +245,9 @@ impl StepPlan {
 
     /// The plan of `batch`, checked against `lim`. Its small integer tables (token ids,
     /// positions, cache rows, the decode rows' block tables or context rows, the row orders, both
-    /// mappings' indexes) go to `device` in one copy through `upload`; only a prefill sequence's
-    /// f32 causal mask (and a decode group's, when its contexts differ and the paged kernel does
-    /// not serve) is a tensor of its own.
+    /// mappings' indexes) go to `device` in one copy through `upload`; only a decode group's f32
+    /// mask, when its contexts differ and the paged kernel does not serve, is a tensor of its own
+    /// (a prefill sequence's causal mask is made per query tile where it is read).
     pub(crate) fn new(batch: &Batch, lim: Limits, device: &Device, upload: &MetaToDevice) -> Result<StepPlan> {
         let total = batch.num_tokens();
         if batch.seqs.is_empty() {
@@ -259,11 +261,11 @@ impl StepPlan {
         let mut token_slots = Vec::with_capacity(total);
         let mut logit_rows = Vec::new();
         let mut logit_slots = Vec::new();
-        // (offset, len, context rows, mask) of each sequence with more than one new token.
-        let mut prefill: Vec<(usize, usize, Vec<u32>, Tensor)> = Vec::new();
+        // Each sequence with more than one new token: its plan but the context rows, and those.
+        let mut prefill: Vec<(SeqPlan0, Vec<u32>)> = Vec::new();
         let mut decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
         // The same for the sliding layers when others attend to everything.
-        let mut w_prefill: Vec<(usize, usize, Vec<u32>, Tensor)> = Vec::new();
+        let mut w_prefill: Vec<(SeqPlan0, Vec<u32>)> = Vec::new();
         let mut w_decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
         let main_window = if lim.mixed_windows { None } else { lim.window };
         let bs = lim.block_size;
@@ -312,20 +314,23 @@ impl StepPlan {
             logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
             logit_rows.extend(wanted.map(|r| r as u32));
             let table = &s.block_table[..ctx.div_ceil(bs)];
-            match context(s.start_pos, len, main_window, row, device)? {
-                (rows, Some(mask)) => prefill.push((offset, len, rows, mask)),
-                (rows, None) => decode.push((offset, rows, table)),
+            let plan = |window: Option<usize>, lo: usize| SeqPlan0 { offset, len, start: s.start_pos, lo, window };
+            let (lo, rows) = context(s.start_pos, len, main_window, row);
+            match len {
+                1 => decode.push((offset, rows, table)),
+                _ => prefill.push((plan(main_window, lo), rows)),
             }
             if lim.mixed_windows {
-                match context(s.start_pos, len, lim.window, w_row, device)? {
-                    (rows, Some(mask)) => w_prefill.push((offset, len, rows, mask)),
-                    (rows, None) => w_decode.push((offset, rows, &w_table[..ctx.div_ceil(bs)])),
+                let (lo, rows) = context(s.start_pos, len, lim.window, w_row);
+                match len {
+                    1 => w_decode.push((offset, rows, &w_table[..ctx.div_ceil(bs)])),
+                    _ => w_prefill.push((plan(lim.window, lo), rows)),
                 }
             }
         }
         let mut order: Vec<u32> = decode.iter().map(|d| d.0 as u32).collect();
-        for (offset, len, ..) in &prefill {
-            order.extend((*offset..offset + len).map(|r| r as u32));
+        for (p, _) in &prefill {
+            order.extend((p.offset..p.offset + p.len).map(|r| r as u32));
         }
         let mut meta = StepMeta::new();
         let ids_part = meta.push(ids);
@@ -340,9 +345,9 @@ impl StepPlan {
             }
             meta.push(inv)
         });
-        let seq_parts: Vec<MetaPart> = prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.2))).collect();
+        let seq_parts: Vec<MetaPart> = prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.1))).collect();
         let decode = decode_group(decode, lim.paged_decode, device, &mut meta)?;
-        let w_parts: Vec<MetaPart> = w_prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.2))).collect();
+        let w_parts: Vec<MetaPart> = w_prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.1))).collect();
         let w_decode = decode_group(w_decode, false, device, &mut meta)?;
         let logit_part = (logit_rows.len() != total).then(|| meta.push(logit_rows));
         let token_mapping = token_mapping(batch, &token_slots, lim.max_loras, device, &mut meta)?;
@@ -357,11 +362,14 @@ impl StepPlan {
             Some(p) => Some(KvWrites::Rows(up.part(p)?)),
             None => own_pool.then_some(KvWrites::Host(w_write_rows)),
         };
-        let plans = |prefill: Vec<(usize, usize, Vec<u32>, Tensor)>, parts: Vec<MetaPart>| {
+        let plans = |prefill: Vec<(SeqPlan0, Vec<u32>)>, parts: Vec<MetaPart>| {
             prefill
                 .into_iter()
                 .zip(parts)
-                .map(|((offset, len, _, mask), p)| Ok(SeqPlan { offset, len, ctx_rows: up.part(p)?, mask }))
+                .map(|((s, _), p)| {
+                    let SeqPlan0 { offset, len, start, lo, window } = s;
+                    Ok(SeqPlan { offset, len, ctx_rows: up.part(p)?, start, lo, window })
+                })
                 .collect::<Result<Vec<_>>>()
         };
         let seqs = plans(prefill, seq_parts)?;

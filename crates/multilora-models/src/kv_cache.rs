@@ -122,15 +122,16 @@ pub fn device_memory(device: &Device) -> Result<Option<DeviceMemory>> {
 /// An upper estimate of the device memory one step's activations take beyond the weights, the
 /// slots and the KV cache, for steps of up to `tokens` new tokens over contexts of up to
 /// `max_model_len` positions: the hidden states, the fused projections' outputs, one prefill
-/// sequence's attention scores (f32) and probabilities over its whole context with its gathered
-/// K and V, and f32 logits for every token; plus a quarter for the allocator's slack. The KV
+/// sequence's attention (a query tile's scores and probabilities, at most
+/// [`SCORES_BYTES`](crate::attention::SCORES_BYTES), and its gathered K and V), and f32 logits for
+/// every token; plus a quarter for the allocator's slack. The KV
 /// budget on a GPU is what `gpu_memory_utilization` leaves after this.
 pub fn step_activation_bytes(cfg: &ModelConfig, dtype: DType, tokens: usize, max_model_len: usize) -> u64 {
     let (t, ctx, dt) = (tokens as u64, max_model_len.max(tokens) as u64, dtype.size_in_bytes() as u64);
     let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
     let (q, kv, heads) = (cfg.q_size() as u64, cfg.kv_size() as u64, cfg.num_heads as u64);
     let hidden = t * dt * (4 * h + 2 * (q + 2 * kv) + 2 * q + 4 * i);
-    let attention = heads * t * ctx * (4 + dt) + 4 * ctx * kv * dt;
+    let attention = (heads * t * ctx * 12).min(crate::attention::SCORES_BYTES as u64) + 4 * ctx * kv * dt;
     let logits = t * cfg.vocab_size as u64 * (4 + dt);
     (hidden + attention + logits) * 5 / 4
 }

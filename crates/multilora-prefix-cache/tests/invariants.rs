@@ -1,13 +1,19 @@
-//! Property tests: random admit / allocate / commit / decode / free traces keep the pool's invariants.
+//! Property tests: random admit / allocate / commit / decode / free traces keep the pool's
+//! invariants, with and without caching, and with a sliding group (a second pool whose blocks
+//! behind the window are freed).
 
 use std::collections::HashMap;
 
-use multilora_prefix_cache::{BlockId, Error, ExtraKeys, KvConfig, KvManager, KvMetrics};
+use multilora_prefix_cache::{
+    BlockId, BlockPool, Error, ExtraKeys, KvConfig, KvManager, KvMetrics, NULL_BLOCK, SlidingKv,
+};
 use proptest::prelude::*;
 
 const NUM_BLOCKS: usize = 12;
 const BLOCK_SIZE: usize = 4;
 const NUM_IDS: u64 = 6;
+/// The sliding group of the sliding traces: a window of 6 tokens, a pool of 8 blocks.
+const SLIDING: SlidingKv = SlidingKv { window: 6, num_blocks: 8 };
 
 /// Three adapters (the last one a "reload" of the second with one byte changed) and the base model.
 fn extra(adapter: u8) -> ExtraKeys {
@@ -92,8 +98,17 @@ type Content = (u8, Vec<u32>);
 struct Snapshot {
     metrics: KvMetrics,
     free_queue: Vec<BlockId>,
-    blocks: Vec<(u32, Option<u128>)>,
-    tables: Vec<(bool, Vec<BlockId>)>,
+    blocks: Vec<BlockState>,
+    tables: Vec<(bool, Vec<BlockId>, Vec<BlockId>)>,
+    /// The sliding pool's free queue and blocks.
+    sliding: Option<(Vec<BlockId>, Vec<BlockState>)>,
+}
+
+/// A block's reference count and hash.
+type BlockState = (u32, Option<u128>);
+
+fn blocks(pool: &BlockPool) -> Vec<BlockState> {
+    (0..pool.num_blocks() as u32).map(|b| (pool.ref_count(b), pool.block_hash(b).map(|h| h.0))).collect()
 }
 
 fn snapshot(kv: &KvManager) -> Snapshot {
@@ -101,9 +116,47 @@ fn snapshot(kv: &KvManager) -> Snapshot {
     Snapshot {
         metrics: kv.metrics(),
         free_queue: pool.free_queue().collect(),
-        blocks: (0..NUM_BLOCKS as u32).map(|b| (pool.ref_count(b), pool.block_hash(b).map(|h| h.0))).collect(),
-        tables: (0..=NUM_IDS).map(|id| (kv.contains(id), kv.block_table(id).to_vec())).collect(),
+        blocks: blocks(pool),
+        tables: (0..=NUM_IDS)
+            .map(|id| (kv.contains(id), kv.block_table(id).to_vec(), kv.sliding_table(id).to_vec()))
+            .collect(),
+        sliding: kv.sliding_pool().map(|p| (p.free_queue().collect(), blocks(p))),
     }
+}
+
+/// The first block a query at `pos` reads in the sliding layers.
+fn first_needed(pos: usize) -> usize {
+    (pos + 1).saturating_sub(SLIDING.window) / BLOCK_SIZE
+}
+
+/// The sliding pool's invariants: every table as long as the full one, null exactly before the
+/// window of its next query (`computed`), reference counts equal to the tables holding each
+/// block, the free queue the unreferenced blocks, once each.
+fn check_sliding(kv: &KvManager, reqs: &HashMap<u64, Req>) {
+    let Some(pool) = kv.sliding_pool() else { return };
+    let mut refs = vec![0u32; pool.num_blocks()];
+    for (id, req) in reqs {
+        let table = kv.sliding_table(*id);
+        assert_eq!(table.len(), kv.block_table(*id).len(), "request {id}: sliding table length");
+        let first = first_needed(req.computed).min(table.len());
+        assert!(
+            table[..first].iter().all(|&b| b == NULL_BLOCK),
+            "request {id}: {table:?} keeps blocks behind its window"
+        );
+        assert!(table[first..].iter().all(|&b| b != NULL_BLOCK), "request {id}: {table:?} lacks a block of its window");
+        for &b in &table[first..] {
+            refs[b as usize] += 1;
+        }
+    }
+    for b in 0..pool.num_blocks() as u32 {
+        assert_eq!(pool.ref_count(b), refs[b as usize], "sliding ref count of block {b}");
+        assert_eq!(pool.is_free(b), refs[b as usize] == 0, "sliding block {b} free while referenced");
+    }
+    let mut queue: Vec<_> = pool.free_queue().collect();
+    assert_eq!(queue.len(), pool.num_free_blocks());
+    queue.sort_unstable();
+    queue.dedup();
+    assert_eq!(queue.len(), pool.num_free_blocks(), "a sliding block is queued twice");
 }
 
 fn check_invariants(kv: &KvManager, reqs: &HashMap<u64, Req>) {
@@ -137,17 +190,19 @@ fn check_invariants(kv: &KvManager, reqs: &HashMap<u64, Req>) {
     assert!((0.0..=1.0).contains(&m.usage));
 }
 
-fn run_trace(caching: bool, ops: Vec<Op>) {
+fn run_trace(caching: bool, sliding: Option<SlidingKv>, ops: Vec<Op>) {
     let mut kv = KvManager::new(KvConfig {
         num_blocks: NUM_BLOCKS,
         block_size: BLOCK_SIZE,
         enable_prefix_caching: caching,
         hash_seed: 0,
-        sliding: None,
+        sliding,
     });
     let mut reqs: HashMap<u64, Req> = HashMap::new();
-    // Content of the KV each block holds, set when a commit says it was computed.
+    // Content of the KV each block holds, set when a commit says it was computed; the same for
+    // the sliding pool's blocks.
     let mut content: Vec<Option<Content>> = vec![None; NUM_BLOCKS];
+    let mut s_content: Vec<Option<Content>> = vec![None; sliding.map_or(0, |s| s.num_blocks)];
 
     for op in ops {
         let before = snapshot(&kv);
@@ -160,6 +215,7 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
                 assert!(cached < tokens.len() || cached == 0, "a full hit must leave a token");
                 let new = chunk.min(tokens.len() - cached) + extra_room;
                 let table_before = content.clone();
+                let s_before = s_content.clone();
                 match kv.admit(id, &tokens, &keys, skip, new) {
                     Ok(got) => {
                         assert!(!reqs.contains_key(&id));
@@ -173,6 +229,17 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
                                 assert_eq!(table_before[b as usize].as_ref(), Some(&want), "hit block {b}");
                             } else {
                                 content[b as usize] = None;
+                            }
+                        }
+                        for (i, &b) in kv.sliding_table(id).iter().enumerate() {
+                            if b == NULL_BLOCK {
+                                assert!(i < first_needed(cached), "block {i} of the hit's window is null");
+                            } else if i < cached / BLOCK_SIZE {
+                                // The hit's window must hold this adapter's KV for this prefix.
+                                let want = (adapter, tokens[..(i + 1) * BLOCK_SIZE].to_vec());
+                                assert_eq!(s_before[b as usize].as_ref(), Some(&want), "sliding hit block {b}");
+                            } else {
+                                s_content[b as usize] = None;
                             }
                         }
                         reqs.insert(id, Req { tokens, adapter, computed: cached });
@@ -197,6 +264,9 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
                         for &b in &kv.block_table(id)[old..] {
                             content[b as usize] = None;
                         }
+                        for &b in kv.sliding_table(id).get(old..).unwrap_or_default() {
+                            s_content[b as usize] = None;
+                        }
                     }
                     (Err(Error::UnknownRequest(_)), false) | (Err(Error::NoFreeBlocks { .. }), true) => {}
                     other => panic!("allocate: {other:?}"),
@@ -212,6 +282,8 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
                     let capacity = kv.block_table(id).len() * BLOCK_SIZE;
                     let hi = req.tokens.len().min(capacity);
                     let n = req.computed.max(upto.min(hi));
+                    // The sliding blocks the commit computes: it may free them behind the window.
+                    let table = kv.sliding_table(id).to_vec();
                     kv.commit(id, &req.tokens, n).unwrap();
                     req.computed = n;
                     for (i, &b) in kv.block_table(id)[..n / BLOCK_SIZE].iter().enumerate() {
@@ -220,6 +292,15 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
                             assert_eq!(have, &want, "block {b} rewritten with other content");
                         }
                         content[b as usize] = Some(want);
+                    }
+                    for (i, &b) in table.iter().enumerate().take(n / BLOCK_SIZE) {
+                        if b != NULL_BLOCK {
+                            let want = (req.adapter, req.tokens[..(i + 1) * BLOCK_SIZE].to_vec());
+                            if let Some(have) = &s_content[b as usize] {
+                                assert_eq!(have, &want, "sliding block {b} rewritten with other content");
+                            }
+                            s_content[b as usize] = Some(want);
+                        }
                     }
                     Ok(())
                 }
@@ -231,6 +312,9 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
                     if r.is_ok() {
                         for &b in &kv.block_table(id)[old..] {
                             content[b as usize] = None;
+                        }
+                        for &b in kv.sliding_table(id).get(old..).unwrap_or_default() {
+                            s_content[b as usize] = None;
                         }
                         req.tokens.push(token);
                     }
@@ -249,6 +333,7 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
             assert_eq!(before, snapshot(&kv), "a failed call changed state");
         }
         check_invariants(&kv, &reqs);
+        check_sliding(&kv, &reqs);
         if !caching {
             assert_eq!(kv.pool().num_cached_blocks(), 0);
         }
@@ -260,6 +345,9 @@ fn run_trace(caching: bool, ops: Vec<Op>) {
     reqs.clear();
     check_invariants(&kv, &reqs);
     assert_eq!(kv.num_free_blocks(), NUM_BLOCKS, "every block comes back");
+    if let Some(pool) = kv.sliding_pool() {
+        assert_eq!(pool.num_free_blocks(), pool.num_blocks(), "every sliding block comes back");
+    }
     assert_eq!(kv.metrics().usage, 0.0);
 }
 
@@ -268,11 +356,16 @@ proptest! {
 
     #[test]
     fn invariants_hold_with_caching(ops in prop::collection::vec(op(), 1..80)) {
-        run_trace(true, ops);
+        run_trace(true, None, ops);
     }
 
     #[test]
     fn invariants_hold_without_caching(ops in prop::collection::vec(op(), 1..60)) {
-        run_trace(false, ops);
+        run_trace(false, None, ops);
+    }
+
+    #[test]
+    fn invariants_hold_with_a_sliding_group(ops in prop::collection::vec(op(), 1..80), caching in any::<bool>()) {
+        run_trace(caching, Some(SLIDING), ops);
     }
 }
