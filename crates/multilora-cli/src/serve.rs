@@ -47,6 +47,10 @@ pub(crate) struct ServeArgs {
     /// Requests waiting beyond --max-num-seqs before new ones get 429.
     #[arg(long, default_value_t = multilora_server::DEFAULT_MAX_WAITING_REQUESTS)]
     pub(crate) max_waiting_requests: usize,
+    /// Keep the last N responses of /v1/responses in memory, for `previous_response_id` and
+    /// `GET /v1/responses/{id}` (0: stateless, such a request is a 400).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub(crate) responses_store: usize,
     /// Resolve an unknown model name that is a subdirectory of DIR holding a PEFT adapter,
     /// loaded on first use (vLLM's filesystem resolver; also VLLM_LORA_RESOLVER_CACHE_DIR). Needs
     /// runtime lora updating; DIR becomes an allowed root.
@@ -199,7 +203,8 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         .max_concurrent_requests(a.max_concurrent_requests)
         .health_stall_timeout(stall)
         .metrics_need_key(a.metrics_need_api_key)
-        .trust_request_chat_template(a.trust_request_chat_template);
+        .trust_request_chat_template(a.trust_request_chat_template)
+        .responses_store(a.responses_store);
     if let Some(key) = &a.api_key {
         config = config.api_key(key.clone());
     }

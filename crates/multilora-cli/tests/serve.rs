@@ -1,9 +1,10 @@
 //! `multilora serve` as a process: the official `openai` Python client against it (with a chat
-//! template given by `--chat-template`, and without one), a graceful exit 0 on SIGTERM, a bf16
+//! template given by `--chat-template`, and without one), the `openai` and `anthropic` clients
+//! through the Responses and Messages APIs on SmolLM2's file, a graceful exit 0 on SIGTERM, a bf16
 //! checkpoint served in its own dtype within its own bytes, and a GGUF file served quantized
 //! within its own bytes with no other flag.
 //!
-//! The Python part needs `python3` with the `openai` package. `.ci/run` installs it and sets
+//! The Python part needs `python3` with the `openai` and `anthropic` packages. `.ci/run` installs it and sets
 //! `MULTILORA_REQUIRE_OPENAI=1`, so in CI its absence fails the test; elsewhere the Python part
 //! is skipped with a message saying how to run it, and the shutdown checks still run.
 
@@ -77,6 +78,38 @@ fn the_openai_python_client_works_and_sigterm_exits_zero() {
     if with_python {
         run_client(&server.url, "no-template");
     }
+    assert_eq!(server.terminate().code(), Some(0));
+}
+
+/// The official `openai` and `anthropic` clients through the Responses and Messages APIs, on
+/// SmolLM2's GGUF file with a PEFT adapter named as the model: each API answers with chat
+/// completions' greedy text for the same conversation, streamed through the clients' own stream
+/// helpers; `count_tokens` and `/tokenize` count chat's prompt tokens (`tests/agent_clients.py`).
+#[test]
+fn the_agent_clients_speak_responses_and_messages() {
+    let Some(gguf) = smollm2::gguf("the_agent_clients_speak_responses_and_messages") else { return };
+    if !python_openai() {
+        return;
+    }
+    let ok = Command::new("python3")
+        .args(["-c", "import anthropic"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        let required = std::env::var("MULTILORA_REQUIRE_OPENAI").is_ok_and(|v| v == "1");
+        assert!(!required, "MULTILORA_REQUIRE_OPENAI=1 but `python3 -c 'import anthropic'` fails");
+        eprintln!("SKIPPED the anthropic client checks: `pip install anthropic` to run them (CI does)");
+        return;
+    }
+    let pirate = smollm2::fixtures().join("adapters/pirate");
+    let server = serve_model(&gguf, &["--lora-modules".into(), format!("pirate={}", pirate.display())], &[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/agent_clients.py");
+    let out = Command::new("python3").arg(&script).args([&server.url, "test-key", "pirate"]).output().expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "agent clients failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.starts_with("OK"), "{stdout}");
+    eprintln!("{stdout}");
     assert_eq!(server.terminate().code(), Some(0));
 }
 

@@ -1,47 +1,29 @@
-//! `POST /v1/chat/completions`: messages rendered through the chat template (the request's own
-//! when the server trusts request templates, else the server's `--chat-template`, else the
-//! model's; a clear 400 when there is none), tokenized without adding
-//! special tokens (the template writes them, as in vLLM), then generated like a completion.
+//! `POST /v1/chat/completions`: messages rendered into the prompt as every chat-shaped API does
+//! (`conversation.rs`), then generated like a completion.
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::Response;
-use multilora::{FinishReason, Prompt};
+use multilora::Prompt;
 use serde_json::{Value, json};
 
 use crate::completions::TokenNames;
+use crate::conversation::{Turn, prompt_ids};
 use crate::error::{Error, Result};
-use crate::generation::{self, Meta, Output, Render, TokenOut};
+use crate::generation::{self, End, Meta, Output, Render, TokenOut, choices_body, stop_reason_json};
 use crate::protocol::{ChatRequest, fan_out};
 use crate::state::{AppState, unix_now};
-use crate::template::ChatTemplate;
 
 pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Result<Response> {
     let req = ChatRequest::parse(&body)?;
-    let own = match &req.chat_template {
-        Some(_) if !state.config.trust_request_chat_template => {
-            return Err(Error::bad(
-                "chat_template",
-                "this server does not run a request's own chat template (start it with --trust-request-chat-template)",
-            ));
-        }
-        Some(source) => Some(ChatTemplate::from_request(source, state.engine.config().chat_template.as_ref())?),
-        None => None,
-    };
-    let template = own
-        .as_ref()
-        .or(state.config.chat_template.as_ref())
-        .or(state.chat_template.as_ref())
-        .ok_or_else(|| Error::NoChatTemplate { model: state.engine.config().served_model_name.clone() })?;
     if req.messages.is_empty() {
         return Err(Error::bad("messages", "messages must not be empty"));
     }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
-        messages.push(json!({"role": m.role, "content": m.text(i)?}));
-    }
-    let text = template.render(&messages, req.add_generation_prompt.unwrap_or(true), &req.chat_template_kwargs)?;
-    let ids = state.engine.tokenize(&text, false)?;
+    let turns =
+        req.messages.iter().enumerate().map(|(i, m)| Ok(Turn::new(&m.role, m.text(i)?))).collect::<Result<Vec<_>>>()?;
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let ids =
+        prompt_ids(&state, req.chat_template.as_deref(), &turns, add_generation_prompt, &req.chat_template_kwargs)?;
     let n = req.sampling.n()?;
     let admission = state.admit(n)?;
     let logprobs = req.logprobs()?;
@@ -79,27 +61,22 @@ impl ChatRender {
 }
 
 impl Render for ChatRender {
-    fn meta(&self) -> &Meta {
-        &self.meta
-    }
-
-    fn object(&self) -> &'static str {
-        "chat.completion"
-    }
-
-    fn choice(&self, index: usize, o: &Output) -> Value {
-        let logprobs = self
-            .logprobs
-            .then(|| json!({"content": o.tokens.iter().map(|t| token_logprob(&self.names, t)).collect::<Vec<_>>()}));
-        json!({
-            "index": index,
-            "message": {"role": "assistant", "content": o.text},
-            "logprobs": logprobs,
-            "finish_reason": o.finish_reason.as_str(),
+    fn body(&self, outputs: &[Output], n: usize) -> Value {
+        choices_body(&self.meta, "chat.completion", outputs, n, |index, o| {
+            let logprobs = self.logprobs.then(
+                || json!({"content": o.tokens.iter().map(|t| token_logprob(&self.names, t)).collect::<Vec<_>>()}),
+            );
+            json!({
+                "index": index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": logprobs,
+                "finish_reason": o.finish_reason.as_str(),
+                "stop_reason": stop_reason_json(&o.stop_reason),
+            })
         })
     }
 
-    fn opening(&self, n_choices: usize) -> Vec<Value> {
+    fn opening(&mut self, n_choices: usize) -> Vec<Value> {
         (0..n_choices)
             .map(|i| {
                 let delta = json!({"role": "assistant", "content": ""});
@@ -110,21 +87,25 @@ impl Render for ChatRender {
             .collect()
     }
 
-    fn token(&mut self, index: usize, token: &TokenOut) -> Value {
+    fn token(&mut self, index: usize, token: &TokenOut) -> Vec<Value> {
         let logprobs = token.logprob.map(|_| json!({"content": [token_logprob(&self.names, token)]}));
         let choice = json!({"index": index, "delta": {"content": token.text}, "logprobs": logprobs, "finish_reason": Value::Null});
-        self.chunk(vec![choice])
+        vec![self.chunk(vec![choice])]
     }
 
-    fn finish(&mut self, index: usize, reason: FinishReason) -> Value {
-        self.chunk(vec![
-            json!({"index": index, "delta": {}, "logprobs": Value::Null, "finish_reason": reason.as_str()}),
-        ])
+    fn finish(&mut self, index: usize, end: &End) -> Vec<Value> {
+        vec![self.chunk(vec![json!({"index": index, "delta": {}, "logprobs": Value::Null,
+            "finish_reason": end.reason.as_str(), "stop_reason": stop_reason_json(&end.stop_reason)})])]
     }
 
-    fn usage(&mut self, usage: Value) -> Value {
+    fn closing(&mut self, usage: Option<Value>) -> Vec<Value> {
         let m = &self.meta;
-        json!({"id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model,
-               "choices": [], "usage": usage})
+        usage
+            .map(|usage| {
+                json!({"id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model,
+                       "choices": [], "usage": usage})
+            })
+            .into_iter()
+            .collect()
     }
 }

@@ -5,11 +5,11 @@
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::Response;
-use multilora::{EngineHandle, FinishReason};
+use multilora::EngineHandle;
 use serde_json::{Map, Value, json};
 
 use crate::error::Result;
-use crate::generation::{self, Meta, Output, Render, TokenOut};
+use crate::generation::{self, End, Meta, Output, Render, TokenOut, choices_body, stop_reason_json};
 use crate::protocol::{CompletionRequest, fan_out};
 use crate::state::{AppState, unix_now};
 
@@ -95,45 +95,47 @@ impl CompletionRender {
 }
 
 impl Render for CompletionRender {
-    fn meta(&self) -> &Meta {
-        &self.meta
-    }
-
-    fn object(&self) -> &'static str {
-        "text_completion"
-    }
-
-    fn choice(&self, index: usize, o: &Output) -> Value {
-        json!({
-            "index": index,
-            "text": o.text,
-            "logprobs": self.logprobs.then(|| logprobs_json(&self.names, &o.tokens, 0)),
-            "finish_reason": o.finish_reason.as_str(),
-            "stop_reason": Value::Null,
+    fn body(&self, outputs: &[Output], n: usize) -> Value {
+        choices_body(&self.meta, "text_completion", outputs, n, |index, o| {
+            json!({
+                "index": index,
+                "text": o.text,
+                "logprobs": self.logprobs.then(|| logprobs_json(&self.names, &o.tokens, 0)),
+                "finish_reason": o.finish_reason.as_str(),
+                "stop_reason": stop_reason_json(&o.stop_reason),
+            })
         })
     }
 
-    fn opening(&self, _n_choices: usize) -> Vec<Value> {
+    fn opening(&mut self, _n_choices: usize) -> Vec<Value> {
         Vec::new()
     }
 
-    fn token(&mut self, index: usize, token: &TokenOut) -> Value {
+    fn token(&mut self, index: usize, token: &TokenOut) -> Vec<Value> {
         if self.offsets.len() <= index {
             self.offsets.resize(index + 1, 0);
         }
         let logprobs =
             token.logprob.map(|_| logprobs_json(&self.names, std::slice::from_ref(token), self.offsets[index]));
         self.offsets[index] += token.text.chars().count();
-        self.chunk(json!({"index": index, "text": token.text, "logprobs": logprobs, "finish_reason": Value::Null}))
+        vec![
+            self.chunk(json!({"index": index, "text": token.text, "logprobs": logprobs, "finish_reason": Value::Null})),
+        ]
     }
 
-    fn finish(&mut self, index: usize, reason: FinishReason) -> Value {
-        self.chunk(json!({"index": index, "text": "", "logprobs": Value::Null, "finish_reason": reason.as_str()}))
+    fn finish(&mut self, index: usize, end: &End) -> Vec<Value> {
+        vec![self.chunk(json!({"index": index, "text": "", "logprobs": Value::Null,
+            "finish_reason": end.reason.as_str(), "stop_reason": stop_reason_json(&end.stop_reason)}))]
     }
 
-    fn usage(&mut self, usage: Value) -> Value {
+    fn closing(&mut self, usage: Option<Value>) -> Vec<Value> {
         let m = &self.meta;
-        json!({"id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
-               "choices": [], "usage": usage})
+        usage
+            .map(|usage| {
+                json!({"id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
+                       "choices": [], "usage": usage})
+            })
+            .into_iter()
+            .collect()
     }
 }

@@ -46,6 +46,9 @@ pub struct ServerConfig {
     /// The drain the routes follow: started, `/health` and new generation requests answer 503
     /// while admitted requests finish. A new one by default; give your own to start it.
     pub drain: Drain,
+    /// Responses of `/v1/responses` kept in memory for `previous_response_id` and `GET`, the
+    /// oldest dropped first (`--responses-store`; 0, the default: stateless).
+    pub responses_store: usize,
 }
 
 impl Default for ServerConfig {
@@ -61,12 +64,19 @@ impl Default for ServerConfig {
             owned_by: "multilora".to_string(),
             trust_request_chat_template: false,
             drain: Drain::new(),
+            responses_store: 0,
         }
     }
 }
 
 impl ServerConfig {
-    /// Requires `Authorization: Bearer <key>` on `/v1/*`.
+    /// Keeps the last `n` responses of `/v1/responses` (0: none).
+    pub fn responses_store(mut self, n: usize) -> ServerConfig {
+        self.responses_store = n;
+        self
+    }
+
+    /// Requires `Authorization: Bearer <key>` on `/v1/*` (or Anthropic's `x-api-key: <key>`).
     pub fn api_key(mut self, key: impl Into<String>) -> ServerConfig {
         self.api_key = Some(key.into());
         self

@@ -24,6 +24,15 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// Something the request names by id is not there (a stored response); `param` names the
+    /// field.
+    #[error("{message}")]
+    NotFound {
+        /// The field that named it.
+        param: &'static str,
+        /// What is missing.
+        message: String,
+    },
     /// No or a wrong API key.
     #[error("invalid or missing API key (send `Authorization: Bearer <key>`)")]
     Unauthorized,
@@ -105,6 +114,7 @@ impl Error {
     pub fn status(&self) -> StatusCode {
         match self {
             Error::BadRequest { .. } | Error::NoChatTemplate { .. } | Error::Template(_) => StatusCode::BAD_REQUEST,
+            Error::NotFound { .. } => StatusCode::NOT_FOUND,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
             Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::Busy { .. } | Error::Draining => StatusCode::SERVICE_UNAVAILABLE,
@@ -130,6 +140,7 @@ impl Error {
     pub fn code(&self) -> &'static str {
         match self {
             Error::BadRequest { .. } => "invalid_request",
+            Error::NotFound { .. } => "not_found",
             Error::Unauthorized => "invalid_api_key",
             Error::Overloaded { .. } => "rate_limit_exceeded",
             Error::Busy { .. } => "server_busy",
@@ -156,6 +167,7 @@ impl Error {
     fn param(&self) -> Option<&str> {
         match self {
             Error::BadRequest { param, .. } => param.as_deref(),
+            Error::NotFound { param, .. } => Some(param),
             Error::Engine(EngineError::ModelNotFound { .. }) => Some("model"),
             Error::Engine(EngineError::PromptTooLong { .. }) => Some("prompt"),
             _ => None,

@@ -1,6 +1,7 @@
 //! Fuzz target (bolero) for the request bodies of every endpoint: valid bodies mutated with the
 //! fuzzer's input, parsed and translated as the handlers do (prompts, `n`, sampling parameters,
-//! chat messages, logprobs, the adapter endpoints' bodies). Each must give a 400 with a message
+//! chat messages, logprobs, Messages' system and content blocks, Responses' input items,
+//! `/tokenize` and `/detokenize`, the adapter endpoints' bodies). Each must give a 400 with a message
 //! or a value, never a panic. Under `cargo test` bolero's random engine runs it for 1 s;
 //! `BOLERO_RANDOM_TEST_TIME_MS=30000 cargo test -p multilora-server --lib fuzz -- --nocapture`
 //! runs it for 30 s (CI) and prints how many inputs it ran.
@@ -13,7 +14,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use multilora::SamplingParams;
 
 use crate::error::Error;
+use crate::messages::MessagesRequest;
 use crate::protocol::{ChatRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest, fan_out, parse_body};
+use crate::responses::ResponsesRequest;
+use crate::tokenize::{DetokenizeRequest, TokenizeRequest};
 
 const SEEDS: &[&str] = &[
     r#"{"model": "sql", "prompt": ["SELECT", "the"], "n": 2, "max_tokens": 16, "temperature": 0.7, "top_p": 0.9,
@@ -25,6 +29,15 @@ const SEEDS: &[&str] = &[
         {"role": "user", "content": [{"type": "text", "text": "hi"}]}], "logprobs": true, "top_logprobs": 2,
         "max_completion_tokens": 8, "chat_template_kwargs": {"x": 1}, "response_format": {"type": "text"}}"#,
     r#"{"lora_name": "r4", "lora_path": "/adapters/r4", "load_inplace": true}"#,
+    r#"{"model": "sql", "max_tokens": 8, "system": [{"type": "text", "text": "be brief"}], "stop_sequences": ["
+"],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "ok"}],
+        "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stream": true, "metadata": {"user_id": "u"}}"#,
+    r#"{"model": "sql", "instructions": "be brief", "max_output_tokens": 8, "previous_response_id": "resp-1",
+        "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "hi"}]},
+                  {"role": "assistant", "content": "ok"}], "store": true, "text": {"format": {"type": "text"}}}"#,
+    r#"{"model": "sql", "prompt": "hi", "add_special_tokens": true, "tokens": [1, 2, 3],
+        "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true}"#,
 ];
 
 /// Everything a handler does with a body before it reaches the engine.
@@ -47,6 +60,15 @@ fn translate(body: &[u8]) -> Result<(), Error> {
         let logprobs = req.logprobs()?;
         req.sampling.params(SamplingParams::default(), req.max_completion_tokens, logprobs)?;
     }
+    if let Ok(req) = MessagesRequest::parse(body) {
+        let turns = req.turns()?;
+        assert!(!turns.is_empty());
+    }
+    if let Ok(req) = ResponsesRequest::parse(body) {
+        req.input_turns()?;
+    }
+    let _ = parse_body::<TokenizeRequest>(body);
+    let _ = parse_body::<DetokenizeRequest>(body);
     let _ = parse_body::<LoadLoraRequest>(body);
     let _ = parse_body::<UnloadLoraRequest>(body);
     Ok(())

@@ -16,7 +16,7 @@ use axum::Json;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
-use multilora::{EngineError, Event, FinishReason, Prompt, RequestStream, Usage};
+use multilora::{EngineError, Event, FinishReason, Prompt, RequestStream, StopReason, Usage};
 use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
@@ -38,7 +38,25 @@ pub(crate) struct Output {
     pub(crate) text: String,
     pub(crate) tokens: Vec<TokenOut>,
     pub(crate) finish_reason: FinishReason,
+    pub(crate) stop_reason: Option<StopReason>,
     pub(crate) usage: Usage,
+}
+
+/// How a choice ended, as a stream learns it.
+#[derive(Debug)]
+pub(crate) struct End {
+    pub(crate) reason: FinishReason,
+    pub(crate) stop_reason: Option<StopReason>,
+    pub(crate) usage: Usage,
+}
+
+/// vLLM's `stop_reason`: the stop string, the stop token id, or `null` (EOS, or not a stop).
+pub(crate) fn stop_reason_json(stop: &Option<StopReason>) -> Value {
+    match stop {
+        Some(StopReason::String(s)) => json!(s),
+        Some(StopReason::Token(id)) => json!(id),
+        _ => Value::Null,
+    }
 }
 
 /// One choice: its stream and the event already read from it.
@@ -100,20 +118,14 @@ pub(crate) struct Meta {
 
 impl Started {
     /// The endpoint's response: an SSE stream when `stream`, else the collected body
-    /// `{id, object, created, model, choices, usage}`.
+    /// [`Render::body`].
     pub(crate) async fn respond<R: Render>(self, render: R, stream: bool, include_usage: bool) -> Result<Response> {
         if stream {
             return Ok(self.sse(render, include_usage).into_response());
         }
         let n = self.n;
         let outputs = self.collect().await?;
-        let choices: Vec<Value> = outputs.iter().enumerate().map(|(i, o)| render.choice(i, o)).collect();
-        let m = render.meta();
-        let body = json!({
-            "id": m.id, "object": render.object(), "created": m.created, "model": m.model,
-            "choices": choices, "usage": total_usage(&outputs, n),
-        });
-        Ok(Json(body).into_response())
+        Ok(Json(render.body(&outputs, n)).into_response())
     }
 
     /// Waits for every choice's whole output; a choice that fails fails the request.
@@ -124,6 +136,7 @@ impl Started {
                 text: String::new(),
                 tokens: Vec::new(),
                 finish_reason: FinishReason::Error,
+                stop_reason: None,
                 usage: Usage::default(),
             };
             let mut next = c.first.take();
@@ -140,8 +153,9 @@ impl Started {
                         out.text.push_str(&text_delta);
                         out.tokens.push(TokenOut { id, text: text_delta, logprob, top: top_logprobs });
                     }
-                    Event::Finished { reason, usage } => {
+                    Event::Finished { reason, usage, stop_reason } => {
                         out.finish_reason = reason;
+                        out.stop_reason = stop_reason;
                         out.usage = usage;
                         break;
                     }
@@ -155,10 +169,11 @@ impl Started {
         Ok(outs)
     }
 
-    /// Streams the choices as SSE chunks rendered by `render`, then `data: [DONE]`.
+    /// Streams the choices as SSE events rendered by `render`: OpenAI's chunks ending in
+    /// `data: [DONE]`, or typed events (`event: <type>`) for the APIs that name them.
     pub(crate) fn sse<R: Render>(
         self,
-        render: R,
+        mut render: R,
         include_usage: bool,
     ) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
         let n_choices = self.choices.len();
@@ -168,7 +183,7 @@ impl Started {
                 let rest = stream::unfold(c.stream, move |mut s| async move { s.recv().await.map(|e| ((i, e), s)) });
                 first.chain(rest).boxed()
             }));
-        let pending: VecDeque<String> = render.opening(n_choices).iter().map(Value::to_string).collect();
+        let pending: VecDeque<Value> = render.opening(n_choices).into();
         let state = SseState {
             events,
             render,
@@ -184,34 +199,67 @@ impl Started {
         };
         let body = stream::unfold(state, |mut st| async move {
             let data = st.next_data().await?;
-            Some((Ok(SseEvent::default().data(data)), st))
+            let event = match (st.render.typed(), data.get("type").and_then(Value::as_str)) {
+                (true, Some(kind)) => SseEvent::default().event(kind),
+                _ => SseEvent::default(),
+            };
+            let data = match data {
+                Value::String(done) => done,
+                other => other.to_string(),
+            };
+            Some((Ok(event.data(data)), st))
         });
         Sse::new(body).keep_alive(KeepAlive::default())
     }
 }
 
-/// How an endpoint writes its stream chunks and its collected body.
+/// How an endpoint writes its collected body and its stream's events: one engine request model,
+/// a wire format per API.
 pub(crate) trait Render: Send + 'static {
-    /// The response's id, creation time and model.
-    fn meta(&self) -> &Meta;
-    /// `object` of the collected body.
-    fn object(&self) -> &'static str;
-    /// Choice `index` of the collected body.
-    fn choice(&self, index: usize, output: &Output) -> Value;
-    /// Chunks before any token (chat's assistant role deltas).
-    fn opening(&self, n_choices: usize) -> Vec<Value>;
-    /// A token of choice `index`.
-    fn token(&mut self, index: usize, token: &TokenOut) -> Value;
-    /// Choice `index` finished.
-    fn finish(&mut self, index: usize, reason: FinishReason) -> Value;
-    /// The closing usage chunk (`stream_options.include_usage`).
-    fn usage(&mut self, usage: Value) -> Value;
+    /// The collected body of `outputs` (`n` choices per prompt, in order).
+    fn body(&self, outputs: &[Output], n: usize) -> Value;
+    /// Events before any token (chat's assistant role deltas, the Messages and Responses
+    /// openings).
+    fn opening(&mut self, n_choices: usize) -> Vec<Value>;
+    /// The events of a token of choice `index`.
+    fn token(&mut self, index: usize, token: &TokenOut) -> Vec<Value>;
+    /// The events of choice `index`'s end.
+    fn finish(&mut self, index: usize, end: &End) -> Vec<Value>;
+    /// The events after every choice ended; `usage` (OpenAI's object) when the request asked
+    /// for it (`stream_options.include_usage`).
+    fn closing(&mut self, usage: Option<Value>) -> Vec<Value>;
+    /// The event of a failure after the headers went out.
+    fn error(&mut self, e: &Error) -> Value {
+        e.body()
+    }
+    /// Whether each event is named by its `type` (`event: <type>`) and the stream ends without
+    /// OpenAI's `[DONE]` (the Messages and Responses APIs).
+    fn typed(&self) -> bool {
+        false
+    }
+}
+
+/// An OpenAI body `{id, object, created, model, choices, usage}` of `outputs`, each choice
+/// written by `choice`.
+pub(crate) fn choices_body(
+    meta: &Meta,
+    object: &str,
+    outputs: &[Output],
+    n: usize,
+    choice: impl Fn(usize, &Output) -> Value,
+) -> Value {
+    let choices: Vec<Value> = outputs.iter().enumerate().map(|(i, o)| choice(i, o)).collect();
+    json!({
+        "id": meta.id, "object": object, "created": meta.created, "model": meta.model,
+        "choices": choices, "usage": total_usage(outputs, n),
+    })
 }
 
 struct SseState<R> {
     events: SelectAll<BoxStream<'static, (usize, Event)>>,
     render: R,
-    pending: VecDeque<String>,
+    /// Events rendered and not sent yet; a string is sent as it is (`[DONE]`).
+    pending: VecDeque<Value>,
     prompt_tokens: Vec<usize>,
     completion_tokens: usize,
     n: usize,
@@ -224,8 +272,8 @@ struct SseState<R> {
 }
 
 impl<R: Render> SseState<R> {
-    /// The next SSE `data:` payload; `None` after `[DONE]`.
-    async fn next_data(&mut self) -> Option<String> {
+    /// The next SSE event's payload; `None` after the last.
+    async fn next_data(&mut self) -> Option<Value> {
         loop {
             if let Some(d) = self.pending.pop_front() {
                 return Some(d);
@@ -240,14 +288,15 @@ impl<R: Render> SseState<R> {
                     // must not look like a normal end: it gets an error event.
                     if let Some(i) = self.ended.iter().position(|&e| !e) {
                         self.ended[i] = true;
-                        self.pending.push_back(Error::Engine(EngineError::Shutdown).body().to_string());
+                        self.pending.push_back(self.render.error(&Error::Engine(EngineError::Shutdown)));
                         continue;
                     }
-                    if self.include_usage {
-                        let usage = usage_json(self.prompt_tokens.iter().sum(), self.completion_tokens);
-                        self.pending.push_back(self.render.usage(usage).to_string());
+                    let usage =
+                        self.include_usage.then(|| usage_json(self.prompt_tokens.iter().sum(), self.completion_tokens));
+                    self.pending.extend(self.render.closing(usage));
+                    if !self.render.typed() {
+                        self.pending.push_back(Value::String("[DONE]".to_string()));
                     }
-                    self.pending.push_back("[DONE]".to_string());
                     self.done = true;
                 }
             }
@@ -261,21 +310,21 @@ impl<R: Render> SseState<R> {
                     return; // half a multi-byte character: nothing to send yet
                 }
                 let token = TokenOut { id, text: text_delta, logprob, top: top_logprobs };
-                self.pending.push_back(self.render.token(i, &token).to_string());
+                self.pending.extend(self.render.token(i, &token));
             }
-            Event::Finished { reason, usage } => {
+            Event::Finished { reason, usage, stop_reason } => {
                 self.ended[i] = true;
                 self.prompt_tokens[i / self.n] = usage.prompt_tokens;
                 self.completion_tokens += usage.completion_tokens;
                 if !self.failed[i] {
-                    self.pending.push_back(self.render.finish(i, reason).to_string());
+                    self.pending.extend(self.render.finish(i, &End { reason, stop_reason, usage }));
                 }
             }
             Event::Error(e) => {
                 // Headers are sent: the failure travels as an error event, as vLLM sends it.
                 self.failed[i] = true;
                 self.ended[i] = true;
-                self.pending.push_back(Error::Engine(e).body().to_string());
+                self.pending.push_back(self.render.error(&Error::Engine(e)));
             }
             _ => {}
         }

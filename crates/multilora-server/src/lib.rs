@@ -46,16 +46,20 @@ mod admin;
 mod chat;
 mod completions;
 mod config;
+mod conversation;
 mod drain;
 mod error;
 #[cfg(test)]
 mod fuzz_bodies;
 mod generation;
+mod messages;
 mod metrics;
 mod protocol;
+mod responses;
 mod serve;
 mod state;
 mod template;
+mod tokenize;
 
 use std::any::Any;
 
@@ -94,13 +98,21 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Result<Router> {
     let mut v1 = Router::new()
         .route("/v1/models", get(admin::models))
         .route("/v1/completions", post(completions::completions))
-        .route("/v1/chat/completions", post(chat::chat_completions));
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize));
     if runtime_updates {
         v1 = v1
             .route("/v1/load_lora_adapter", post(admin::load_lora))
             .route("/v1/unload_lora_adapter", post(admin::unload_lora));
     }
-    let v1 = v1.route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    let v1 = v1
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        .route_layer(middleware::from_fn_with_state(state.clone(), count_request));
     let mut metrics_route = Router::new().route("/metrics", get(metrics::metrics));
     if state.config.metrics_need_key {
         metrics_route = metrics_route.route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
@@ -139,14 +151,18 @@ fn panic_response(payload: Box<dyn Any + Send + 'static>) -> Response {
 /// `Authorization: Bearer <key>` when an API key is set (on `/v1/*`, and `/metrics` if asked).
 /// Both sides are hashed and the digests compared in constant time, so neither the key's bytes
 /// nor its length can be learned from timing.
+/// Counts each request by its route, before the key is checked (`/metrics`).
+async fn count_request(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    state.count_request(req.uri().path());
+    next.run(req).await
+}
+
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
-        let given = req
-            .headers()
-            .get(AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or_default();
+        // OpenAI's clients send `Authorization: Bearer <key>`, Anthropic's `x-api-key: <key>`.
+        let headers = req.headers();
+        let bearer = headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let given = bearer.or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok())).unwrap_or_default();
         // blake3's `Hash` compares in constant time.
         if blake3::hash(given.as_bytes()) != blake3::hash(key.as_bytes()) {
             return Error::Unauthorized.into_response();

@@ -38,7 +38,12 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Result<Response> {
         cache_dtype: torch_name(cfg.dtype),
         enable_prefix_caching: cfg.enable_prefix_caching,
     };
-    let snapshot = Snapshot { metrics, models, model_name, up, heartbeat_age, cache };
+    let endpoints = crate::state::ENDPOINTS
+        .iter()
+        .zip(state.endpoint_requests.iter())
+        .map(|(e, n)| (e.to_string(), n.load(std::sync::atomic::Ordering::Relaxed)))
+        .collect();
+    let snapshot = Snapshot { metrics, models, model_name, up, heartbeat_age, cache, endpoints };
     let text = render(snapshot).map_err(Error::Metrics)?;
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response())
 }
@@ -63,6 +68,8 @@ struct Snapshot {
     heartbeat_age: f64,
     /// What `vllm:cache_config_info` carries.
     cache: CacheConfig,
+    /// HTTP requests per endpoint.
+    endpoints: Vec<(String, u64)>,
 }
 
 /// The KV cache's configuration, in vLLM's `CacheConfig` terms.
@@ -162,6 +169,14 @@ impl Collector for Snapshot {
             ("num_gpu_blocks".into(), c.num_gpu_blocks.to_string()),
         ];
         gauge(&mut e, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", &[(cache_info, 1u64)])?;
+        let endpoints: Vec<(Labels, u64)> =
+            self.endpoints.iter().map(|(path, n)| (vec![("endpoint".to_string(), esc(path))], *n)).collect();
+        counter(
+            &mut e,
+            "multilora_http_requests",
+            "HTTP requests by endpoint (every API, answered or refused).",
+            &endpoints,
+        )?;
         if !self.up {
             // Only what stays true of a dead loop: the cumulative counts.
             let finished: Vec<(Labels, u64)> = m

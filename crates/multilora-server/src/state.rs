@@ -10,6 +10,7 @@ use multilora::EngineHandle;
 use crate::config::ServerConfig;
 use crate::drain::Drain;
 use crate::error::{Error, Result};
+use crate::responses::ResponseStore;
 use crate::template::ChatTemplate;
 
 /// Shared by all handlers (cheap to clone).
@@ -24,11 +25,28 @@ pub(crate) struct AppState {
     next_id: Arc<AtomicU64>,
     /// Seconds since the epoch at start: `created` of `/v1/models` entries.
     pub(crate) started: u64,
+    /// The responses `/v1/responses` keeps.
+    pub(crate) responses: Arc<ResponseStore>,
+    /// HTTP requests per generation and tokenizer endpoint (`ENDPOINTS`' order).
+    pub(crate) endpoint_requests: Arc<[AtomicU64; ENDPOINTS.len()]>,
 }
+
+/// The endpoints whose requests `/metrics` counts (`multilora_http_requests_total{endpoint}`).
+pub(crate) const ENDPOINTS: [&str; 8] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+    "/v1/models",
+];
 
 impl AppState {
     pub(crate) fn new(engine: EngineHandle, config: ServerConfig, chat_template: Option<ChatTemplate>) -> AppState {
         let drain = config.drain.clone();
+        let responses = Arc::new(ResponseStore::new(config.responses_store));
         AppState {
             engine,
             config: Arc::new(config),
@@ -37,6 +55,15 @@ impl AppState {
             drain,
             next_id: Arc::new(AtomicU64::new(1)),
             started: unix_now(),
+            responses,
+            endpoint_requests: Arc::new(std::array::from_fn(|_| AtomicU64::new(0))),
+        }
+    }
+
+    /// Counts a request to `path`, if it is one of [`ENDPOINTS`].
+    pub(crate) fn count_request(&self, path: &str) {
+        if let Some(i) = ENDPOINTS.iter().position(|&e| e == path) {
+            self.endpoint_requests[i].fetch_add(1, Ordering::Relaxed);
         }
     }
 

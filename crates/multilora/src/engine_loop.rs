@@ -379,7 +379,8 @@ impl EngineLoop {
             self.counters.e2e.observe(live.sub.arrived.elapsed());
         }
         let usage = Usage { prompt_tokens: live.sub.prompt.len(), completion_tokens };
-        let _ = live.sub.events.send(Event::Finished { reason, usage });
+        let stop_reason = if reason == FinishReason::Stop { live.stop_reason } else { None };
+        let _ = live.sub.events.send(Event::Finished { reason, usage, stop_reason });
     }
 
     /// Fails everything still live and queued, and leaves a last snapshot for `metrics()`.

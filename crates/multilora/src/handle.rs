@@ -487,6 +487,7 @@ impl RequestStream {
             logprobs: None,
             prompt_logprobs: None,
             finish_reason: FinishReason::Error,
+            stop_reason: None,
             usage: Usage::default(),
         };
         while let Some(ev) = self.recv_blocking() {
@@ -499,8 +500,9 @@ impl RequestStream {
                         c.logprobs.get_or_insert_with(Vec::new).push(TokenLogprob { token: id, logprob, top_logprobs });
                     }
                 }
-                Event::Finished { reason, usage } => {
+                Event::Finished { reason, usage, stop_reason } => {
                     c.finish_reason = reason;
+                    c.stop_reason = stop_reason;
                     c.usage = usage;
                     return Ok(c);
                 }

@@ -91,7 +91,7 @@ pub use multilora_types::{DEFAULT_STEP_FACTOR, StepTime};
 pub use multilora_types::{LimitsError, LoraLimits};
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, TokenLogprob, Usage,
+    MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, StopReason, TokenLogprob, Usage,
 };
 pub use resolver::{AdapterSource, DirectoryResolver, HubResolver, ResolveError, Resolver};
 pub use sampler::Sampler;

@@ -255,6 +255,9 @@ pub enum Event {
         reason: FinishReason,
         /// Token counts.
         usage: Usage,
+        /// With [`FinishReason::Stop`], the stop string or stop token that ended it (`None` for
+        /// EOS), as vLLM's `stop_reason`.
+        stop_reason: Option<StopReason>,
     },
     /// The request failed; a `Finished` with [`FinishReason::Error`] may follow.
     Error(EngineError),
@@ -286,6 +289,19 @@ pub struct Completion {
     pub prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
     /// Why it finished.
     pub finish_reason: FinishReason,
+    /// The stop string or stop token that ended it ([`Event::Finished`]'s).
+    pub stop_reason: Option<StopReason>,
     /// Token counts.
     pub usage: Usage,
+}
+
+/// What ended a request that finished with [`FinishReason::Stop`], other than EOS (vLLM's
+/// `stop_reason`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// One of the request's `stop_token_ids`.
+    Token(u32),
+    /// One of the request's `stop` strings (cut from the text).
+    String(String),
 }

@@ -21,6 +21,8 @@ pub const MAX_STOP_STRING_BYTES: usize = 256;
 #[derive(Clone, Debug)]
 pub(crate) struct StopStrings {
     automaton: Arc<NFA>,
+    /// The strings, in the order the automaton numbers them.
+    strings: Arc<[String]>,
     start: StateID,
     /// Bytes of text held back until they cannot start a stop string: the longest less one.
     hold: usize,
@@ -36,7 +38,7 @@ impl StopStrings {
         let automaton = NFA::new(stops).map_err(|e| invalid(&e))?;
         let start = automaton.start_state(Anchored::No).map_err(|e| invalid(&e))?;
         let hold = stops.iter().map(String::len).max().unwrap_or(1) - 1;
-        Ok(Some(StopStrings { automaton: Arc::new(automaton), start, hold }))
+        Ok(Some(StopStrings { automaton: Arc::new(automaton), strings: stops.into(), start, hold }))
     }
 
     /// A scan from the start of the generated text.
@@ -59,19 +61,21 @@ pub(crate) struct StopScan {
 
 impl StopScan {
     /// Scans `delta`, the next piece of generated text; `last` when the request ends with this
-    /// token anyway (length or a stop token). Returns the text to send now and whether a stop
-    /// string was found (then the text is everything before it, and the request stops). The
-    /// first position where any stop string ends decides; the longest one ending there is cut.
-    pub(crate) fn push(&mut self, delta: &str, last: bool) -> (String, bool) {
+    /// token anyway (length or a stop token). Returns the text to send now and the stop string
+    /// found, if one was (then the text is everything before it, and the request stops). The
+    /// first position where any stop string ends decides; the longest one ending there is cut
+    /// and returned.
+    pub(crate) fn push(&mut self, delta: &str, last: bool) -> (String, Option<&str>) {
         let aut = &*self.stops.automaton;
         let held_from = self.scanned - self.held.len();
         for (i, &b) in delta.as_bytes().iter().enumerate() {
             self.state = aut.next_state(Anchored::No, self.state, b);
             if aut.is_match(self.state) {
-                let longest =
-                    (0..aut.match_len(self.state)).map(|k| aut.pattern_len(aut.match_pattern(self.state, k))).max();
+                let longest = (0..aut.match_len(self.state))
+                    .map(|k| aut.match_pattern(self.state, k))
+                    .max_by_key(|&p| aut.pattern_len(p));
                 let end = self.scanned + i + 1;
-                let start = end - longest.unwrap_or(0);
+                let start = end - longest.map_or(0, |p| aut.pattern_len(p));
                 // The stop string began in the held text or in this delta: never in sent text,
                 // which is at least `hold` bytes before the end of what was scanned.
                 self.held.push_str(&delta[..i + 1]);
@@ -79,7 +83,7 @@ impl StopScan {
                 let out = self.held[..keep].to_string();
                 self.held.clear();
                 self.scanned = end;
-                return (out, true);
+                return (out, longest.map(|p| self.stops.strings[p.as_usize()].as_str()));
             }
         }
         self.scanned += delta.len();
@@ -89,7 +93,7 @@ impl StopScan {
             send -= 1;
         }
         let out: String = self.held.drain(..send).collect();
-        (out, false)
+        (out, None)
     }
 }
 
@@ -99,17 +103,23 @@ mod tests {
 
     /// The text sent for `deltas` (the last one ends the request) and whether a stop was found.
     fn scan(stops: &[&str], deltas: &[&str]) -> (String, bool) {
+        let (out, stop) = scan_for(stops, deltas);
+        (out, stop.is_some())
+    }
+
+    /// [`scan`], with the stop string found.
+    fn scan_for(stops: &[&str], deltas: &[&str]) -> (String, Option<String>) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
         let mut s = StopStrings::new(&stops).unwrap().unwrap().scanner();
         let mut out = String::new();
         for (i, d) in deltas.iter().enumerate() {
             let (sent, stopped) = s.push(d, i + 1 == deltas.len());
             out.push_str(&sent);
-            if stopped {
-                return (out, true);
+            if let Some(stop) = stopped {
+                return (out, Some(stop.to_string()));
             }
         }
-        (out, false)
+        (out, None)
     }
 
     #[test]
@@ -125,13 +135,22 @@ mod tests {
     fn held_text_is_sent_once_it_cannot_start_a_stop() {
         let stops = vec!["STOP".to_string()];
         let mut s = StopStrings::new(&stops).unwrap().unwrap().scanner();
-        assert_eq!(s.push("abcdef", false), ("abc".to_string(), false), "the last 3 bytes are held");
-        assert_eq!(s.push("gh", false), ("de".to_string(), false));
-        assert_eq!(s.push("ST", true), ("fghST".to_string(), false), "the last token flushes");
+        assert_eq!(s.push("abcdef", false), ("abc".to_string(), None), "the last 3 bytes are held");
+        assert_eq!(s.push("gh", false), ("de".to_string(), None));
+        assert_eq!(s.push("ST", true), ("fghST".to_string(), None), "the last token flushes");
         // Held text never splits a character.
         let mut s = StopStrings::new(&stops).unwrap().unwrap().scanner();
-        assert_eq!(s.push("aé", false), (String::new(), false));
-        assert_eq!(s.push("bc", false), ("a".to_string(), false));
+        assert_eq!(s.push("aé", false), (String::new(), None));
+        assert_eq!(s.push("bc", false), ("a".to_string(), None));
+    }
+
+    /// The stop string returned is the one cut: the longest ending at the first end (vLLM's
+    /// `stop_reason`).
+    #[test]
+    fn the_stop_found_is_named() {
+        assert_eq!(scan_for(&["bc", "abc", "zzzzz"], &["xabcd"]), ("x".into(), Some("abc".into())));
+        assert_eq!(scan_for(&["cd", "abcdef"], &["ab", "cdef"]), ("ab".into(), Some("cd".into())));
+        assert_eq!(scan_for(&["END", "\n"], &["a\nEND"]), ("a".into(), Some("\n".into())));
     }
 
     #[test]

@@ -7,7 +7,9 @@ mod common;
 
 use anyhow::Result;
 use common::*;
-use multilora::{Engine, EngineHandle, Event, FinishReason, GenerateRequest, RequestStream, SamplingParams};
+use multilora::{
+    Engine, EngineHandle, Event, FinishReason, GenerateRequest, RequestStream, SamplingParams, StopReason,
+};
 
 #[test]
 fn handles_are_send_and_sync() {
@@ -63,8 +65,8 @@ fn streaming_text_seeds_stops_and_logprobs() -> Result<()> {
                 assert_eq!(top_logprobs[0].0, id, "greedy picks the most likely token");
                 assert!((logprob.unwrap_or(1.0) - top_logprobs[0].1).abs() < 1e-6);
             }
-            Event::Finished { reason, usage } => {
-                assert_eq!((reason, usage.completion_tokens), (FinishReason::Length, 16));
+            Event::Finished { reason, usage, stop_reason } => {
+                assert_eq!((reason, usage.completion_tokens, stop_reason), (FinishReason::Length, 16, None));
                 break;
             }
             other => panic!("unexpected {other:?}"),
@@ -89,9 +91,20 @@ fn streaming_text_seeds_stops_and_logprobs() -> Result<()> {
         ps.stop = vec![stop.to_string()];
         let c = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(ps))?.collect_blocking()?;
         assert_eq!(c.finish_reason, FinishReason::Stop);
+        assert_eq!(c.stop_reason, Some(StopReason::String(stop.to_string())), "the stop string found is named");
         assert!(!c.text.contains(stop), "{:?} contains {stop:?}", c.text);
         assert!(a.text.starts_with(&c.text));
     }
+    // A stop token other than EOS is named too (vLLM's `stop_reason`), the first time it is sampled.
+    let token = a.token_ids[a.token_ids.len() / 2];
+    let mut pt = p.clone();
+    pt.stop_token_ids = vec![token];
+    let t = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(pt))?.collect_blocking()?;
+    let at = a.token_ids.iter().position(|&x| x == token).map(|i| i + 1);
+    assert_eq!(
+        (t.finish_reason, t.stop_reason, Some(t.token_ids.len())),
+        (FinishReason::Stop, Some(StopReason::Token(token)), at)
+    );
     Ok(())
 }
 

@@ -197,6 +197,33 @@ pub async fn sse_events(resp: reqwest::Response) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// A stream's typed events (`event: <name>` then `data: <json>`): each name with its JSON.
+pub async fn typed_events(resp: reqwest::Response) -> Result<Vec<(String, Value)>> {
+    let mut out = Vec::new();
+    let mut buf = String::new();
+    let mut resp = resp;
+    while let Some(chunk) = resp.chunk().await? {
+        buf.push_str(std::str::from_utf8(&chunk)?);
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let (mut name, mut data) = (None, None);
+            for line in event.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = Some(n.to_string());
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data = Some(serde_json::from_str::<Value>(d)?);
+                }
+            }
+            if let (Some(name), Some(data)) = (name, data) {
+                out.push((name, data));
+            } else if !event.trim().is_empty() && !event.starts_with(':') {
+                bail!("an event without a name or data: {event:?}");
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Copies the files of directory `from` (a fixture adapter) into `to`, created.
 pub fn copy_dir(from: &str, to: &std::path::Path) -> Result<()> {
     std::fs::create_dir_all(to)?;

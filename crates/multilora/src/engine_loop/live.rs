@@ -14,7 +14,7 @@ use super::hold::Hold;
 use crate::command::Submission;
 use crate::detokenize::Detokenizer;
 use crate::metrics::Counters;
-use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams};
+use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams, StopReason};
 use crate::sampling::{Picked, SamplerState, prompt_logprob};
 use crate::stop::{StopScan, StopStrings};
 
@@ -34,6 +34,9 @@ pub(super) struct Live {
     /// Most tokens it may generate (as the scheduler was told), so the last one is known when
     /// it is sampled and held-back text is sent with it.
     pub(super) max_new: usize,
+    /// What would stop it at its last token (a stop string found, or one of its
+    /// `stop_token_ids`): its `stop_reason` when it finishes with `Stop`.
+    pub(super) stop_reason: Option<StopReason>,
 }
 
 impl Live {
@@ -51,6 +54,7 @@ impl Live {
             stop_scan,
             last_token: None,
             max_new: usize::MAX,
+            stop_reason: None,
         }
     }
 
@@ -111,13 +115,15 @@ impl Live {
             _ => String::new(),
         };
         let mut finish = None;
+        live.stop_reason = live.sub.params.stop_token_ids.contains(&token).then_some(StopReason::Token(token));
         if let Some(scan) = live.stop_scan.as_mut() {
             let last = live.sampler.is_stop(token) || live.sampler.num_generated >= live.max_new;
             let (sent, stopped) = scan.push(&delta, last);
-            delta = sent;
-            if stopped {
+            if let Some(s) = stopped {
+                live.stop_reason = Some(StopReason::String(s.to_string()));
                 finish = Some(FinishReason::Stop);
             }
+            delta = sent;
         }
         events.push((s.id, Event::Token { id: token, text_delta: delta, logprob, top_logprobs }));
         Some(RequestResult { id: s.id, token: Some(token), finish })
