@@ -125,6 +125,11 @@ async fn messages_refuse_bad_bodies_in_anthropics_shape() -> Result<()> {
         ),
         ("nobody", json!({"model": "nobody", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}), 404),
         ("messages", json!({"model": "qv_r8", "max_tokens": 4, "messages": []}), 400),
+        (
+            "prompt",
+            json!({"model": "qv_r8", "max_tokens": 4, "messages": [{"role": "user", "content": "tok ".repeat(20_000)}]}),
+            400,
+        ),
     ];
     for (what, body, code) in cases {
         let (status, v) = post_x(&server, "/v1/messages", &body).await?;
