@@ -90,6 +90,10 @@ pub struct SchedulerConfig {
     /// Under a step-time budget, the fewest prompt tokens every running prefill still gets each
     /// step, so a prompt always advances (default 16).
     pub min_prefill_chunk: usize,
+    /// Most prompt tokens a step computes of a request that wants prompt logprobs (each gives a
+    /// row of logits over the vocabulary, so its chunks are cut to what the engine's logits
+    /// budget holds; default unbounded).
+    pub max_prompt_logprob_rows: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -103,6 +107,7 @@ impl Default for SchedulerConfig {
             kv: KvConfig::default(),
             step_time: StepTime::Unbounded,
             min_prefill_chunk: DEFAULT_MIN_PREFILL_CHUNK,
+            max_prompt_logprob_rows: usize::MAX,
         }
     }
 }
@@ -150,6 +155,12 @@ impl SchedulerConfig {
         self
     }
 
+    /// Sets [`SchedulerConfig::max_prompt_logprob_rows`].
+    pub fn max_prompt_logprob_rows(mut self, n: usize) -> Self {
+        self.max_prompt_logprob_rows = n;
+        self
+    }
+
     /// Sets [`SchedulerConfig::kv`].
     pub fn kv(mut self, kv: KvConfig) -> Self {
         self.kv = kv;
@@ -184,6 +195,9 @@ impl SchedulerConfig {
         }
         if self.min_prefill_chunk == 0 {
             return fail("min_prefill_chunk must be at least 1".into());
+        }
+        if self.max_prompt_logprob_rows == 0 {
+            return fail("max_prompt_logprob_rows must be at least 1".into());
         }
         if self.kv.block_size == 0 {
             return fail("kv.block_size must be at least 1".into());

@@ -109,6 +109,12 @@ impl ReqState {
         self.tokens.len()
     }
 
+    /// Most prompt tokens a step may compute of it: `cap` while its steps give a logit row per
+    /// prompt token (it wants prompt logprobs and has no output yet), else unbounded.
+    pub(crate) fn prompt_rows(&self, cap: usize) -> usize {
+        if self.prompt_logprobs && self.num_output_tokens() == 0 { cap } else { usize::MAX }
+    }
+
     pub(crate) fn num_output_tokens(&self) -> usize {
         self.tokens.len() - self.num_prompt_tokens
     }

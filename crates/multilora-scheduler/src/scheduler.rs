@@ -318,9 +318,10 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
-            let (id, remaining, computed, scheduled) = {
+            let (id, remaining, computed, scheduled, logit_rows) = {
                 let req = self.req(slot);
-                (req.id, req.num_tokens() - req.num_computed, req.num_computed, req.in_flight)
+                let rows = req.prompt_rows(self.config.max_prompt_logprob_rows);
+                (req.id, req.num_tokens() - req.num_computed, req.num_computed, req.in_flight, rows)
             };
             let wanted = match pass {
                 Pass::All => true,
@@ -331,7 +332,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let mut num_new = remaining.min(*budget);
+            let mut num_new = remaining.min(*budget).min(logit_rows);
             if let (Pass::Prefills, Some(left)) = (pass, *prefill) {
                 num_new = num_new.min(left.max(min_chunk));
             }
@@ -551,19 +552,20 @@ impl Scheduler {
             };
             let skip_cache = req.prompt_logprobs;
             let num_tokens = req.num_tokens();
+            let logit_rows = req.prompt_rows(self.config.max_prompt_logprob_rows);
             let admitted = if self.kv.fits(num_tokens) {
                 // Room for every token even without hits: admit the cached prefix alone, then
                 // grow by the chunk; both succeed (hit blocks that leave the free queue are no
                 // more than the blocks they save), and the prompt is hashed once.
                 self.kv.admit(entry.id, &req.tokens, &req.extra, skip_cache, 0).and_then(|cached| {
-                    let num_new = (num_tokens - cached).min(allowance);
+                    let num_new = (num_tokens - cached).min(allowance).min(logit_rows);
                     self.kv.allocate(entry.id, cached + num_new)?;
                     Ok((cached, num_new))
                 })
             } else {
                 // Tight pool: size the admission exactly, all or nothing.
                 let cached = self.kv.lookup(&req.tokens, &req.extra, skip_cache);
-                let num_new = (num_tokens - cached).min(allowance);
+                let num_new = (num_tokens - cached).min(allowance).min(logit_rows);
                 self.kv.admit(entry.id, &req.tokens, &req.extra, skip_cache, num_new).map(|cached| (cached, num_new))
             };
             let num_new = match admitted {

@@ -159,3 +159,26 @@ fn abort_frees_everything_in_any_state() {
         ",
     );
 }
+
+#[test]
+fn prompt_logprobs_chunks_are_cut_to_the_logit_rows() {
+    // Every prompt token of a prompt-logprobs request gives a row of logits: at most 4 a step.
+    let config = SchedulerConfig::default()
+        .max_num_batched_tokens(16)
+        .max_prompt_logprob_rows(4)
+        .max_model_len(64)
+        .kv(kv(32, 4, true));
+    let trace = Trace::new(config)
+        .arrive(1, Request::new(1, prompt(1, 10), 2).prompt_logprobs(true))
+        .arrive(1, Request::new(2, prompt(100, 10), 2))
+        .run(20);
+    check(
+        &trace,
+        "
+         1: 1[0..4]A 2[0..10]L
+         2: 1[4..8]A 2[10..11]L | done 2 length(2)
+         3: 1[8..10]A
+         4: 1[10..11]L | done 1 length(2)
+        ",
+    );
+}

@@ -483,6 +483,7 @@ impl EngineBuilder {
             .step_time(self.step_time)
             .max_model_len(max_model_len)
             .max_loras(lora.max_loras())
+            .max_prompt_logprob_rows(prompt_logprob_rows(cfg.vocab_size))
             .kv(KvConfig {
                 num_blocks: kv.num_blocks,
                 sliding,
@@ -601,4 +602,15 @@ fn weights_description(checkpoint: &Checkpoint, model: &Model, quantized: bool) 
         }
         None => format!("safetensors, {:?} ({mib:.1} MiB)", model.dtype()),
     }
+}
+
+/// Bytes the logits of one request's prompt-logprob chunk may take: f32 rows over the
+/// vocabulary, their copy on the host and their log-softmax.
+const PROMPT_LOGITS_BYTES: usize = 256 << 20;
+
+/// Prompt tokens a step computes of a request that wants prompt logprobs, so that its logit rows
+/// stay within [`PROMPT_LOGITS_BYTES`] (85 rows for Gemma 3's 262,144-entry vocabulary, 455 for
+/// SmolLM2's 49,152), at least one.
+fn prompt_logprob_rows(vocab_size: usize) -> usize {
+    (PROMPT_LOGITS_BYTES / (12 * vocab_size.max(1))).max(1)
 }

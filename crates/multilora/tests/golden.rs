@@ -89,7 +89,11 @@ fn check(rows: Vec<RowCheck>, gens: Vec<GenCheck>) -> Result<f32> {
 
 /// Runs both submissions; returns the largest error and the most deferred requests seen.
 fn run(max_loras: usize) -> Result<(f32, usize)> {
-    let engine = builder(max_loras).build()?;
+    run_on(builder(max_loras).build()?, max_loras)
+}
+
+/// [`run`] on `engine`.
+fn run_on(engine: Engine, max_loras: usize) -> Result<(f32, usize)> {
     let cases = cases()?;
     let (rows, gens) = submit_all(&engine, &cases["batches"], &cases["generation"])?;
     let mut err = check(rows, gens)?;
@@ -113,5 +117,15 @@ fn two_slots_give_the_same_outputs_and_defer_requests() -> Result<()> {
     let (err, deferred_max) = run(2)?;
     assert!(err <= TOL);
     assert!(deferred_max > 0, "with 9 adapters and 2 slots some requests must wait");
+    Ok(())
+}
+
+/// Steps of 5 tokens: every prompt is computed in chunks, a prompt-logprobs row's logits
+/// chunk by chunk (as a large vocabulary's logits budget cuts them), and every prompt logprob and
+/// greedy token is still PEFT's.
+#[test]
+fn prompts_in_chunks_of_five_give_the_same_outputs() -> Result<()> {
+    let (err, _) = run_on(builder(8).max_num_batched_tokens(5).build()?, 8)?;
+    assert!(err <= TOL);
     Ok(())
 }
