@@ -103,16 +103,16 @@ pub(crate) struct Limits {
     pub(crate) long_rope: Option<(usize, usize)>,
 }
 
-/// One sequence's attention inputs.
+/// One sequence's attention inputs; `R`, its context rows, as built (`Vec<u32>`) and as uploaded.
 #[derive(Debug)]
-pub(crate) struct SeqPlan {
+pub(crate) struct SeqPlan<R = Tensor> {
     /// First row of the sequence in the flat batch.
     pub(crate) offset: usize,
     /// New tokens.
     pub(crate) len: usize,
     /// Flat cache rows of the positions its new tokens may see: `0..start_pos + len`, or from
     /// the first token's window start under a sliding window.
-    pub(crate) ctx_rows: Tensor,
+    pub(crate) ctx_rows: R,
     /// The position of its first new token.
     pub(crate) start: usize,
     /// The position of `ctx_rows`' first row.
@@ -121,10 +121,16 @@ pub(crate) struct SeqPlan {
     pub(crate) window: Option<usize>,
 }
 
-impl SeqPlan {
+impl<R> SeqPlan<R> {
     /// The first position a query at position `q` sees.
     pub(crate) fn first(&self, q: usize) -> usize {
         self.window.map_or(0, |w| (q + 1).saturating_sub(w))
+    }
+
+    /// The same plan over `rows`.
+    fn with_rows<S>(self, rows: S) -> SeqPlan<S> {
+        let SeqPlan { offset, len, ctx_rows: _, start, lo, window } = self;
+        SeqPlan { offset, len, ctx_rows: rows, start, lo, window }
     }
 }
 
@@ -199,15 +205,6 @@ pub(crate) struct StepPlan {
     pub(crate) logit_mapping: LoraMapping,
 }
 
-/// A [`SeqPlan`] before its context rows are uploaded.
-struct SeqPlan0 {
-    offset: usize,
-    len: usize,
-    start: usize,
-    lo: usize,
-    window: Option<usize>,
-}
-
 /// The sliding layers' attention inputs, beside the full layers' of a [`StepPlan`].
 #[derive(Debug)]
 pub(crate) struct Windowed {
@@ -261,11 +258,11 @@ impl StepPlan {
         let mut token_slots = Vec::with_capacity(total);
         let mut logit_rows = Vec::new();
         let mut logit_slots = Vec::new();
-        // Each sequence with more than one new token: its plan but the context rows, and those.
-        let mut prefill: Vec<(SeqPlan0, Vec<u32>)> = Vec::new();
+        // Each sequence with more than one new token, its context rows still on the host.
+        let mut prefill: Vec<SeqPlan<Vec<u32>>> = Vec::new();
         let mut decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
         // The same for the sliding layers when others attend to everything.
-        let mut w_prefill: Vec<(SeqPlan0, Vec<u32>)> = Vec::new();
+        let mut w_prefill: Vec<SeqPlan<Vec<u32>>> = Vec::new();
         let mut w_decode: Vec<(usize, Vec<u32>, &[u32])> = Vec::new();
         let main_window = if lim.mixed_windows { None } else { lim.window };
         let bs = lim.block_size;
@@ -314,22 +311,29 @@ impl StepPlan {
             logit_slots.extend(std::iter::repeat_n(s.slot, wanted.len()));
             logit_rows.extend(wanted.map(|r| r as u32));
             let table = &s.block_table[..ctx.div_ceil(bs)];
-            let plan = |window: Option<usize>, lo: usize| SeqPlan0 { offset, len, start: s.start_pos, lo, window };
-            let (lo, rows) = context(s.start_pos, len, main_window, row);
+            let plan = |window: Option<usize>, (lo, ctx_rows): (usize, Vec<u32>)| SeqPlan {
+                offset,
+                len,
+                ctx_rows,
+                start: s.start_pos,
+                lo,
+                window,
+            };
+            let main = plan(main_window, context(s.start_pos, len, main_window, row));
             match len {
-                1 => decode.push((offset, rows, table)),
-                _ => prefill.push((plan(main_window, lo), rows)),
+                1 => decode.push((offset, main.ctx_rows, table)),
+                _ => prefill.push(main),
             }
             if lim.mixed_windows {
-                let (lo, rows) = context(s.start_pos, len, lim.window, w_row);
+                let sliding = plan(lim.window, context(s.start_pos, len, lim.window, w_row));
                 match len {
-                    1 => w_decode.push((offset, rows, &w_table[..ctx.div_ceil(bs)])),
-                    _ => w_prefill.push((plan(lim.window, lo), rows)),
+                    1 => w_decode.push((offset, sliding.ctx_rows, &w_table[..ctx.div_ceil(bs)])),
+                    _ => w_prefill.push(sliding),
                 }
             }
         }
         let mut order: Vec<u32> = decode.iter().map(|d| d.0 as u32).collect();
-        for (p, _) in &prefill {
+        for p in &prefill {
             order.extend((p.offset..p.offset + p.len).map(|r| r as u32));
         }
         let mut meta = StepMeta::new();
@@ -345,9 +349,9 @@ impl StepPlan {
             }
             meta.push(inv)
         });
-        let seq_parts: Vec<MetaPart> = prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.1))).collect();
+        let seq_parts: Vec<MetaPart> = prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.ctx_rows))).collect();
         let decode = decode_group(decode, lim.paged_decode, device, &mut meta)?;
-        let w_parts: Vec<MetaPart> = w_prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.1))).collect();
+        let w_parts: Vec<MetaPart> = w_prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.ctx_rows))).collect();
         let w_decode = decode_group(w_decode, false, device, &mut meta)?;
         let logit_part = (logit_rows.len() != total).then(|| meta.push(logit_rows));
         let token_mapping = token_mapping(batch, &token_slots, lim.max_loras, device, &mut meta)?;
@@ -362,15 +366,8 @@ impl StepPlan {
             Some(p) => Some(KvWrites::Rows(up.part(p)?)),
             None => own_pool.then_some(KvWrites::Host(w_write_rows)),
         };
-        let plans = |prefill: Vec<(SeqPlan0, Vec<u32>)>, parts: Vec<MetaPart>| {
-            prefill
-                .into_iter()
-                .zip(parts)
-                .map(|((s, _), p)| {
-                    let SeqPlan0 { offset, len, start, lo, window } = s;
-                    Ok(SeqPlan { offset, len, ctx_rows: up.part(p)?, start, lo, window })
-                })
-                .collect::<Result<Vec<_>>>()
+        let plans = |prefill: Vec<SeqPlan<Vec<u32>>>, parts: Vec<MetaPart>| {
+            prefill.into_iter().zip(parts).map(|(s, p)| Ok(s.with_rows(up.part(p)?))).collect::<Result<Vec<_>>>()
         };
         let seqs = plans(prefill, seq_parts)?;
         let windowed = match lim.mixed_windows {

@@ -460,6 +460,29 @@ pub fn write_gguf_as_checkpoint(path: &Path, dst: &Path, dtype: DType) -> Result
     Ok(())
 }
 
+/// Whole tensors whose names the two conventions spell differently.
+const FIXED: [(&str, &str); 3] = [
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+];
+
+/// A layer's modules (`model.layers.N.<module>.<param>`) and their GGUF stems
+/// (`blk.N.<stem>.<param>`), in the Llama family.
+const LAYER_STEMS: [(&str, &str); 11] = [
+    ("self_attn.q_proj", "attn_q"),
+    ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"),
+    ("self_attn.o_proj", "attn_output"),
+    ("mlp.gate_proj", "ffn_gate"),
+    ("mlp.up_proj", "ffn_up"),
+    ("mlp.down_proj", "ffn_down"),
+    ("input_layernorm", "attn_norm"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.k_norm", "attn_k_norm"),
+];
+
 /// Gemma 3's norms under llama.cpp's names: `ffn_norm` is its pre-MLP norm, and its output norms
 /// have names of their own (in the Llama family `ffn_norm` is `post_attention_layernorm`).
 const GEMMA3_NORMS: [(&str, &str); 3] = [
@@ -468,86 +491,39 @@ const GEMMA3_NORMS: [(&str, &str); 3] = [
     ("post_feedforward_layernorm", "post_ffw_norm"),
 ];
 
+/// Phi-3's fused projections: `ffn_up` holds its gate and up, gate first.
+const PHI3_FUSED: [(&str, &str); 2] = [("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up")];
+
+/// The layer stems of architecture `arch`: its own first, so they win over the family's.
+fn layer_stems(arch: &str) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    let own: &'static [(&str, &str)] = match arch {
+        "gemma3" => &GEMMA3_NORMS,
+        "phi3" => &PHI3_FUSED,
+        _ => &[],
+    };
+    own.iter().chain(&LAYER_STEMS)
+}
+
 /// The Hugging Face name of a GGUF tensor name of architecture `arch` (the inverse of
 /// [`gguf_name`]).
 fn hf_name(arch: &str, gguf: &str) -> Option<String> {
-    if arch == "gemma3"
-        && let Some((layer, rest)) = gguf.strip_prefix("blk.").and_then(|r| r.split_once('.'))
-        && let Some((stem, param)) = rest.rsplit_once('.')
-        && let Some((hf, _)) = GEMMA3_NORMS.iter().find(|(_, g)| *g == stem)
-    {
-        return Some(format!("model.layers.{layer}.{hf}.{param}"));
+    if let Some((hf, _)) = FIXED.iter().find(|(_, g)| *g == gguf) {
+        return Some(hf.to_string());
     }
-    let fixed = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(f) = fixed {
-        return Some(f.to_string());
-    }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, rest) = rest.split_once('.')?;
+    let (layer, rest) = gguf.strip_prefix("blk.")?.split_once('.')?;
     let (stem, param) = rest.rsplit_once('.')?;
-    let module = match stem {
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "attn_q_norm" => "self_attn.q_norm",
-        "attn_k_norm" => "self_attn.k_norm",
-        "attn_qkv" => "self_attn.qkv_proj",
-        _ => return None,
-    };
-    // Phi-3's `ffn_up` is its fused gate and up.
-    let module = if arch == "phi3" && module == "mlp.up_proj" { "mlp.gate_up_proj" } else { module };
+    let (module, _) = layer_stems(arch).find(|(_, g)| *g == stem)?;
     Some(format!("model.layers.{layer}.{module}.{param}"))
 }
 
 /// The GGUF name of a Hugging Face tensor name of architecture `arch` (its GGUF name).
 pub(crate) fn gguf_name(arch: &str, hf: &str) -> Option<String> {
-    if arch == "gemma3"
-        && let Some((layer, rest)) = hf.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
-        && let Some((module, param)) = rest.rsplit_once('.')
-        && let Some((_, g)) = GEMMA3_NORMS.iter().find(|(h, _)| *h == module)
-    {
-        return Some(format!("blk.{layer}.{g}.{param}"));
+    if let Some((_, g)) = FIXED.iter().find(|(h, _)| *h == hf) {
+        return Some(g.to_string());
     }
-    let fixed = match hf {
-        "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        _ => None,
-    };
-    if let Some(f) = fixed {
-        return Some(f.to_string());
-    }
-    let rest = hf.strip_prefix("model.layers.")?;
-    let (layer, rest) = rest.split_once('.')?;
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
     let (module, param) = rest.rsplit_once('.')?;
-    let stem = match module {
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
-        // Phi-3's fused projections (its `ffn_up` holds gate and up, gate first).
-        "self_attn.qkv_proj" => "attn_qkv",
-        "mlp.gate_up_proj" => "ffn_up",
-        _ => return None,
-    };
+    let (_, stem) = layer_stems(arch).find(|(h, _)| *h == module)?;
     Some(format!("blk.{layer}.{stem}.{param}"))
 }
 
@@ -598,5 +574,15 @@ mod tests {
             assert_eq!(gguf_name("gemma3", hf).as_deref(), Some(g), "{hf}");
             assert_eq!(hf_name("gemma3", g).as_deref(), Some(hf), "{g}");
         }
+        // Phi-3's fused projections.
+        for (hf, g) in [
+            ("model.layers.1.self_attn.qkv_proj.weight", "blk.1.attn_qkv.weight"),
+            ("model.layers.1.mlp.gate_up_proj.weight", "blk.1.ffn_up.weight"),
+            ("model.layers.1.self_attn.o_proj.weight", "blk.1.attn_output.weight"),
+        ] {
+            assert_eq!(gguf_name("phi3", hf).as_deref(), Some(g), "{hf}");
+            assert_eq!(hf_name("phi3", g).as_deref(), Some(hf), "{g}");
+        }
+        assert_eq!(hf_name("llama", "blk.1.ffn_up.weight").as_deref(), Some("model.layers.1.mlp.up_proj.weight"));
     }
 }

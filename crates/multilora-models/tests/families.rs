@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, ensure};
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{D, DType, Tensor};
-use common::{Blocks, argmax, cache, ids, list, text};
+use common::{Blocks, argmax, cache, ids, list, max_abs_diff, text};
 use multilora_adapter::LoadOptions;
 use multilora_models::{Batch, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource, SeqInput};
 use multilora_types::{LogitsWanted, LoraLimits, SlotId};
@@ -34,11 +34,12 @@ fn family(name: &str) -> PathBuf {
 
 /// The family's base in f32 with each of its adapters (the folders of `adapters/`) in a slot.
 fn load(name: &str) -> Result<(Model, HashMap<String, SlotId>, Value)> {
-    load_from(name, None)
+    load_from(name, None, false)
 }
 
-/// [`load`], the base from `gguf` instead of the checkpoint when given.
-fn load_from(name: &str, gguf: Option<&Path>) -> Result<(Model, HashMap<String, SlotId>, Value)> {
+/// [`load`], the base from `gguf` instead of the checkpoint when given, its quantized weights
+/// kept quantized when `quantized` (then with the f16 cache and slots of a quantized file).
+fn load_from(name: &str, gguf: Option<&Path>, quantized: bool) -> Result<(Model, HashMap<String, SlotId>, Value)> {
     let dir = family(name);
     let mut adapters: Vec<String> = std::fs::read_dir(dir.join("adapters"))?
         .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
@@ -47,17 +48,22 @@ fn load_from(name: &str, gguf: Option<&Path>) -> Result<(Model, HashMap<String, 
     ensure!(adapters.len() == 3, "{name}: expected three adapters, found {adapters:?}");
     let lora = LoraLimits::new(adapters.len(), 16, &LoraLimits::default_targets())?;
     let opts = ModelOptions::default().lora(lora);
+    let lora_dtype = if quantized { DType::F16 } else { DType::F32 };
     let mut model = match gguf {
-        // In f32 throughout, as the checkpoint (a GGUF file's cache and slots are f16 by default).
-        Some(path) => Model::load(
-            &ModelSource::parse(path.to_str().context("path")?)?,
-            &opts.kv_dtype(DType::F32).lora_dtype(DType::F32),
-        )?,
+        Some(path) => {
+            let source = ModelSource::parse(path.to_str().context("path")?)?;
+            match quantized {
+                true => Model::load(&source, &opts.quantized(true))?,
+                // In f32 throughout, as the checkpoint (a GGUF file's cache and slots are f16 by
+                // default).
+                false => Model::load(&source, &opts.kv_dtype(DType::F32).lora_dtype(DType::F32))?,
+            }
+        }
         None => Model::load_dir(&dir.join("base"), &opts)?,
     };
     let mut slots = HashMap::new();
     for (i, a) in adapters.iter().enumerate() {
-        let load = LoadOptions::new(DType::F32).max_lora_rank(16);
+        let load = LoadOptions::new(lora_dtype).max_lora_rank(16);
         let adapter = multilora_adapter::load_dir(a, &dir.join("adapters").join(a), model.shapes(), &load)?;
         model.write_slot(SlotId::new(i), &adapter)?;
         slots.insert(a.clone(), SlotId::new(i));
@@ -317,10 +323,10 @@ fn gguf_matches_the_checkpoint(name: &str) -> Result<()> {
     let path = write_gguf(name, tmp.path(), GgmlDType::F32)?;
     let (model, slots, expected) = load(name)?;
     let (want, _) = teacher_forced_logits(name, &model, &slots, &expected)?;
-    let (gguf, slots, expected) = load_from(name, Some(&path))?;
+    let (gguf, slots, expected) = load_from(name, Some(&path), false)?;
     assert_eq!(gguf.config().architecture, model.config().architecture);
     let (got, worst) = teacher_forced_logits(name, &gguf, &slots, &expected)?;
-    let d = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let d = max_abs_diff(&got, &want)?;
     println!(
         "{name} GGUF: max |Δ logit| against the checkpoint {d:.2e}, max |Δ logprob| against transformers {worst:.2e}"
     );
@@ -367,19 +373,12 @@ fn a_phi3_gguf_file_gives_the_checkpoints_logits() -> Result<()> {
 fn a_quantized_phi3_gguf_file_keeps_its_fused_parts_quantized() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let path = write_gguf("phi3", tmp.path(), GgmlDType::Q8_0)?;
-    let (reference, slots, expected) = load_from("phi3", Some(&path))?;
+    let (reference, slots, expected) = load_from("phi3", Some(&path), false)?;
     let (want, _) = teacher_forced_logits_unchecked(&reference, &slots, &expected)?;
-    let lora = LoraLimits::new(3, 16, &LoraLimits::default_targets())?;
-    let source = ModelSource::parse(path.to_str().context("path")?)?;
-    let mut quantized = Model::load(&source, &ModelOptions::default().lora(lora).quantized(true))?;
+    let (quantized, slots, expected) = load_from("phi3", Some(&path), true)?;
     ensure!(quantized.kernels().contains("Q8_0"), "not kept quantized: {}", quantized.kernels());
-    for (a, slot) in &slots {
-        let load = LoadOptions::new(DType::F16).max_lora_rank(16);
-        let dir = family("phi3").join("adapters").join(a);
-        quantized.write_slot(*slot, &multilora_adapter::load_dir(a, &dir, quantized.shapes(), &load)?)?;
-    }
     let (got, _) = teacher_forced_logits_unchecked(&quantized, &slots, &expected)?;
-    let d = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let d = max_abs_diff(&got, &want)?;
     println!("phi3 Q8_0 kept quantized: max |Δ logit| against the file dequantized {d:.2e}");
     ensure!(d <= 0.05, "the quantized path's logits differ by {d}");
     Ok(())
@@ -411,7 +410,7 @@ fn phi3_longrope_picks_its_factors_per_sequence() -> Result<()> {
         let seqs = seqs.iter().map(|ids| SeqInput::new(ids.to_vec(), 0, blocks.table(ids.len(), 4), None)).collect();
         Ok(m.forward(&Batch::new(seqs), &mut kv)?)
     };
-    let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+    let diff = max_abs_diff;
     ensure!(
         diff(&run(&long, &[&short_ids])?, &run(&plain, &[&short_ids])?)? == 0.0,
         "short factors of 1 are plain RoPE"

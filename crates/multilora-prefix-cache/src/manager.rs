@@ -620,6 +620,17 @@ mod tests {
         assert_eq!(held(kv.sliding_table(4)), 2);
     }
 
+    /// The sizes the engine and the scheduler take: Gemma 3 270M's window of 512 in blocks of 16
+    /// with steps of 8,192 tokens — one request holds up to 545 blocks, 16 decoding requests and
+    /// a step 1,056 (one request and a step 546); a short context caps both.
+    #[test]
+    fn sliding_pool_sizes() {
+        assert_eq!(SlidingKv::request_blocks(512, 16, 8192, 32768), 545);
+        assert_eq!(SlidingKv::pool_blocks(512, 16, 8192, 32768, 16), 1056);
+        assert_eq!(SlidingKv::pool_blocks(512, 16, 8192, 32768, 1), 546);
+        assert_eq!(SlidingKv::request_blocks(512, 16, 8192, 64), 4);
+    }
+
     /// Both groups must have room: an allocation the sliding pool cannot hold fails and changes
     /// neither pool.
     #[test]

@@ -26,11 +26,22 @@ pub struct SlidingKv {
 }
 
 impl SlidingKv {
-    /// The most sliding blocks one request holds at once when each step brings at most `chunk`
-    /// new tokens: the window behind the chunk's first token, the chunk, and one block each end
-    /// that the two only partly fill.
-    pub fn blocks_per_request(&self, block_size: usize, chunk: usize) -> usize {
-        (self.window + chunk).div_ceil(block_size.max(1)) + 1
+    /// The most sliding blocks one request of up to `max_len` tokens holds at once when each
+    /// step brings it at most `chunk` new tokens: the window behind the chunk's first token, the
+    /// chunk, and one block each end that the two only partly fill.
+    pub fn request_blocks(window: usize, block_size: usize, chunk: usize, max_len: usize) -> usize {
+        let bs = block_size.max(1);
+        ((window + chunk).div_ceil(bs) + 1).min(max_len.div_ceil(bs))
+    }
+
+    /// A sliding pool for `max_seqs` requests decoding at once, each holding its window and the
+    /// two blocks it only partly fills, plus one step of `chunk` tokens among them; never less
+    /// than one request's [`SlidingKv::request_blocks`].
+    pub fn pool_blocks(window: usize, block_size: usize, chunk: usize, max_len: usize, max_seqs: usize) -> usize {
+        let bs = block_size.max(1);
+        let decoding = (window.div_ceil(bs) + 2).min(max_len.div_ceil(bs));
+        let pool = decoding.saturating_mul(max_seqs).saturating_add(chunk.div_ceil(bs));
+        pool.max(Self::request_blocks(window, block_size, chunk, max_len))
     }
 }
 

@@ -1,6 +1,6 @@
 //! Scheduler configuration: budgets, the `max_loras` limit, the admission policy and the KV pool.
 
-use multilora_prefix_cache::KvConfig;
+use multilora_prefix_cache::{KvConfig, SlidingKv};
 
 use multilora_types::StepTime;
 
@@ -211,9 +211,7 @@ impl SchedulerConfig {
         }
         if let Some(sliding) = self.kv.sliding {
             let chunk = self.max_num_batched_tokens.min(self.max_model_len);
-            let needed = sliding
-                .blocks_per_request(self.kv.block_size, chunk)
-                .min(self.max_model_len.div_ceil(self.kv.block_size));
+            let needed = SlidingKv::request_blocks(sliding.window, self.kv.block_size, chunk, self.max_model_len);
             if sliding.num_blocks < needed {
                 return fail(format!(
                     "the sliding layers' kv pool holds {} blocks; one request with a window of {} and steps of {chunk} \

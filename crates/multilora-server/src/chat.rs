@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use crate::completions::TokenNames;
 use crate::conversation::{Turn, prompt_ids};
 use crate::error::{Error, Result};
-use crate::generation::{self, End, Meta, Output, Render, TokenOut, choices_body, stop_reason_json};
+use crate::generation::{self, End, Meta, Output, Render, TokenOut, choices_body, stop_reason_json, usage_chunk};
 use crate::protocol::{ChatRequest, fan_out};
 use crate::state::{AppState, unix_now};
 
@@ -99,13 +99,6 @@ impl Render for ChatRender {
     }
 
     fn closing(&mut self, usage: Option<Value>) -> Vec<Value> {
-        let m = &self.meta;
-        usage
-            .map(|usage| {
-                json!({"id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model,
-                       "choices": [], "usage": usage})
-            })
-            .into_iter()
-            .collect()
+        usage_chunk(&self.meta, "chat.completion.chunk", usage)
     }
 }

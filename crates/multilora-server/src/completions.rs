@@ -9,7 +9,7 @@ use multilora::EngineHandle;
 use serde_json::{Map, Value, json};
 
 use crate::error::Result;
-use crate::generation::{self, End, Meta, Output, Render, TokenOut, choices_body, stop_reason_json};
+use crate::generation::{self, End, Meta, Output, Render, TokenOut, choices_body, stop_reason_json, usage_chunk};
 use crate::protocol::{CompletionRequest, fan_out};
 use crate::state::{AppState, unix_now};
 
@@ -129,13 +129,6 @@ impl Render for CompletionRender {
     }
 
     fn closing(&mut self, usage: Option<Value>) -> Vec<Value> {
-        let m = &self.meta;
-        usage
-            .map(|usage| {
-                json!({"id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
-                       "choices": [], "usage": usage})
-            })
-            .into_iter()
-            .collect()
+        usage_chunk(&self.meta, "text_completion", usage)
     }
 }

@@ -255,6 +255,18 @@ pub(crate) fn choices_body(
     })
 }
 
+/// OpenAI's closing usage chunk of an `object` stream (`stream_options.include_usage`): none when
+/// `usage` was not asked for.
+pub(crate) fn usage_chunk(meta: &Meta, object: &str, usage: Option<Value>) -> Vec<Value> {
+    let m = meta;
+    usage
+        .map(|usage| {
+            json!({"id": m.id, "object": object, "created": m.created, "model": m.model, "choices": [], "usage": usage})
+        })
+        .into_iter()
+        .collect()
+}
+
 struct SseState<R> {
     events: SelectAll<BoxStream<'static, (usize, Event)>>,
     render: R,

@@ -20,7 +20,7 @@ use serde_json::{Map, Value, json};
 use crate::conversation::{Turn, prompt_ids};
 use crate::error::{Error, Result};
 use crate::generation::{self, End, Output, Render, TokenOut};
-use crate::protocol::{OneOrMany, Sampling, fan_out, from_value, json_body};
+use crate::protocol::{OneOrMany, Sampling, fan_out, parse_with_sampling_under};
 use crate::state::AppState;
 
 /// `POST /v1/messages` and its `count_tokens`.
@@ -73,20 +73,10 @@ fn text_of(content: &Value, param: &str) -> Result<String> {
 
 impl MessagesRequest {
     pub(crate) fn parse(body: &[u8]) -> Result<MessagesRequest> {
-        let v = json_body(body)?;
-        if let Some(name) = UNSUPPORTED.iter().find(|&&n| v.get(n).is_some_and(|x| !is_off(x))) {
-            return Err(Error::bad(*name, format!("{name} is not supported by this server yet")));
-        }
-        if v.get("stop").is_some() || v.get("n").is_some() {
-            let name = if v.get("stop").is_some() { "stop" } else { "n" };
-            return Err(Error::bad(
-                name,
-                format!("{name} is not a Messages field (stop_sequences; one answer a request)"),
-            ));
-        }
-        let mut req: MessagesRequest = from_value(&v)?;
-        req.sampling = from_value(&v)?;
-        req.sampling.stop = req.stop_sequences.clone().map(OneOrMany::Many);
+        let hint = "stop_sequences; one answer a request";
+        let (_, mut req, sampling): (_, MessagesRequest, Sampling) =
+            parse_with_sampling_under(body, UNSUPPORTED, &["stop", "n"], hint)?;
+        req.sampling = Sampling { stop: req.stop_sequences.clone().map(OneOrMany::Many), ..sampling };
         Ok(req)
     }
 
@@ -107,16 +97,6 @@ impl MessagesRequest {
             turns.push(Turn::new(&m.role, text_of(&m.content, &format!("messages[{i}].content"))?));
         }
         Ok(turns)
-    }
-}
-
-/// An absent, null, empty or disabled field.
-fn is_off(v: &Value) -> bool {
-    match v {
-        Value::Null | Value::Bool(false) => true,
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.get("type").and_then(Value::as_str) == Some("disabled"),
-        _ => false,
     }
 }
 

@@ -38,11 +38,28 @@ pub(crate) fn from_value<'a, T: Deserialize<'a>>(v: &'a Value) -> Result<T> {
 }
 
 /// A request body with the sampling fields parsed on their own (no `serde(flatten)`, which
-/// would hide the failing field's name).
+/// would hide the failing field's name); the OpenAI endpoints' [`UNSUPPORTED`] fields refused.
 pub(crate) fn parse_with_sampling<T: DeserializeOwned>(body: &[u8]) -> Result<(T, Sampling)> {
+    let (_, req, sampling) = parse_with_sampling_under(body, UNSUPPORTED, &[], "")?;
+    Ok((req, sampling))
+}
+
+/// [`parse_with_sampling`] for an API of its own (Messages, Responses): `unsupported` refused
+/// unless off, and `foreign`, sampling fields that API spells otherwise, refused whatever their
+/// value with `hint`. The body comes back too, for the API's own checks.
+pub(crate) fn parse_with_sampling_under<T: DeserializeOwned>(
+    body: &[u8],
+    unsupported: &[&str],
+    foreign: &[&str],
+    hint: &str,
+) -> Result<(Value, T, Sampling)> {
     let v = json_body(body)?;
-    refuse_unsupported(&v)?;
-    Ok((from_value(&v)?, from_value(&v)?))
+    refuse_unsupported(&v, unsupported)?;
+    if let Some(name) = foreign.iter().find(|&&n| v.get(n).is_some()) {
+        return Err(Error::bad(*name, format!("{name} is not a field of this API ({hint})")));
+    }
+    let (req, sampling) = (from_value(&v)?, from_value(&v)?);
+    Ok((v, req, sampling))
 }
 
 /// Fields that change what is generated, which this server does not implement: a request that
@@ -73,20 +90,29 @@ const UNSUPPORTED: &[&str] = &[
 
 /// Whether `value` of field `name` is its "off" value (absent, null, empty, false, or the
 /// setting that means "plain text": `tool_choice: "none"`/`"auto"` without tools,
-/// `response_format: {"type": "text"}`).
+/// `response_format: {"type": "text"}`, Anthropic's `thinking: {"type": "disabled"}`, a
+/// Responses `reasoning` object of nulls).
 fn is_off(name: &str, value: &Value) -> bool {
+    let kind = || value.get("type").and_then(Value::as_str);
     match value {
         Value::Null | Value::Bool(false) => true,
         Value::Array(a) => a.is_empty(),
         Value::String(s) => matches!((name, s.as_str()), ("tool_choice" | "function_call", "none" | "auto")),
-        Value::Object(o) => name == "response_format" && o.get("type").and_then(Value::as_str) == Some("text"),
+        Value::Object(o) => match name {
+            "response_format" => kind() == Some("text"),
+            "thinking" => kind() == Some("disabled"),
+            "reasoning" => o.values().all(Value::is_null),
+            _ => false,
+        },
         _ => false,
     }
 }
 
-fn refuse_unsupported(body: &Value) -> Result<()> {
+/// A 400 naming the first of `names` the body sets to anything but its "off" value: fields this
+/// server does not implement, which silently ignored would change the output.
+fn refuse_unsupported(body: &Value, names: &[&str]) -> Result<()> {
     let Some(obj) = body.as_object() else { return Ok(()) };
-    match UNSUPPORTED.iter().find(|&&name| obj.get(name).is_some_and(|v| !is_off(name, v))) {
+    match names.iter().find(|&&name| obj.get(name).is_some_and(|v| !is_off(name, v))) {
         Some(name) => Err(Error::bad(*name, format!("{name} is not supported by this server"))),
         None => Ok(()),
     }

@@ -31,7 +31,7 @@ use serde_json::{Map, Value, json};
 use crate::conversation::{Turn, prompt_ids};
 use crate::error::{Error, Result};
 use crate::generation::{self, End, Output, Render, TokenOut};
-use crate::protocol::{Sampling, fan_out, from_value, json_body};
+use crate::protocol::{Sampling, fan_out, parse_with_sampling_under};
 use crate::state::{AppState, unix_now};
 
 /// `POST /v1/responses`.
@@ -90,10 +90,9 @@ impl ResponseStore {
 
 impl ResponsesRequest {
     pub(crate) fn parse(body: &[u8]) -> Result<ResponsesRequest> {
-        let v = json_body(body)?;
-        if let Some(name) = UNSUPPORTED.iter().find(|&&n| v.get(n).is_some_and(|x| !is_off(n, x))) {
-            return Err(Error::bad(*name, format!("{name} is not supported by this server yet")));
-        }
+        let hint = "max_output_tokens; one answer a request";
+        let (v, mut req, sampling): (_, ResponsesRequest, Sampling) =
+            parse_with_sampling_under(body, UNSUPPORTED, &["max_tokens", "n", "stop"], hint)?;
         if let Some(format) = v.pointer("/text/format/type").and_then(Value::as_str)
             && format != "text"
         {
@@ -102,11 +101,7 @@ impl ResponsesRequest {
                 format!("text.format {format:?} is not supported by this server yet"),
             ));
         }
-        if let Some(name) = ["max_tokens", "n", "stop"].into_iter().find(|n| v.get(n).is_some()) {
-            return Err(Error::bad(name, format!("{name} is not a Responses field (max_output_tokens; one answer)")));
-        }
-        let mut req: ResponsesRequest = from_value(&v)?;
-        req.sampling = from_value(&v)?;
+        req.sampling = sampling;
         Ok(req)
     }
 
@@ -118,17 +113,6 @@ impl ResponsesRequest {
             Value::Array(items) => items.iter().enumerate().map(|(i, item)| item_turn(i, item)).collect(),
             _ => Err(Error::bad("input", "input: a string or a list of message items")),
         }
-    }
-}
-
-/// An absent, null, empty, false or "none"/"auto" field.
-fn is_off(name: &str, v: &Value) -> bool {
-    match v {
-        Value::Null | Value::Bool(false) => true,
-        Value::Array(a) => a.is_empty(),
-        Value::String(s) => name == "tool_choice" && (s == "none" || s == "auto"),
-        Value::Object(o) => name == "reasoning" && o.values().all(Value::is_null),
-        _ => false,
     }
 }
 

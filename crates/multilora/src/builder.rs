@@ -458,10 +458,8 @@ impl EngineBuilder {
         match cfg.sliding_window.filter(|_| cfg.mixed_windows()) {
             Some(window) => {
                 let chunk = self.max_num_batched_tokens.min(max_model_len);
-                let per_request = (window.div_ceil(bs) + 2).min(max_model_len.div_ceil(bs));
-                let one_request = SlidingKv { window, num_blocks: 0 }.blocks_per_request(bs, chunk);
-                let cap = per_request.saturating_mul(self.max_num_seqs).saturating_add(chunk.div_ceil(bs));
-                KvCacheConfig::for_budget_sliding(cfg, dtype, bs, budget, cap.max(one_request))
+                let cap = SlidingKv::pool_blocks(window, bs, chunk, max_model_len, self.max_num_seqs);
+                KvCacheConfig::for_budget_sliding(cfg, dtype, bs, budget, cap)
             }
             None => KvCacheConfig::for_budget(cfg, dtype, bs, budget),
         }

@@ -178,47 +178,35 @@ pub fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// Reads a streaming response's SSE `data:` payloads until `[DONE]` (included).
-pub async fn sse_events(resp: reqwest::Response) -> Result<Vec<String>> {
+/// A streaming response's SSE events, each its lines (`event: …`, `data: …`), as they came.
+async fn sse_frames(mut resp: reqwest::Response) -> Result<Vec<Vec<String>>> {
     let mut out = Vec::new();
     let mut buf = String::new();
-    let mut resp = resp;
     while let Some(chunk) = resp.chunk().await? {
         buf.push_str(std::str::from_utf8(&chunk)?);
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
-            for line in event.lines() {
-                if let Some(d) = line.strip_prefix("data: ") {
-                    out.push(d.to_string());
-                }
-            }
+            out.push(event.lines().map(String::from).collect());
         }
     }
     Ok(out)
 }
 
+/// Reads a streaming response's SSE `data:` payloads until `[DONE]` (included).
+pub async fn sse_events(resp: reqwest::Response) -> Result<Vec<String>> {
+    let frames = sse_frames(resp).await?;
+    Ok(frames.iter().flatten().filter_map(|l| l.strip_prefix("data: ").map(String::from)).collect())
+}
+
 /// A stream's typed events (`event: <name>` then `data: <json>`): each name with its JSON.
 pub async fn typed_events(resp: reqwest::Response) -> Result<Vec<(String, Value)>> {
     let mut out = Vec::new();
-    let mut buf = String::new();
-    let mut resp = resp;
-    while let Some(chunk) = resp.chunk().await? {
-        buf.push_str(std::str::from_utf8(&chunk)?);
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let (mut name, mut data) = (None, None);
-            for line in event.lines() {
-                if let Some(n) = line.strip_prefix("event: ") {
-                    name = Some(n.to_string());
-                } else if let Some(d) = line.strip_prefix("data: ") {
-                    data = Some(serde_json::from_str::<Value>(d)?);
-                }
-            }
-            if let (Some(name), Some(data)) = (name, data) {
-                out.push((name, data));
-            } else if !event.trim().is_empty() && !event.starts_with(':') {
-                bail!("an event without a name or data: {event:?}");
-            }
+    for frame in sse_frames(resp).await? {
+        let field = |key: &str| frame.iter().find_map(|l| l.strip_prefix(key));
+        match (field("event: "), field("data: ")) {
+            (Some(name), Some(data)) => out.push((name.to_string(), serde_json::from_str::<Value>(data)?)),
+            _ if frame.iter().all(|l| l.is_empty() || l.starts_with(':')) => {}
+            _ => bail!("an event without a name or data: {frame:?}"),
         }
     }
     Ok(out)
