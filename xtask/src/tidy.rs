@@ -1,7 +1,8 @@
 //! `cargo xtask tidy`: every `.rs` file opens with `//!`, no file is over 800 lines, no
 //! `todo!`/`unimplemented!` in shipped code, the crate dependency direction of the design holds
-//! (read from `cargo metadata`), and the shared vocabulary is defined once, in `multilora-types`,
-//! and taken from there: never through the path of a crate that relays it.
+//! (read from `cargo metadata`), the shared vocabulary is defined once, in `multilora-types`,
+//! and taken from there: never through the path of a crate that relays it, and `unsafe` is
+//! allowed only where ARCHITECTURE.md says it lives (all CPU `unsafe` in `multilora-cpu`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,16 +16,18 @@ const MAX_LINES: usize = 800;
 /// crates also may not pull in candle or threads of their own.
 const ALLOWED: &[(&str, &[&str])] = &[
     ("multilora-types", &[]),
-    ("multilora-adapter", &[]),
+    ("multilora-cpu", &[]),
+    ("multilora-adapter", &["multilora-cpu"]),
     ("multilora-prefix-cache", &[]),
     ("multilora-scheduler", &["multilora-prefix-cache"]),
     ("multilora-store", &["multilora-adapter"]),
     ("multilora-kernels", &[]),
-    ("multilora-layers", &["multilora-adapter", "multilora-kernels"]),
-    ("multilora-models", &["multilora-adapter", "multilora-layers", "multilora-kernels"]),
+    ("multilora-layers", &["multilora-cpu", "multilora-adapter", "multilora-kernels"]),
+    ("multilora-models", &["multilora-cpu", "multilora-adapter", "multilora-layers", "multilora-kernels"]),
     (
         "multilora",
         &[
+            "multilora-cpu",
             "multilora-adapter",
             "multilora-prefix-cache",
             "multilora-scheduler",
@@ -41,8 +44,24 @@ const ALLOWED: &[(&str, &[&str])] = &[
 ];
 
 /// Crates that must stay free of tensors and devices (the kernels crate is sources, a build
-/// script and plain parameter structs: the candle glue lives in `multilora-layers`).
-const PURE: &[&str] = &["multilora-types", "multilora-prefix-cache", "multilora-scheduler", "multilora-kernels"];
+/// script and plain parameter structs; the CPU kernels take slices: the candle glue of both lives
+/// in `multilora-layers`).
+const PURE: &[&str] =
+    &["multilora-types", "multilora-prefix-cache", "multilora-scheduler", "multilora-kernels", "multilora-cpu"];
+
+/// The one sentence of docs/ARCHITECTURE.md on where `unsafe` lives, which [`check_unsafe`] keeps true.
+const UNSAFE_RULE: &str = "All CPU `unsafe` lives in `multilora-cpu`";
+
+/// The crates whose code may allow `unsafe`: the CPU kernels, and the CUDA side's.
+const UNSAFE_CRATES: &[&str] = &["crates/multilora-cpu/", "crates/multilora-kernels/"];
+
+/// Outside them, the CUDA glue of the layers (launches, page-locked buffers, device copies), its
+/// `unsafe` compiled only with the `cuda` feature.
+const CUDA_GLUE: &[&str] = &[
+    "crates/multilora-layers/src/ops/cuda.rs",
+    "crates/multilora-layers/src/upload.rs",
+    "crates/multilora-layers/src/readback.rs",
+];
 
 /// The bottom crate everyone may use.
 const TYPES: &str = "multilora-types";
@@ -79,6 +98,7 @@ pub(crate) fn run() -> Result<()> {
     let mut problems = Vec::new();
     let names = vocabulary_names(&root)?;
     check_files(&root, &names, &mut problems)?;
+    check_unsafe(&root, &mut problems)?;
     let users = check_dependencies(&root, &mut problems)?;
     if problems.is_empty() {
         println!("tidy: {TYPES} (depends on none of ours) is used by {}", users.join(", "));
@@ -207,6 +227,35 @@ fn check_files(root: &Path, names: &[String], problems: &mut Vec<String>) -> Res
                 if stubs.iter().any(|s| code.contains(s)) {
                     problems.push(format!("{rel}:{}: stub in shipped code", n + 1));
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// ARCHITECTURE.md states [`UNSAFE_RULE`], and it holds: outside [`UNSAFE_CRATES`] only the
+/// [`CUDA_GLUE`] files allow `unsafe`.
+fn check_unsafe(root: &Path, problems: &mut Vec<String>) -> Result<()> {
+    let arch = std::fs::read_to_string(root.join("docs/ARCHITECTURE.md")).context("read docs/ARCHITECTURE.md")?;
+    if !arch.contains(UNSAFE_RULE) {
+        problems.push(format!("docs/ARCHITECTURE.md: does not say \"{UNSAFE_RULE}\""));
+    }
+    let mut files = Vec::new();
+    for dir in ["crates", "xtask", "benches", "tests"] {
+        collect_rs(&root.join(dir), &mut files)?;
+    }
+    // Spelled in pieces so that this file does not flag itself.
+    let allow = concat!("allow(unsafe", "_code)");
+    for file in files {
+        let rel = file.strip_prefix(root).unwrap_or(&file).display().to_string();
+        if UNSAFE_CRATES.iter().any(|c| rel.starts_with(c)) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).with_context(|| format!("read {}", file.display()))?;
+        for (n, line) in text.lines().enumerate() {
+            if line.split("//").next().unwrap_or("").contains(allow) && !CUDA_GLUE.contains(&rel.as_str()) {
+                problems
+                    .push(format!("{rel}:{}: `unsafe` outside multilora-cpu and the CUDA glue ({UNSAFE_RULE})", n + 1));
             }
         }
     }

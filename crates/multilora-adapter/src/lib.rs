@@ -31,7 +31,7 @@
 //! - A saved `embed_tokens.base_layer.weight` is accepted only when it equals the base embedding
 //!   (checked against [`ModelShapes::embed_digest`]), since PEFT would copy it over the base.
 #![forbid(unsafe_op_in_unsafe_fn)]
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod adapter;
@@ -39,7 +39,6 @@ mod config;
 mod error;
 pub mod gguf;
 mod gguf_lora;
-#[allow(unsafe_code)]
 mod load;
 mod module;
 mod shapes;

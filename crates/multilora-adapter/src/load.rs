@@ -197,10 +197,9 @@ pub fn load_dir(name: &str, dir: &Path, shapes: &ModelShapes, opts: &LoadOptions
     })?;
     let file =
         std::fs::File::open(&path).map_err(|source| Error::Io { adapter: name.into(), path: path.clone(), source })?;
-    // SAFETY: the map is read-only and lives only inside this function. A file truncated or
-    // rewritten by another process while mapped could fault or change under us; adapter files are
-    // written once, and every byte read is validated (header, offsets, finiteness) before use.
-    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Io {
+    // Read-only, for this function only; adapter files are written once, and every byte read is
+    // validated (header, offsets, finiteness) before use.
+    let mmap = multilora_cpu::host_memory::map_file(&file).map_err(|source| Error::Io {
         adapter: name.into(),
         path: path.clone(),
         source,

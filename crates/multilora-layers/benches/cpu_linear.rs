@@ -16,7 +16,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{Criterion, Throughput};
-use multilora_layers::{Isa, PackedWeight, linear, linear_with};
+use multilora_cpu::Isa;
+use multilora_layers::{PackedWeight, linear, linear_with};
 
 const SHAPES: [(usize, usize); 4] = [(1024, 1024), (1024, 2816), (2816, 1024), (1024, 32000)];
 const ROWS: [usize; 2] = [16, 1024];
@@ -89,7 +90,7 @@ fn main() -> anyhow::Result<()> {
             g.bench_function("packed bf16", |b| b.iter(|| packed(black_box(&x), &pb)));
             if m == 16 {
                 // The other instruction sets at the decode size, for the record.
-                for isa in Isa::all_available().into_iter().filter(|&i| i != Isa::best()) {
+                for isa in Isa::available_of(&Isa::FLOAT).into_iter().filter(|&i| i != Isa::best()) {
                     g.bench_function(format!("streaming {isa:?}"), |b| {
                         b.iter(|| linear_with(black_box(&x), &w, isa).expect("linear"))
                     });

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use criterion::{Criterion, Throughput};
-use multilora_layers::{PackedWeight, QuantIsa, QuantType, QuantWeight};
+use multilora_cpu::Isa;
+use multilora_cpu::quant::QuantType;
+use multilora_layers::{PackedWeight, QuantWeight};
 
 const ROWS: [usize; 4] = [1, 16, 64, 512];
 
@@ -100,13 +102,13 @@ fn run() -> anyhow::Result<()> {
     let summary_only = std::env::var("QUANT_BENCH_SUMMARY_ONLY").is_ok_and(|v| v == "1");
     let baselines = std::env::var("QUANT_BENCH_BASELINES").map_or(true, |v| v != "0");
     let only_isas = std::env::var("QUANT_BENCH_ISAS").unwrap_or_default();
-    let mut isas = QuantIsa::all_available();
+    let mut isas = Isa::available_of(&Isa::QUANT);
     isas.retain(|i| only_isas.is_empty() || only_isas.split(',').any(|o| o == format!("{i:?}")));
-    let best = QuantIsa::best();
+    let best = Isa::best();
     let mut summary = Vec::new();
     for (qt, n, k) in cases() {
         let w = tensor((n, k), 1)?;
-        let q = QTensor::quantize(&w, qt.ggml())?;
+        let q = QTensor::quantize(&w, multilora_layers::ggml_dtype(qt))?;
         let bytes = q.data()?.to_vec();
         let ours = QuantWeight::from_bytes(qt, n, k, &bytes)?;
         let candle = QMatMul::from_qtensor(q)?;
@@ -131,7 +133,7 @@ fn run() -> anyhow::Result<()> {
                 g.finish();
             }
             // The portable kernels only at decode sizes: at 64 rows and up they take seconds.
-            let timed: Vec<QuantIsa> = isas.iter().copied().filter(|&i| i != QuantIsa::Portable || m <= 16).collect();
+            let timed: Vec<Isa> = isas.iter().copied().filter(|&i| i != Isa::Portable || m <= 16).collect();
             let mut fs: Vec<Box<dyn Fn() -> Tensor>> = Vec::new();
             let (o, xr) = (&ours, &x);
             for &isa in &timed {

@@ -86,56 +86,9 @@ pub enum Error {
         /// Why.
         source: Box<Error>,
     },
-    /// A quantized weight's bytes do not make up `[n, k]` of its type.
-    #[error("{qtype} weight [{n}, {k}]: {got} bytes, expected {expected}")]
-    QuantBytes {
-        /// The GGML type (`Q4_1`, `Q4_K`, …).
-        qtype: &'static str,
-        /// Output features (rows).
-        n: usize,
-        /// Input features.
-        k: usize,
-        /// Bytes given.
-        got: usize,
-        /// Bytes `[n, k]` of the type take.
-        expected: usize,
-    },
-    /// A quantized weight's shape does not fit its type (`k` not a multiple of the block, …).
-    #[error("{qtype} weight [{n}, {k}]: {reason}")]
-    QuantShape {
-        /// The GGML type.
-        qtype: &'static str,
-        /// Output features (rows).
-        n: usize,
-        /// Input features.
-        k: usize,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A row asked of a quantized weight (an embedding id) is out of range.
-    #[error("quantized weight rows: index {index} at position {position} is out of range for {rows} rows")]
-    QuantRowOutOfRange {
-        /// The index asked for.
-        index: usize,
-        /// Its position in the list.
-        position: usize,
-        /// Rows the weight has.
-        rows: usize,
-    },
-    /// Quantized weights that cannot be stacked.
-    #[error("stacking quantized weights: {reason}")]
-    QuantStack {
-        /// What is wrong.
-        reason: String,
-    },
-    /// A kernel was asked for an instruction set this CPU lacks.
-    #[error("{op}: this cpu cannot run {isa}")]
-    IsaUnavailable {
-        /// The op.
-        op: String,
-        /// The instruction set.
-        isa: String,
-    },
+    /// A CPU kernel refused its operands (a quantized weight's bytes or shape, an instruction set).
+    #[error(transparent)]
+    Cpu(#[from] multilora_cpu::Error),
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
@@ -153,11 +106,7 @@ impl Error {
             Error::InvalidLayer { .. } => "invalid_layer",
             Error::RowMismatch { .. } => "row_mismatch",
             Error::SlotWrite { .. } => "slot_write",
-            Error::QuantBytes { .. } => "quant_bytes",
-            Error::QuantShape { .. } => "quant_shape",
-            Error::QuantRowOutOfRange { .. } => "quant_row_out_of_range",
-            Error::QuantStack { .. } => "quant_stack",
-            Error::IsaUnavailable { .. } => "isa_unavailable",
+            Error::Cpu(e) => e.kind(),
             Error::Candle(_) => "candle",
         }
     }

@@ -19,8 +19,6 @@
 //! - [`LoraEmbedding`]: the input embedding with PEFT's `lora_embedding_A/B`;
 //! - [`ReadAhead`] / [`HostRows`]: what a step reads next (LoRA slots, KV rows), handed to a
 //!   quantized product that asks for it to be cached while it computes;
-//! - [`logits`]: the sampler's passes over a row of logits (maximum, argmax, softmax weights), the
-//!   same bits on every instruction set;
 //! - [`RowsToHost`]: a step's logits back to the host (through a kept page-locked buffer on CUDA);
 //! - [`StepMeta`] / [`MetaToDevice`]: a step's small integer tables (ids, positions, cache rows,
 //!   block tables, the mappings' indexes) to the device in one copy (page-locked on CUDA).
@@ -44,32 +42,26 @@
 //! assert_eq!(layer.forward(&x, &mapping)?.dims(), &[6, 64]);
 //! # Ok(()) }
 //! ```
-// Denied everywhere but the CPU kernels (`ops::gemm::kernel`, `ops::quant::kernel`), which allow
-// it for their vector loads, and the long-lived host memory (`host_memory`, `ops::quant::arena`:
-// an allocation, `madvise`); every block there carries a `// SAFETY:` comment.
+// Denied but in the CUDA glue (`ops::cuda`, `upload`, `readback`, with feature `cuda`): all CPU
+// `unsafe` lives in `multilora-cpu`.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod ahead;
 mod embedding;
 mod error;
-// `madvise` (see the note on `unsafe_code` above).
-#[allow(unsafe_code)]
-mod host_memory;
 mod linear;
-pub mod logits;
 mod mapping;
 mod ops;
-mod pool;
 mod readback;
 mod slots;
 mod staging;
 mod upload;
+mod zeros;
 
 pub use ahead::{HostRows, ReadAhead};
 pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
-pub use host_memory::{huge_zeros, lazy_zeros};
 pub use linear::{LinearWeight, LoraLinear};
 pub use mapping::{LoraMapping, PendingMapping, Segment};
 pub use ops::attention::cpu::decode_attention_rows;
@@ -78,20 +70,20 @@ pub use ops::bgmv::{lora_bgmv_expand, lora_bgmv_shrink};
 #[cfg(feature = "cuda")]
 pub use ops::cuda::disable_event_tracking;
 pub use ops::expand::lora_expand;
-pub use ops::gemm::{Elem, ElemKind, Isa, PackedWeight, linear, linear_with};
+pub use ops::gemm::{PackedWeight, linear, linear_with};
 pub use ops::kv_write::cpu::{rope_write_kv, write_kv_rows};
 pub use ops::kv_write::{paged_kv_write, paged_kv_write_slow};
 pub use ops::lora_apply;
 pub use ops::norm::{add_rms_norm, rms_norm};
-pub use ops::quant::{QuantIsa, QuantType, QuantWeight};
+pub use ops::quant::{QuantWeight, ggml_dtype, quant_type};
 pub use ops::shrink::lora_shrink;
 pub use ops::slow::{lora_expand_slow, lora_shrink_slow};
 pub use ops::swiglu::{gelu_tanh_mul, silu_mul};
-pub use pool::{side_by_side, solo, threads as pool_threads, with_hot_pool};
 pub use readback::RowsToHost;
 pub use slots::{LoraSlots, SlotConfig};
 pub use staging::stage as stage_adapter;
 pub use upload::{MetaPart, MetaToDevice, StepMeta, Uploaded};
+pub use zeros::{huge_zeros, lazy_zeros};
 
 #[cfg(test)]
 mod tests;

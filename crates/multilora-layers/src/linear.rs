@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
 use crate::ops::gemm::PackedWeight;
 use crate::ops::lora_apply;
-use crate::ops::quant::{QuantIsa, QuantWeight};
+use crate::ops::quant::QuantWeight;
 use crate::slots::{LoraSlots, SlotConfig};
 
 /// A linear layer with per-slot LoRA deltas.
@@ -115,7 +115,7 @@ impl Base {
         match self {
             Base::Dense(w) => crate::ops::gemm::linear(x, w),
             Base::Packed(p) => back(p.forward(x)?),
-            Base::Quant(q) => back(q.forward_ahead(x, QuantIsa::best(), ahead.ranges())?),
+            Base::Quant(q) => back(q.forward_ahead(x, multilora_cpu::Isa::best(), ahead.ranges())?),
             Base::Device(parts) => {
                 let xf = x.to_dtype(DType::F32)?;
                 let ys = parts.iter().map(|p| Ok(p.mm.forward(&xf)?)).collect::<Result<Vec<_>>>()?;

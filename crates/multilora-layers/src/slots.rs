@@ -13,7 +13,7 @@ use multilora_adapter::{LoraModule, ModuleId};
 
 use crate::ahead::{HostRows, ReadAhead};
 use crate::error::{Error, Result};
-use crate::host_memory::huge_zeros;
+use crate::zeros::huge_zeros;
 
 /// Where and how LoRA slots are allocated: shared by every layer of a model.
 #[derive(Clone, Debug)]

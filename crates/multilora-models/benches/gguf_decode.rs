@@ -23,7 +23,9 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use multilora_adapter::{LoadOptions, SyntheticAdapter};
-use multilora_layers::{Isa, QuantIsa, QuantType, QuantWeight};
+use multilora_cpu::Isa;
+use multilora_cpu::quant::QuantType;
+use multilora_layers::QuantWeight;
 use multilora_models::{Batch, KvCache, KvCacheConfig, Model, ModelOptions, ModelSource, SeqInput};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
@@ -174,7 +176,7 @@ fn main() {
          {:.1} GMAC/s ({})",
         bw / 1e9,
         peak / 1e9,
-        QuantIsa::best().describe()
+        Isa::best().describe()
     );
     println!("kernels: {}", s.model.kernels());
     println!(

@@ -4,6 +4,8 @@
 //! the rows that want logits, and the two
 //! `LoraMapping`s (per token, per logit row).
 
+use std::ops::Range;
+
 use candle_core::{Device, Tensor};
 use multilora_layers::{LoraMapping, MetaPart, MetaToDevice, PendingMapping, StepMeta, Uploaded};
 use multilora_types::{LogitsWanted, SlotId};
@@ -390,6 +392,81 @@ impl StepPlan {
             token_mapping: token_mapping.finish(&up)?,
             logit_mapping: logit_mapping.finish(&up)?,
         })
+    }
+}
+
+impl StepPlan {
+    /// The plan of rows `rows` of this one, cut from it rather than planned again: for a row
+    /// group of a decode step (one new token a sequence) whose sequences are `rows` of `batch`.
+    /// Each table is narrowed to the run, the rows that give logits and the mappings are made
+    /// for its sequences; an error for any other step (the groups run only on those).
+    pub(crate) fn cut(&self, batch: &Batch, rows: Range<usize>, max_loras: usize) -> Result<StepPlan> {
+        let decode_only = self.seqs.is_empty()
+            && self.unpermute.is_none()
+            && self.windowed.as_ref().is_none_or(|w| w.seqs.is_empty());
+        let Some(seqs) = batch.seqs.get(rows.clone()).filter(|_| decode_only) else {
+            return Err(Error::batch(rows.start, "only a decode step's rows are cut into row groups"));
+        };
+        let slots: Vec<Option<SlotId>> = seqs.iter().map(|s| s.slot).collect();
+        let device = self.ids.device();
+        let logits: Vec<u32> = (0..seqs.len() as u32).filter(|&i| seqs[i as usize].num_logit_rows() > 0).collect();
+        let logit_slots: Vec<Option<SlotId>> = logits.iter().map(|&i| slots[i as usize]).collect();
+        let logit_rows = match logits.len() == seqs.len() {
+            true => None,
+            false => Some(Tensor::from_vec(logits.clone(), logits.len(), device)?),
+        };
+        let cut_decode = |g: &Option<DecodeGroup>| g.as_ref().map(|g| g.cut(&rows)).transpose();
+        Ok(StepPlan {
+            ids: self.ids.narrow(0, rows.start, rows.len())?,
+            positions: self.positions.narrow(0, rows.start, rows.len())?,
+            kv_writes: self.kv_writes.cut(&rows)?,
+            seqs: Vec::new(),
+            decode: cut_decode(&self.decode)?,
+            windowed: match &self.windowed {
+                Some(w) => Some(Windowed {
+                    seqs: Vec::new(),
+                    decode: cut_decode(&w.decode)?,
+                    kv_writes: w.kv_writes.as_ref().map(|k| k.cut(&rows)).transpose()?,
+                }),
+                None => None,
+            },
+            unpermute: None,
+            logit_rows,
+            token_mapping: LoraMapping::new(&slots, max_loras, device)?,
+            logit_mapping: LoraMapping::new(&logit_slots, max_loras, device)?,
+        })
+    }
+}
+
+impl KvWrites {
+    /// The rows of tokens `rows` (a decode step's: one token a sequence).
+    fn cut(&self, rows: &Range<usize>) -> Result<KvWrites> {
+        Ok(match self {
+            KvWrites::Host(r) => KvWrites::Host(r[rows.clone()].to_vec()),
+            KvWrites::Rows(t) => KvWrites::Rows(t.narrow(0, rows.start, rows.len())?),
+        })
+    }
+}
+
+impl DecodeGroup {
+    /// Sequences `r` of the group (in flat order, as a decode step's are), their contexts still
+    /// padded to the group's longest.
+    fn cut(&self, r: &Range<usize>) -> Result<DecodeGroup> {
+        let (start, len, max_ctx) = (r.start, r.len(), self.max_ctx);
+        if self.rows.is_some() || r.end > self.n {
+            return Err(Error::batch(start, "a decode group is cut only along its own, in-order rows"));
+        }
+        let reads = match &self.reads {
+            DecodeReads::Gathered { ctx_rows, mask } => DecodeReads::Gathered {
+                ctx_rows: ctx_rows.narrow(0, start * max_ctx, len * max_ctx)?,
+                mask: mask.as_ref().map(|m| m.narrow(0, start, len)).transpose()?,
+            },
+            DecodeReads::Paged { block_tables, ctx_lens } => DecodeReads::Paged {
+                block_tables: block_tables.narrow(0, start, len)?,
+                ctx_lens: ctx_lens.narrow(0, start, len)?,
+            },
+        };
+        Ok(DecodeGroup { n: len, max_ctx, rows: None, host_ctx: self.host_ctx[r.clone()].to_vec(), reads })
     }
 }
 

@@ -18,7 +18,8 @@ use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::gguf::{ggml_type_name, scan_tensor_types, unpermute_rows};
-use multilora_layers::{QuantType, QuantWeight};
+use multilora_cpu::quant::QuantType;
+use multilora_layers::{QuantWeight, quant_type};
 use serde_json::json;
 
 use crate::config::{ModelConfig, RopeScaling};
@@ -266,7 +267,7 @@ impl GgufFile {
                 self.file_len
             )));
         }
-        if QuantType::from_ggml(dt).is_none() && !matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+        if quant_type(dt).is_none() && !matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
             return Err(Error::GgufTensorType { path: self.path.clone(), tensor: name.into(), ty: format!("{dt:?}") });
         }
         Ok(bytes)
@@ -348,7 +349,7 @@ impl GgufFile {
 impl RawTensor {
     /// Whether the bytes are one of the quantized types (kept as such unless dequantized).
     pub(crate) fn quant_type(&self) -> Option<QuantType> {
-        QuantType::from_ggml(self.dtype)
+        quant_type(self.dtype)
     }
 
     /// A dense CPU tensor: F32 / F16 / BF16 as stored, a quantized type dequantized to f32 as

@@ -21,10 +21,10 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvCacheConfig, kv_bytes_per_token};
 use crate::rope::Rope;
 use crate::weights::{Checkpoint, CheckpointFiles, ModelSource, Weights};
-use lane::Lane;
 use multilora_adapter::HubConfig;
+use row_group::RowGroup;
 
-mod lane;
+mod row_group;
 
 /// How to load a model.
 #[derive(Clone, Debug)]
@@ -453,7 +453,7 @@ impl Model {
         if !self.device.is_cpu() {
             return format!("{:?} weights, {:?} slots on {:?}", self.dtype, self.lora_dtype, self.device.location());
         }
-        let isa = multilora_layers::Isa::best();
+        let isa = multilora_cpu::Isa::best();
         let mut bases: Vec<String> = Vec::new();
         for lin in self.layers.iter().flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]).chain([&self.lm_head]) {
             let k = lin.base_kernel();
@@ -502,39 +502,41 @@ impl Model {
         // On the CPU the pool's other threads wait for the step's parallel regions awake (on the
         // global pool when called from outside any).
         if self.device.is_cpu() {
-            return multilora_layers::with_hot_pool(|| self.step(batch, cache));
+            return multilora_cpu::pool::with_hot_pool(|| self.step(batch, cache));
         }
         self.step(batch, &*cache)
     }
 
-    /// [`Model::forward`]'s body: the layers as one lane, or on two threads a decode step's
-    /// rows as two lanes side by side (`lane`), then `lm_head` over the rows that give logits.
+    /// [`Model::forward`]'s body: the layers as one row group, or a decode step's rows as the
+    /// groups the pool cuts it into side by side (`row_group`), then `lm_head` over the rows that
+    /// give logits.
     fn step(&self, batch: &Batch, cache: &KvCache) -> Result<Tensor> {
         cache.check(&self.cfg, self.kv_dtype)?;
-        // The whole batch is planned (and checked) first, also when its halves run as lanes.
-        let plan = StepPlan::new(batch, self.limits(cache), &self.device, &self.upload)?;
-        let rows = match lane::halves(self, batch) {
-            Some(halves) => lane::side_by_side(self, cache, batch, halves)?,
+        let lim = self.limits(cache);
+        let rows = match row_group::groups(self, batch) {
+            Some(groups) => row_group::side_by_side(self, cache, batch, groups)?,
             None => {
-                let mut one = Lane::new(self, cache, &plan)?;
+                let plan = StepPlan::new(batch, lim, &self.device, &self.upload)?;
+                let mut one = RowGroup::new(self, cache, &plan)?;
                 for l in 0..self.layers.len() {
                     one.write(l)?;
                     one.read(l)?;
                 }
-                one.finish()?
+                one.finish()?.map(|x| (x, plan.logit_mapping))
             }
         };
-        let Some(x) = rows else {
+        let Some((x, mapping)) = rows else {
             return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
         };
-        Ok(self.lm_head.forward_ahead(&x, &plan.logit_mapping, &mut ReadAhead::new())?.to_dtype(DType::F32)?)
+        Ok(self.lm_head.forward_ahead(&x, &mapping, &mut ReadAhead::new())?.to_dtype(DType::F32)?)
     }
 
-    /// How many lanes of rows `batch` runs as when [`Model::forward`] is called here (in the same
-    /// rayon pool): 2 for a decode step of enough rows on a pool of two threads on the CPU (each
-    /// thread takes half the rows through every layer alone), else 1.
-    pub fn lanes(&self, batch: &Batch) -> usize {
-        lane::halves(self, batch).map_or(1, |h| h.len())
+    /// How many row groups `batch` runs as when [`Model::forward`] is called here (in the same
+    /// rayon pool): on the CPU as many as the pool cuts a decode step of its rows into
+    /// (`multilora_cpu::pool::row_groups`: each thread takes a group through every layer alone),
+    /// else 1.
+    pub fn row_groups(&self, batch: &Batch) -> usize {
+        row_group::groups(self, batch).map_or(1, |(_, cuts)| cuts.len())
     }
 
     /// What a step's batch is checked against, for a step over `cache`.

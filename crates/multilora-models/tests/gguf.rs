@@ -338,7 +338,7 @@ fn decode_steps_in_a_pool_of(path: &Path, threads: usize) -> Result<Vec<Tensor>>
                 .enumerate()
                 .map(|(i, ((c, p), t))| SeqInput::new(vec![next[i]], p.len() + step, t.clone(), slot(c)));
             let batch = Batch::new(seqs.collect());
-            assert_eq!(model.lanes(&batch), if threads == 2 { 2 } else { 1 }, "{threads} threads");
+            assert_eq!(model.row_groups(&batch), threads.min(2), "{threads} threads");
             let logits = model.forward(&batch, &mut kv)?;
             next = logits.argmax(1)?.to_vec1::<u32>()?;
             steps.push(logits);
@@ -347,19 +347,21 @@ fn decode_steps_in_a_pool_of(path: &Path, threads: usize) -> Result<Vec<Tensor>>
     })
 }
 
-/// On two threads a decode step of the 24 cases runs as two lanes side by side (each thread
-/// half the rows, its products planned for one thread, through every layer): the quantized
-/// path's logits are those of the same steps on one thread, bit for bit.
+/// On 2, 3 and 4 threads a decode step of the 24 cases runs as two row groups side by side (each
+/// thread a group's rows, its products planned for one thread, through every layer): the
+/// quantized path's logits are those of the same steps on one thread, bit for bit.
 #[test]
-fn quantized_lanes_give_the_bits_of_one_lane() -> Result<()> {
-    let Some(path) = smollm2::gguf("quantized_lanes_give_the_bits_of_one_lane") else { return Ok(()) };
-    let two = decode_steps_in_a_pool_of(&path, 2)?;
+fn quantized_row_groups_give_the_bits_of_one_group() -> Result<()> {
+    let Some(path) = smollm2::gguf("quantized_row_groups_give_the_bits_of_one_group") else { return Ok(()) };
     let one = decode_steps_in_a_pool_of(&path, 1)?;
-    for (step, (a, b)) in two.iter().zip(&one).enumerate() {
-        let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
-        assert_eq!(a.len(), b.len(), "step {step}");
-        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "decode step {step}: two lanes against one thread differ");
+    for threads in [2, 3, 4] {
+        let groups = decode_steps_in_a_pool_of(&path, threads)?;
+        for (step, (a, b)) in groups.iter().zip(&one).enumerate() {
+            let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+            assert_eq!(a.len(), b.len(), "step {step}");
+            let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "decode step {step}: two row groups on {threads} threads against one group differ");
+        }
     }
     Ok(())
 }

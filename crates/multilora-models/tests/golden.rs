@@ -189,7 +189,7 @@ fn decode_steps_in_a_pool_of(threads: usize) -> Result<Vec<Tensor>> {
                 if (i + step) % 5 == 0 { s.with_logits(LogitsWanted::None) } else { s }
             });
             let batch = Batch::new(seqs.collect());
-            assert_eq!(model.lanes(&batch), if threads == 2 { 2 } else { 1 }, "{threads} threads");
+            assert_eq!(model.row_groups(&batch), threads.min(2), "{threads} threads");
             let logits = model.forward(&batch, &mut kv)?;
             let mut at = 0;
             for (i, s) in batch.seqs.iter().enumerate() {
@@ -204,20 +204,21 @@ fn decode_steps_in_a_pool_of(threads: usize) -> Result<Vec<Tensor>> {
     })
 }
 
-/// A decode step of enough rows on a pool of two threads runs as two lanes side by side (each
-/// thread half the rows through every layer, `Model::forward`): its logits are, bit for bit,
-/// those of the same steps on one thread and on three (one lane), rows in the batch's order.
+/// A decode step of enough rows runs as the row groups the pool cuts it into, side by side (each
+/// thread a group's rows through every layer, `Model::forward`): on pools of 2, 3 and 4 threads
+/// two groups, whose logits are, bit for bit, those of the same steps on one thread (one group),
+/// rows in the batch's order.
 #[test]
-fn lanes_side_by_side_give_the_bits_of_one_lane() -> Result<()> {
-    assert!(rows(true)?.len() >= 8, "the fixture has too few rows for two lanes");
-    let two = decode_steps_in_a_pool_of(2)?;
-    for threads in [1, 3] {
+fn row_groups_side_by_side_give_the_bits_of_one_group() -> Result<()> {
+    assert!(rows(true)?.len() >= 8, "the fixture has too few rows for two groups");
+    let one = decode_steps_in_a_pool_of(1)?;
+    for threads in [2, 3, 4] {
         let other = decode_steps_in_a_pool_of(threads)?;
-        for (step, (a, b)) in two.iter().zip(&other).enumerate() {
+        for (step, (a, b)) in one.iter().zip(&other).enumerate() {
             assert_eq!(a.dims(), b.dims(), "step {step}, {threads} threads");
             let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
             let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "step {step}: two lanes against {threads} thread(s) differ");
+            assert!(same, "step {step}: two row groups on {threads} threads against one group differ");
         }
     }
     Ok(())

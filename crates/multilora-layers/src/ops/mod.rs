@@ -136,7 +136,7 @@ pub(crate) fn check_output(
 }
 
 /// The contiguous values of a CPU tensor of element `E` from its layout's start, if it is one.
-pub(crate) fn cpu_values<'a, E: gemm::Elem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
+pub(crate) fn cpu_values<'a, E: gemm::StorageElem>(storage: &'a Storage, layout: &Layout) -> Option<&'a [E]> {
     match storage {
         Storage::Cpu(cpu) if layout.is_contiguous() => E::slice(cpu)?.get(layout.start_offset()..),
         _ => None,

@@ -12,8 +12,9 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
-use crate::ops::gemm::{Isa, NORM_ROWS, rms_rows};
 use crate::ops::{PARALLEL_VALUES, cpu_values};
+use multilora_cpu::Isa;
+use multilora_cpu::float::{NORM_ROWS, rms_rows};
 
 /// `rms_norm(x, alpha, eps)` along `x`'s last dimension, as candle-nn's.
 ///
@@ -100,7 +101,7 @@ fn norm_rows(x: &Tensor, d: Option<&Tensor>, alpha: &Tensor, eps: f32, n: usize)
             Some(_) => out.chunks_mut(group).zip(sum.chunks_mut(group)).collect(),
             None => out.chunks_mut(group).map(|o| (o, &mut [][..])).collect(),
         };
-        crate::pool::for_each_part(parts, |i, (o, s)| rows(i, o, s));
+        multilora_cpu::pool::for_each_part(parts, |i, (o, s)| rows(i, o, s));
     } else {
         rows(0, &mut out, &mut sum);
     }

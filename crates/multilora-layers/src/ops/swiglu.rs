@@ -6,8 +6,9 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::{Error, Result};
-use crate::ops::gemm::{self, Isa};
 use crate::ops::{PARALLEL_VALUES, cpu_values};
+use multilora_cpu::Isa;
+use multilora_cpu::float as gemm;
 
 /// `silu(gu[:, ..inter]) · gu[:, inter..]` → `[rows, inter]`, for an f32 `gu: [rows, 2 · inter]`
 /// on the CPU; `None` for any other (the caller then uses tensor ops).
@@ -48,9 +49,9 @@ fn gated(
     let isa = Isa::best();
     let row = |(o, x): (&mut [f32], &[f32])| kernel(isa, &x[..inter], &x[inter..], o);
     if rows * inter >= PARALLEL_VALUES && inter > 0 {
-        let min = rows.div_ceil(4 * crate::pool::threads()).max(1);
+        let min = rows.div_ceil(4 * multilora_cpu::pool::threads()).max(1);
         let parts = out.chunks_mut(inter * min).zip(v.chunks(width * min)).collect();
-        crate::pool::for_each_part(parts, |_, (o, x): (&mut [f32], &[f32])| {
+        multilora_cpu::pool::for_each_part(parts, |_, (o, x): (&mut [f32], &[f32])| {
             o.chunks_mut(inter).zip(x.chunks(width)).for_each(row)
         });
     } else if inter > 0 {

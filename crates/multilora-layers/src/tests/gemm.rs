@@ -8,7 +8,9 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use proptest::prelude::*;
 
 use super::{Rng, bits, rel_err};
-use crate::{Isa, PackedWeight, linear, linear_with};
+use multilora_cpu::Isa;
+
+use crate::{PackedWeight, linear, linear_with};
 
 /// `got` against `x · wᵀ` (`x: [m, k]`, `w: [n, k]`) computed in f64, element by element, within
 /// the forward error bound of an f32 dot product in any summation order:
@@ -41,7 +43,7 @@ fn check(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
     let mut rng = Rng::new(seed);
     let x = rng.tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
     let w = rng.tensor(&[n, k], 1.0, DType::F32, &Device::Cpu)?;
-    for isa in Isa::all_available() {
+    for isa in Isa::available_of(&Isa::FLOAT) {
         let got = linear_with(&x, &w, isa)?;
         anyhow::ensure!(got.dims() == [m, n], "{isa:?}: shape {:?}", got.dims());
         ensure_dot_bound(&got, &x, &w, &format!("{isa:?} m={m} n={n} k={k}"))?;
@@ -49,7 +51,7 @@ fn check(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
     let packed = PackedWeight::pack(&w)?.ok_or_else(|| anyhow::anyhow!("an f32 cpu weight packs"))?;
     anyhow::ensure!(packed.dims() == (n, k));
     anyhow::ensure!(bits(&packed.unpack()?)? == bits(&w)?, "unpack gives the weight back");
-    for isa in Isa::all_available() {
+    for isa in Isa::available_of(&Isa::FLOAT) {
         let got = packed.forward_with(&x, isa)?;
         anyhow::ensure!(got.dims() == [m, n], "packed {isa:?}: shape {:?}", got.dims());
         ensure_dot_bound(&got, &x, &w, &format!("packed {isa:?} m={m} n={n} k={k}"))?;
@@ -114,7 +116,7 @@ fn rows_do_not_depend_on_the_batch() -> anyhow::Result<()> {
     let mut rng = Rng::new(11);
     let x = rng.tensor(&[150, 300], 1.0, DType::F32, &Device::Cpu)?;
     let w = rng.tensor(&[150, 300], 1.0, DType::F32, &Device::Cpu)?;
-    for isa in Isa::all_available() {
+    for isa in Isa::available_of(&Isa::FLOAT) {
         // Bit for bit among batches of one regime: up to 64 rows (decode) and above (packed).
         let small = linear_with(&x.i(0..64)?, &w, isa)?;
         for (lo, hi) in [(0, 1), (5, 6), (3, 10), (60, 64), (1, 64)] {
@@ -141,7 +143,7 @@ fn packed_rows_do_not_depend_on_the_batch() -> anyhow::Result<()> {
     let x = rng.tensor(&[150, 300], 1.0, DType::F32, &Device::Cpu)?;
     let w = rng.tensor(&[107, 300], 1.0, DType::F32, &Device::Cpu)?;
     let packed = PackedWeight::pack(&w)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
-    for isa in Isa::all_available() {
+    for isa in Isa::available_of(&Isa::FLOAT) {
         let all = packed.forward_with(&x, isa)?;
         for (lo, hi) in [(0, 1), (5, 6), (3, 10), (60, 64), (1, 64), (0, 65), (7, 80), (70, 150), (149, 150)] {
             let part = packed.forward_with(&x.i(lo..hi)?, isa)?;
@@ -169,37 +171,6 @@ fn empty_shapes() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `matmul_into` (the LoRA expand over a `k`-major `Bᵀ`) against an f64 sum, with strided rows
-/// and widths that leave a tail of columns past the last full vector pair.
-fn check_outer(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
-    let mut rng = Rng::new(seed);
-    let (ldx, ldw, ldy) = (k + 3, n + 5, n + 2);
-    let x: Vec<f32> = rng.tensor(&[m * ldx], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
-    let wt: Vec<f32> = rng.tensor(&[k.max(1) * ldw], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
-    let mut y = vec![f32::NAN; m * ldy];
-    crate::ops::gemm::matmul_into(&x, ldx, &wt, ldw, (m, n, k), &mut y, ldy, false);
-    for i in 0..m {
-        for j in 0..n {
-            let want: f64 = (0..k).map(|p| x[i * ldx + p] as f64 * wt[p * ldw + j] as f64).sum();
-            let got = y[i * ldy + j] as f64;
-            anyhow::ensure!(
-                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                "({i}, {j}) of [{m}, {n}, {k}]: {got} vs {want}"
-            );
-        }
-    }
-    Ok(())
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
-
-    #[test]
-    fn outer_product_matches_a_plain_sum(m in 1usize..30, n in 1usize..100, k in 0usize..40, seed in any::<u64>()) {
-        check_outer(m, n, k, seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    }
-}
-
 /// `w` rounded to `dt` and widened back: the f32 weight a half-precision kernel must match.
 fn widened(w: &Tensor, dt: DType) -> anyhow::Result<Tensor> {
     Ok(w.to_dtype(dt)?.to_dtype(DType::F32)?)
@@ -218,7 +189,7 @@ fn check_half(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
         anyhow::ensure!(packed.dtype() == dt, "packed in {:?}, not {dt:?}", packed.dtype());
         anyhow::ensure!(bits(&packed.unpack()?)? == bits(&wh)?, "{dt:?}: unpack gives the weight back");
         let packed_f = PackedWeight::pack(&wf)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
-        for isa in Isa::all_available() {
+        for isa in Isa::available_of(&Isa::FLOAT) {
             let got = linear_with(&x, &wh, isa)?;
             anyhow::ensure!(got.dtype() == DType::F32, "{dt:?} {isa:?}: output {:?}", got.dtype());
             let want = linear_with(&x, &wf, isa)?;
@@ -233,13 +204,13 @@ fn check_half(m: usize, n: usize, k: usize, seed: u64) -> anyhow::Result<()> {
         let (wh_v, wf_v) = (half_values(&wh)?, wf.flatten_all()?.to_vec1::<f32>()?);
         let (mut got, mut want) = (vec![0f32; m * n], vec![0f32; m * n]);
         half_matmul_t(&xs, k, &wh_v, k, (m, n, k), &mut got, n);
-        crate::ops::gemm::matmul_t_into(&xs, k, &wf_v, k, (m, n, k), &mut want, n);
+        multilora_cpu::float::matmul_t_into(&xs, k, &wf_v, k, (m, n, k), &mut want, n);
         anyhow::ensure!(got == want, "shrink {dt:?} [{m}, {n}, {k}] differs from f32");
         // `w` read as `[n, k]` = a `k`-major `[rows n, cols k]` operand of the expand: x2: [m, n].
         let x2 = rng.tensor(&[m, n], 1.0, DType::F32, &Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
         let (mut got, mut want) = (vec![0f32; m * k], vec![0f32; m * k]);
         half_matmul(&x2, n, &wh_v, k, (m, k, n), &mut got, k);
-        crate::ops::gemm::matmul_into(&x2, n, &wf_v, k, (m, k, n), &mut want, k, false);
+        multilora_cpu::float::matmul_into(&x2, n, &wf_v, k, (m, k, n), &mut want, k, false);
         anyhow::ensure!(got == want, "expand {dt:?} [{m}, {k}, {n}] differs from f32");
     }
     Ok(())
@@ -261,15 +232,15 @@ fn half_values(t: &Tensor) -> anyhow::Result<Half> {
 
 fn half_matmul_t(x: &[f32], ldx: usize, w: &Half, ldw: usize, mnk: (usize, usize, usize), y: &mut [f32], ldy: usize) {
     match w {
-        Half::Bf16(w) => crate::ops::gemm::matmul_t_into(x, ldx, w, ldw, mnk, y, ldy),
-        Half::F16(w) => crate::ops::gemm::matmul_t_into(x, ldx, w, ldw, mnk, y, ldy),
+        Half::Bf16(w) => multilora_cpu::float::matmul_t_into(x, ldx, w, ldw, mnk, y, ldy),
+        Half::F16(w) => multilora_cpu::float::matmul_t_into(x, ldx, w, ldw, mnk, y, ldy),
     }
 }
 
 fn half_matmul(x: &[f32], ldx: usize, w: &Half, ldw: usize, mnk: (usize, usize, usize), y: &mut [f32], ldy: usize) {
     match w {
-        Half::Bf16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy, false),
-        Half::F16(w) => crate::ops::gemm::matmul_into(x, ldx, w, ldw, mnk, y, ldy, false),
+        Half::Bf16(w) => multilora_cpu::float::matmul_into(x, ldx, w, ldw, mnk, y, ldy, false),
+        Half::F16(w) => multilora_cpu::float::matmul_into(x, ldx, w, ldw, mnk, y, ldy, false),
     }
 }
 
@@ -295,7 +266,7 @@ fn half_packed_rows_do_not_depend_on_the_batch() -> anyhow::Result<()> {
     let x = rng.tensor(&[150, 300], 1.0, DType::F32, &Device::Cpu)?;
     let w = rng.tensor(&[107, 300], 1.0, DType::BF16, &Device::Cpu)?;
     let packed = PackedWeight::pack(&w)?.ok_or_else(|| anyhow::anyhow!("packs"))?;
-    for isa in Isa::all_available() {
+    for isa in Isa::available_of(&Isa::FLOAT) {
         let all = packed.forward_with(&x, isa)?;
         for (lo, hi) in [(0, 1), (5, 6), (60, 64), (0, 65), (70, 150), (149, 150)] {
             let part = packed.forward_with(&x.i(lo..hi)?, isa)?;
@@ -328,71 +299,4 @@ fn packing_from_parts_is_packing_the_concatenation() -> anyhow::Result<()> {
     anyhow::ensure!(PackedWeight::pack_parts(&[a.clone(), a.to_dtype(DType::BF16)?])?.is_none());
     anyhow::ensure!(PackedWeight::pack_parts(&[])?.is_none());
     Ok(())
-}
-
-/// The decode-shaped LoRA kernel (`lora_rows`) against the general path it stands in for on a
-/// small segment: per row the shrink (`matmul_t_into`), the expand into a delta (`matmul_into`),
-/// the delta added into `y` — bit for bit, on each instruction set of this CPU, for 1 to 4 rows
-/// lying apart in a larger input, ranks on and off the shrink's groups of four, `k` and `out`
-/// with tails past the last vector.
-fn check_lora_rows<E: crate::Elem + candle_core::WithDType>(
-    dt: DType,
-    (rows, k, rank, out): (usize, usize, usize, usize),
-    seed: u64,
-) -> anyhow::Result<()> {
-    use crate::ops::gemm::{lora_rows, matmul_into_with, matmul_t_into_with};
-    let mut rng = Rng::new(seed);
-    let x: Vec<f32> = rng.tensor(&[3 * rows * k], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
-    let a: Vec<E> = rng.tensor(&[rank * k], 1.0, dt, &Device::Cpu)?.to_vec1()?;
-    let bt: Vec<E> = rng.tensor(&[rank * out], 1.0, dt, &Device::Cpu)?.to_vec1()?;
-    let y0: Vec<f32> = rng.tensor(&[rows * out], 1.0, DType::F32, &Device::Cpu)?.to_vec1()?;
-    let xs: Vec<&[f32]> = (0..rows).map(|i| &x[(3 * i + 1) * k..][..k]).collect();
-    for isa in Isa::all_available() {
-        let mut got = y0.clone();
-        let mut cells: Vec<&mut [f32]> = got.chunks_mut(out).collect();
-        let mut scratch = vec![f32::NAN; rows * rank];
-        lora_rows(isa, &xs, (&a, &bt, rank), &mut cells, &mut scratch);
-        let mut want = y0.clone();
-        for (xr, yr) in xs.iter().zip(want.chunks_mut(out)) {
-            let (mut s, mut d) = (vec![f32::NAN; rank], vec![f32::NAN; out]);
-            matmul_t_into_with(isa, xr, k, &a, k, (1, rank, k), &mut s, rank);
-            matmul_into_with(isa, &s, rank, &bt, out, (1, out, rank), &mut d, out, false);
-            yr.iter_mut().zip(&d).for_each(|(o, v)| *o += v);
-        }
-        let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
-        anyhow::ensure!(same, "lora_rows {dt:?} {isa:?} {rows} × [{k} → {rank} → {out}] differs from the general path");
-    }
-    Ok(())
-}
-
-fn check_lora_rows_all(shape: (usize, usize, usize, usize), seed: u64) -> anyhow::Result<()> {
-    check_lora_rows::<f32>(DType::F32, shape, seed)?;
-    check_lora_rows::<half::bf16>(DType::BF16, shape, seed)?;
-    check_lora_rows::<half::f16>(DType::F16, shape, seed)
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
-
-    #[test]
-    fn lora_rows_match_the_general_path(
-        rows in 1usize..=4,
-        k in 1usize..80,
-        rank in 1usize..12,
-        out in 1usize..100,
-        seed in any::<u64>(),
-    ) {
-        check_lora_rows_all((rows, k, rank, out), seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    }
-}
-
-#[test]
-fn lora_rows_match_the_general_path_on_model_shapes() -> anyhow::Result<()> {
-    // SmolLM2's projections at rank 16 (its down projection's k = 1,536), and a rank of 5.
-    check_lora_rows_all((2, 576, 16, 1536), 21)?;
-    check_lora_rows_all((4, 1536, 16, 576), 22)?;
-    check_lora_rows_all((3, 576, 5, 192), 23)?;
-    // One and two rows take 4-vector panels, then 2-vector ones, then the scalar tail.
-    check_lora_rows_all((1, 96, 7, 4 * 16 + 2 * 16 + 5), 24)?;
-    check_lora_rows_all((2, 576, 16, 1536 + 32 + 3), 25)
 }

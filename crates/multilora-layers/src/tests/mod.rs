@@ -7,7 +7,6 @@ mod emulated_fast;
 mod gemm;
 mod layers;
 mod ops;
-mod pool;
 mod quant;
 mod quant_kernels;
 mod swiglu;

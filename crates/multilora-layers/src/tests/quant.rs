@@ -7,7 +7,10 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::{Rng, bits};
-use crate::{Error, QuantIsa, QuantType, QuantWeight};
+use multilora_cpu::Isa;
+use multilora_cpu::quant::QuantType;
+
+use crate::{Error, QuantWeight};
 
 /// A seeded GGML weight `[n, k]` of type `qt`, made by candle's quantizer from values with
 /// per-row spreads and offsets (so the minima of Q4_1, Q5_1 and the K-quants matter): the
@@ -25,7 +28,7 @@ pub(crate) fn ggml_weight(
         v.extend((0..k).map(|_| rng.unit() * spread + shift));
     }
     let w = Tensor::from_vec(v, (n, k), &Device::Cpu)?;
-    let q = QTensor::quantize(&w, qt.ggml())?;
+    let q = QTensor::quantize(&w, crate::ggml_dtype(qt))?;
     let bytes = q.data()?.to_vec();
     let deq = q.dequantize(&Device::Cpu)?;
     Ok((QuantWeight::from_bytes(qt, n, k, &bytes)?, deq, bytes))
@@ -143,16 +146,16 @@ fn resident_bytes_are_about_the_ggml_bytes() -> anyhow::Result<()> {
 #[test]
 fn types_match_ggml() {
     for qt in QuantType::ALL {
-        assert_eq!(QuantType::from_ggml(qt.ggml()), Some(qt));
-        assert_eq!(qt.block_elems(), qt.ggml().block_size(), "{qt}");
-        assert_eq!(qt.block_bytes(), qt.ggml().type_size(), "{qt}");
+        assert_eq!(crate::quant_type(crate::ggml_dtype(qt)), Some(qt));
+        assert_eq!(qt.block_elems(), crate::ggml_dtype(qt).block_size(), "{qt}");
+        assert_eq!(qt.block_bytes(), crate::ggml_dtype(qt).type_size(), "{qt}");
     }
     for t in [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16, GgmlDType::Q8_1, GgmlDType::Q8K] {
-        assert_eq!(QuantType::from_ggml(t), None, "{t:?}");
+        assert_eq!(crate::quant_type(t), None, "{t:?}");
     }
     assert_eq!(QuantType::Q4K.name(), "Q4_K");
-    assert_eq!(QuantIsa::all_available()[0], QuantIsa::Portable);
-    assert!(QuantIsa::all_available().contains(&QuantIsa::best()));
+    assert_eq!(Isa::available_of(&Isa::QUANT)[0], Isa::Portable);
+    assert!(Isa::available_of(&Isa::QUANT).contains(&Isa::best()));
 }
 
 #[test]
@@ -181,7 +184,7 @@ fn stacking_mixed_types_is_the_parts_side_by_side() -> anyhow::Result<()> {
     );
     // Each column is computed by the same operations as in its part, on every instruction set.
     let x = Rng::new(5).tensor(&[70, k], 1.0, DType::F32, &Device::Cpu)?;
-    for isa in QuantIsa::all_available() {
+    for isa in Isa::available_of(&Isa::QUANT) {
         let side = Tensor::cat(&ws.iter().map(|w| w.forward_with(&x, isa)).collect::<crate::Result<Vec<_>>>()?, 1)?;
         anyhow::ensure!(bits(&stacked.forward_with(&x, isa)?)? == bits(&side)?, "{isa:?}: stacked forward");
     }
@@ -233,7 +236,7 @@ fn describe_debug_and_empty_batches() -> anyhow::Result<()> {
     let (a, _, _) = ggml_weight(QuantType::Q4_1, 16, 64, 1)?;
     let (b, _, _) = ggml_weight(QuantType::Q8_0, 8, 64, 2)?;
     let w = QuantWeight::stack(vec![a, b])?;
-    let isa = QuantIsa::best().describe();
+    let isa = Isa::best().describe();
     assert_eq!(w.describe(), format!("Q4_1: 16-bit activations, {isa}; Q8_0: 16-bit activations, {isa}"));
     assert_eq!(format!("{w:?}"), "QuantWeight[24, 64, Q4_1+Q8_0]");
     let y = w.forward(&Tensor::zeros((0, 64), DType::F32, &Device::Cpu)?)?;

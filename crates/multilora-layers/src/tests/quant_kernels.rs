@@ -8,7 +8,8 @@ use proptest::prelude::*;
 
 use super::quant::{ensure_quant_bound, ggml_weight, min_terms};
 use super::{Rng, bits};
-use crate::{QuantIsa, QuantType};
+use multilora_cpu::Isa;
+use multilora_cpu::quant::QuantType;
 
 /// Input widths: one block, and several (K-quants: one and two super-blocks).
 fn widths(qt: QuantType) -> [usize; 2] {
@@ -25,7 +26,7 @@ fn check_type(qt: QuantType, seed: u64) -> anyhow::Result<()> {
         let (w, deq, bytes) = ggml_weight(qt, n, k, seed + s as u64)?;
         let mins = min_terms(qt, &bytes, n, k);
         let x = Rng::new(seed ^ (0xabc + s as u64)).tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
-        for isa in QuantIsa::all_available() {
+        for isa in Isa::available_of(&Isa::QUANT) {
             let got = w.forward_with(&x, isa)?;
             ensure_quant_bound(&got, &x, &deq, &mins, &format!("{qt} {isa:?} m={m} n={n} k={k}"))?;
         }
@@ -91,9 +92,9 @@ fn rows_do_not_depend_on_the_batch_the_threads_or_the_isa() -> anyhow::Result<()
         let (n, k) = (40, 2 * qt.block_elems().max(128));
         let (w, _, _) = ggml_weight(qt, n, k, 30 + s as u64)?;
         let row = rng.tensor(&[1, k], 1.0, DType::F32, &Device::Cpu)?;
-        let alone = w.forward_with(&row, QuantIsa::Portable)?;
+        let alone = w.forward_with(&row, Isa::Portable)?;
         let alone_bits = bits(&alone)?;
-        for isa in QuantIsa::all_available() {
+        for isa in Isa::available_of(&Isa::QUANT) {
             anyhow::ensure!(bits(&w.forward_with(&row, isa)?)? == alone_bits, "{qt} {isa:?}: differs from portable");
             // A decode-sized and a prefill-sized batch, the row at a random place, 1 and 3 threads.
             for (m, threads) in [(64, 1), (64, 3), (300, 1), (300, 3)] {
@@ -124,7 +125,7 @@ fn read_ahead_hints_change_nothing() -> anyhow::Result<()> {
         let (w, _, _) = ggml_weight(qt, n, k, 50 + s as u64)?;
         for m in [16, 300] {
             let x = rng.tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
-            for isa in QuantIsa::all_available() {
+            for isa in Isa::available_of(&Isa::QUANT) {
                 let plain = bits(&in_pool(2, || w.forward_with(&x, isa))??)?;
                 let ahead = bits(&in_pool(2, || w.forward_ahead(&x, isa, &ranges))??)?;
                 anyhow::ensure!(plain == ahead, "{qt} {isa:?} {m} rows: the hints changed the product");
@@ -190,7 +191,7 @@ fn smollm2_tensors_dequantize_and_multiply_as_ggml() -> anyhow::Result<()> {
     let content = gguf_file::Content::read(&mut file)?;
     for name in ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.29.ffn_down.weight", "token_embd.weight"] {
         let q = content.tensor(&mut file, name, &Device::Cpu)?;
-        let qt = QuantType::from_ggml(q.dtype()).ok_or_else(|| anyhow::anyhow!("{name}: {:?}", q.dtype()))?;
+        let qt = crate::quant_type(q.dtype()).ok_or_else(|| anyhow::anyhow!("{name}: {:?}", q.dtype()))?;
         let (n, k) = q.shape().dims2()?;
         let bytes = q.data()?;
         let w = crate::QuantWeight::from_bytes(qt, n, k, &bytes)?;
@@ -207,7 +208,7 @@ fn smollm2_tensors_dequantize_and_multiply_as_ggml() -> anyhow::Result<()> {
         anyhow::ensure!(bits(&w.dequantize_rows(&ids)?)? == bits(&want)?, "{name}: rows differ");
         let x = Rng::new(9).tensor(&[3, k], 1.0, DType::F32, &Device::Cpu)?;
         let mins = min_terms(qt, &bytes, n, k);
-        for isa in QuantIsa::all_available() {
+        for isa in Isa::available_of(&Isa::QUANT) {
             ensure_quant_bound(&w.forward_with(&x, isa)?, &x, &deq, &mins, &format!("{name} {qt} {isa:?}"))?;
         }
     }

@@ -4,8 +4,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{Rng, bits};
-use crate::ops::gemm::Isa;
 use crate::silu_mul;
+use multilora_cpu::Isa;
 
 /// Within 4 ulp of the f64 value (`g / (1 + e⁻ᵍ) · u`) over gates from -100 to 100 (0 where it is
 /// below 1e-35), odd widths;
@@ -49,10 +49,10 @@ fn silu_mul_is_the_same_on_every_isa() {
     let g: Vec<f32> = (0..1000).map(|_| rng.unit() * 50.0).collect();
     let u: Vec<f32> = (0..1000).map(|_| rng.unit()).collect();
     let mut want = vec![0f32; 1000];
-    crate::ops::gemm::silu_mul(Isa::Portable, &g, &u, &mut want);
-    for isa in Isa::all_available() {
+    multilora_cpu::float::silu_mul(Isa::Portable, &g, &u, &mut want);
+    for isa in Isa::available_of(&Isa::FLOAT) {
         let mut got = vec![0f32; 1000];
-        crate::ops::gemm::silu_mul(isa, &g, &u, &mut got);
+        multilora_cpu::float::silu_mul(isa, &g, &u, &mut got);
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}");
     }
 }
@@ -86,10 +86,10 @@ fn gelu_tanh_mul_is_accurate_and_the_same_on_every_isa() -> anyhow::Result<()> {
     }
     let (g, u) = (&v[..inter], &v[inter..2 * inter]);
     let mut want = vec![0f32; inter];
-    crate::ops::gemm::gelu_tanh_mul(Isa::Portable, g, u, &mut want);
-    for isa in Isa::all_available() {
+    multilora_cpu::float::gelu_tanh_mul(Isa::Portable, g, u, &mut want);
+    for isa in Isa::available_of(&Isa::FLOAT) {
         let mut got = vec![0f32; inter];
-        crate::ops::gemm::gelu_tanh_mul(isa, g, u, &mut got);
+        multilora_cpu::float::gelu_tanh_mul(isa, g, u, &mut got);
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}");
     }
     Ok(())

@@ -7,11 +7,11 @@
 //!   best until one holds `top_p` of the row's mass. Top-p's nucleus is then found in that head
 //!   by a weighted selection ([`nucleus`]), not a sort.
 //!
-//! The weights come from `multilora_layers::logits`, the same bits on every instruction set, and
+//! The weights come from `multilora_cpu::logits`, the same bits on every instruction set, and
 //! one uniform number decides the draw, so a seeded request draws the same tokens alone or in
 //! any batch, on any CPU.
 
-use multilora_layers::logits::{exp_weights, row_max};
+use multilora_cpu::logits::{exp_weights, row_max};
 
 use super::select::{Cand, argmax, rank, top};
 

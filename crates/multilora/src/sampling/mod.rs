@@ -42,7 +42,7 @@ fn log_softmax_head(x: &[f32], n: usize, s: &mut Scratch) -> (f64, Vec<(u32, f32
 }
 
 fn row_max_f64(x: &[f32]) -> f64 {
-    multilora_layers::logits::row_max(x) as f64
+    multilora_cpu::logits::row_max(x) as f64
 }
 
 /// A prompt position's logprob entry: `token`'s log probability under the raw `row` and the

@@ -71,7 +71,7 @@ fn block_max(block: &[f32]) -> f32 {
 
 /// The first index of the largest value (NaN passed over; 0 for a row of NaN alone).
 pub(crate) fn argmax(x: &[f32]) -> u32 {
-    multilora_layers::logits::argmax(x) as u32
+    multilora_cpu::logits::argmax(x) as u32
 }
 
 #[cfg(test)]

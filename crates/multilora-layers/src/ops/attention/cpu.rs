@@ -18,7 +18,9 @@ use half::{bf16, f16};
 use super::PagedDecodeDims;
 use crate::error::{Error, Result};
 use crate::ops::cpu_values;
-use crate::ops::gemm::{Elem, Head, Isa, attend, attend_supports, matmul_into, matmul_t_into, softmax};
+use crate::ops::gemm::StorageElem;
+use multilora_cpu::Isa;
+use multilora_cpu::float::{Head, attend, attend_supports, matmul_into, matmul_t_into, softmax};
 
 /// `softmax(q · kᵀ) · v` of every decode row over its context: `q: [n, heads, head_dim]` f32 on
 /// the CPU, already scaled by `1/√head_dim`; `k_cache`, `v_cache`: `[rows, kv_heads · head_dim]`
@@ -66,7 +68,7 @@ fn bad(reason: String) -> Error {
 }
 
 /// [`decode_attention_rows`] over caches of element `E`.
-fn rows_with<E: Elem>(
+fn rows_with<E: StorageElem>(
     isa: Isa,
     q: &Tensor,
     k_cache: &Tensor,
@@ -108,7 +110,7 @@ fn rows_with<E: Elem>(
     let per_row = d.heads * d.head_dim;
     let mut out = vec![0f32; n * per_row];
     let parts = out.chunks_mut(per_row).zip(qv.chunks(per_row)).zip(rows).collect();
-    crate::pool::for_each_part(parts, |_, ((o, q), r)| {
+    multilora_cpu::pool::for_each_part(parts, |_, ((o, q), r)| {
         SCORES.with_borrow_mut(|scores| sequence(isa, q, k, v, r, d, o, scores))
     });
     drop((qg, kg, vg));
@@ -123,7 +125,7 @@ thread_local! {
 
 /// One decode row: `q`, `o`: `[heads, head_dim]`; `rows` its cache rows, each `< k.len() / width`.
 #[allow(clippy::too_many_arguments)]
-fn sequence<E: Elem>(
+fn sequence<E: StorageElem>(
     isa: Isa,
     q: &[f32],
     k: &[E],

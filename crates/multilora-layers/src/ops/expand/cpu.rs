@@ -16,9 +16,11 @@ use half::{bf16, f16};
 use super::Expand;
 use crate::error::Result;
 use crate::mapping::LoraMapping;
-use crate::ops::gemm::{Elem, Isa, LORA_ROWS, lora_rows, matmul_into, matmul_t_into};
+use crate::ops::gemm::StorageElem;
 use crate::ops::{cpu_values, run_tasks};
 use crate::slots::LoraSlots;
+use multilora_cpu::Isa;
+use multilora_cpu::float::{LORA_ROWS, lora_rows, matmul_into, matmul_t_into};
 
 impl Expand<'_> {
     /// The CPU forward: `y` (contiguous) plus every slice's delta from the shrink outputs `s`, in
@@ -126,7 +128,12 @@ fn shrink_expand_fused(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &
 }
 
 /// [`shrink_expand_fused`] with slots of element `E`.
-fn shrink_expand_with<E: Elem>(x: &Tensor, y: &Tensor, slices: &[&LoraSlots], mapping: &LoraMapping) -> Result<bool> {
+fn shrink_expand_with<E: StorageElem>(
+    x: &Tensor,
+    y: &Tensor,
+    slices: &[&LoraSlots],
+    mapping: &LoraMapping,
+) -> Result<bool> {
     let xs = x.contiguous()?;
     let (rows, in_features) = xs.dims2()?;
     let (x_guard, x_layout) = xs.storage_and_layout();
@@ -193,7 +200,7 @@ struct AddDeltas<'a, E> {
     work: usize,
 }
 
-impl<E: Elem> AddDeltas<'_, E> {
+impl<E: StorageElem> AddDeltas<'_, E> {
     /// Runs one task into its cells of `y` (one per row of the segment, in order).
     fn run(&self, t: &Task, cells: &mut [&mut [f32]]) {
         let sl = self.slices[t.slice];
@@ -240,7 +247,7 @@ impl<E: Elem> AddDeltas<'_, E> {
     }
 }
 
-impl<E: Elem> InplaceOp1 for AddDeltas<'_, E> {
+impl<E: StorageElem> InplaceOp1 for AddDeltas<'_, E> {
     fn name(&self) -> &'static str {
         "lora-add-deltas"
     }
@@ -294,7 +301,7 @@ impl<E: Elem> InplaceOp1 for AddDeltas<'_, E> {
         if self.work < crate::ops::PARALLEL_WORK || jobs.len() < 2 {
             jobs.into_iter().for_each(|(t, mine)| self.run(t, mine));
         } else {
-            crate::pool::for_each_part(jobs, |_, (t, mine)| self.run(t, mine));
+            multilora_cpu::pool::for_each_part(jobs, |_, (t, mine)| self.run(t, mine));
         }
         Ok(())
     }

@@ -73,7 +73,7 @@ pub fn rope_write_kv(
     };
     // The queries on one thread, the keys and values on another: about as many values each.
     let q = if tokens * (qs + 2 * kvs) >= PARALLEL_VALUES {
-        let (q, written) = crate::pool::join(|| rotate(x, ld, 0, d.heads, hd, angles, q_scale), keys);
+        let (q, written) = multilora_cpu::pool::join(|| rotate(x, ld, 0, d.heads, hd, angles, q_scale), keys);
         written?;
         q
     } else {

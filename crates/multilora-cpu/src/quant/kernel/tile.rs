@@ -1,0 +1,229 @@
+//! The kernel body, generic over the instruction set ([`DotSimd`]) and the weight type
+//! ([`Format`]): a row tile of up to `S::RM` rows against `S::LANES` columns of one weight tile,
+//! the whole of `k` in one pass. For each 32-value block, in order along `k`: the weight
+//! sub-block is decoded once into 8 vectors of quants (one per group of 4 values), each row's
+//! exact integer dot product with the block's activation quants is taken (`vpdpbusd`, or
+//! `vpmaddubsw` + `vpmaddwd`), and the block's epilogue ([`Kind`]) scales it into the row's f32
+//! accumulator. A column's output is thus the same chain of f32 operations, block by block,
+//! whatever the tile, the row tile or the thread it falls in.
+
+use super::act::{BLOCK, LO, Meta, PANEL};
+use super::format::{Format, Kind};
+use super::simd::DotSimd;
+
+/// Each of `R` rows' integer dot product of the decoded weight groups `w` with its block's
+/// combined quants `254 · hi + lo` (`x[r]`: the row's `hi`; its `lo` is [`LO`] bytes on), exact in
+/// i32 (at most 32 · 255 · 32,385 in magnitude).
+///
+/// # Safety
+/// As for [`DotSimd::dot_rows`], for both planes.
+#[inline(always)]
+unsafe fn dot_planes<S: DotSimd, const R: usize>(w: &[S::W], x: [*const i8; R], maxw: i32, signed: bool) -> [S::I; R] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        let hi = S::dot_rows::<R>(w, x, maxw, signed);
+        let lo = S::dot_rows::<R>(w, x.map(|p| p.add(LO)), maxw, signed);
+        std::array::from_fn(|r| S::combine(hi[r], lo[r]))
+    }
+}
+
+/// One block's contribution to each of `R` rows' accumulators: the rows' integer dot products
+/// first (all of them, for the instruction scheduler), then each row's epilogue, its scales
+/// broadcast straight from the block's [`Meta`].
+///
+/// # Safety
+/// Each `x[r]` reaches the row's 32 activation quants of the block, `mt` is the block's
+/// [`Meta`], `slot + R <= PANEL`, and `S`'s instruction set is available.
+#[inline(always)]
+unsafe fn block<S: DotSimd, F: Format, const R: usize>(
+    acc: &mut [S::F; R],
+    w: &[S::W; 8],
+    sc: &[S::F; 4],
+    x: [*const i8; R],
+    mt: *const Meta,
+    slot: usize,
+) {
+    // SAFETY: `x[r] .. x[r] + 32` and `*mt` are readable (the caller), and rows `slot + r` are
+    // inside its fields; the dot products read `4 · len` of the quants, from the start or the 16th.
+    unsafe {
+        let fp = |field: *const f32, r: usize| field.add(slot + r);
+        let ip = |field: *const i32, r: usize| field.add(slot + r);
+        let m = &*mt;
+        match F::KIND {
+            Kind::Sym(off) => {
+                let off = if F::SIGNED { S::I8_BIAS } else { off };
+                let shift = off.trailing_zeros();
+                debug_assert!(off == 0 || off == 1 << shift, "offsets are powers of two");
+                let is = dot_planes::<S, R>(w, x, F::MAXW, F::SIGNED);
+                for r in 0..R {
+                    let v = if off != 0 { S::sub_at(is[r], ip(m.s.as_ptr(), r), shift) } else { is[r] };
+                    acc[r] = S::fma(S::cvt(v), S::mul(sc[0], S::splat_at(fp(m.d.as_ptr(), r))), acc[r]);
+                }
+            }
+            Kind::Min => {
+                let is = dot_planes::<S, R>(w, x, F::MAXW, false);
+                for r in 0..R {
+                    acc[r] = S::fma(S::cvt(is[r]), S::mul(sc[0], S::splat_at(fp(m.d.as_ptr(), r))), acc[r]);
+                    acc[r] = S::fma(sc[1], S::splat_at(fp(m.ds.as_ptr(), r)), acc[r]);
+                }
+            }
+            Kind::Split(off) => {
+                let shift = off.trailing_zeros();
+                debug_assert!(off == 1 << shift, "offsets are powers of two");
+                // Each half's sums become f32 as soon as they are ready, so that two sets of 8
+                // sums, 8 accumulators and the weights are never live at once (the operations are
+                // the same, in the same order, as one expression per row).
+                let ia = dot_planes::<S, R>(&w[..4], x, F::MAXW, false);
+                let mut t = [S::zero(); R];
+                for r in 0..R {
+                    t[r] = S::mul(S::cvt(S::sub_at(ia[r], ip(m.sa.as_ptr(), r), shift)), sc[0]);
+                }
+                let ib = dot_planes::<S, R>(&w[4..], x.map(|p| p.add(16)), F::MAXW, false);
+                for r in 0..R {
+                    let t = S::fma(S::cvt(S::sub_at(ib[r], ip(m.sb.as_ptr(), r), shift)), sc[1], t[r]);
+                    acc[r] = S::fma(t, S::splat_at(fp(m.d.as_ptr(), r)), acc[r]);
+                }
+            }
+            Kind::SplitMin => {
+                // As for `Split`, the first half folded in before the second is summed.
+                let ia = dot_planes::<S, R>(&w[..4], x, F::MAXW, false);
+                let mut t = [S::zero(); R];
+                for r in 0..R {
+                    t[r] = S::mul(S::cvt(ia[r]), sc[0]);
+                }
+                let ib = dot_planes::<S, R>(&w[4..], x.map(|p| p.add(16)), F::MAXW, false);
+                for r in 0..R {
+                    let t = S::fma(S::cvt(ib[r]), sc[1], t[r]);
+                    acc[r] = S::fma(t, S::splat_at(fp(m.d.as_ptr(), r)), acc[r]);
+                    acc[r] = S::fma(sc[2], S::splat_at(fp(m.dsa.as_ptr(), r)), acc[r]);
+                    acc[r] = S::fma(sc[3], S::splat_at(fp(m.dsb.as_ptr(), r)), acc[r]);
+                }
+            }
+        }
+    }
+}
+
+/// Where one row tile reads and writes.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RowTile {
+    /// The weight tile's first record.
+    pub(super) w: *const u8,
+    /// Super-blocks along `k`.
+    pub(super) nsb: usize,
+    /// The tile's first column handled (0, or 8 for a 256-bit set's second half).
+    pub(super) c0: usize,
+    /// The first row's block-0 activation quants, its panel's block-0 [`Meta`] and its slot
+    /// in the panel (`act::PANEL` rows; the tile's rows are the next ones of the same panel).
+    pub(super) x: *const i8,
+    pub(super) meta: *const Meta,
+    pub(super) slot: usize,
+    /// The first row's first output (`ldy` apart), of which `cols` are written.
+    pub(super) y: *mut f32,
+    pub(super) ldy: usize,
+    pub(super) cols: usize,
+    /// Lines ([`super::LINE`] bytes) from this address that the tile asks to be brought into the caches, spread over
+    /// its blocks: what the caller reads after the product.
+    pub(super) ahead: usize,
+    pub(super) ahead_lines: usize,
+}
+
+/// How far ahead of the record it decodes a row tile asks for the weight's bytes. A tile's
+/// records, and the tiles of a job, lie one after the other, so this reaches into the record a
+/// few blocks on, or into the next tile. At one row the product is bound by how fast the weight
+/// streams in from memory, and the hardware prefetcher alone left a one-row GGUF step ~15%
+/// slower (2–16 KiB ahead measured alike; see docs/BENCHMARKS.md).
+const PREFETCH: usize = 4096;
+
+/// Asks for the `len` bytes from `p` to be brought into the caches (no access: never faults).
+#[inline(always)]
+fn prefetch(p: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut o = 0;
+        while o < len {
+            // SAFETY: a prefetch hint reads nothing and cannot fault, whatever the address.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(o).cast()) };
+            o += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, len);
+}
+
+/// Asks for the line at `addr` to be brought into the caches, L1 and L2 (`prefetcht0`; no
+/// access: never faults). Into L2 alone (`prefetcht1`), the 16-row LoRA step of
+/// docs/BENCHMARKS.md measured 0.01–0.25 ms slower in each of ten alternating runs (Zen 5).
+#[inline(always)]
+fn prefetch_ahead(addr: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch hint reads nothing and cannot fault, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addr;
+}
+
+/// `RM` rows against `S::LANES` columns of one weight tile.
+///
+/// # Safety
+/// The tile holds `nsb` records; the `RM` rows are in one activation panel of `nsb · subs`
+/// blocks; `RM` rows of `cols <= S::LANES` outputs are writable and nobody else's; `c0 +
+/// S::LANES <= 16`; `S`'s instruction set is available.
+#[inline(always)]
+pub(super) unsafe fn rows<S: DotSimd, F: Format, const RM: usize>(t: RowTile) {
+    let subs = F::L.subs;
+    // SAFETY: every access below stays inside what the caller vouched for.
+    unsafe {
+        let mut acc = [S::zero(); RM];
+        for sb in 0..t.nsb {
+            let r = t.w.add(sb * F::L.bytes);
+            prefetch(r.wrapping_add(PREFETCH), F::L.bytes);
+            if t.ahead_lines > 0 {
+                let per = t.ahead_lines.div_ceil(t.nsb);
+                let (a, b) = ((sb * per).min(t.ahead_lines), ((sb + 1) * per).min(t.ahead_lines));
+                for l in a..b {
+                    prefetch_ahead(t.ahead.wrapping_add(l * super::LINE));
+                }
+            }
+            let sbs = F::sb::<S>(r, t.c0);
+            for s in 0..subs {
+                let (w, sc) = F::sub::<S>(r, t.c0, s, &sbs);
+                let b = sb * subs + s;
+                let xb = t.x.add(BLOCK * b);
+                let x = std::array::from_fn(|i| xb.add(32 * i));
+                block::<S, F, RM>(&mut acc, &w, &sc, x, t.meta.add(b), t.slot);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            let y = t.y.add(i * t.ldy);
+            if t.cols == S::LANES {
+                S::store(y, *a);
+            } else {
+                let mut edge = [0f32; 16];
+                S::store(edge.as_mut_ptr(), *a);
+                std::ptr::copy_nonoverlapping(edge.as_ptr(), y, t.cols);
+            }
+        }
+    }
+}
+
+/// [`rows`] at a height picked at run time: the tallest of 8, 4, 2, 1 that fits `left` rows,
+/// `S::RM` and what is left of the panel after the tile's slot; returns it.
+///
+/// # Safety
+/// As for [`rows`] with that many rows.
+#[inline(always)]
+pub(super) unsafe fn rows_any<S: DotSimd, F: Format>(left: usize, t: RowTile) -> usize {
+    let h = [8, 4, 2, 1].into_iter().find(|&h| h <= left && h <= S::RM && t.slot + h <= PANEL).unwrap_or(1);
+    // SAFETY: forwarded from the caller, for `h <= left` rows.
+    unsafe {
+        match h {
+            8 => rows::<S, F, 8>(t),
+            4 => rows::<S, F, 4>(t),
+            2 => rows::<S, F, 2>(t),
+            _ => rows::<S, F, 1>(t),
+        }
+    }
+    h
+}
