@@ -5,7 +5,7 @@
 //!
 //! A decode step streams its weights, its adapters' slots and its KV rows once each, tens of
 //! megabytes as short streams: on 4 KiB pages far more translations than the TLBs hold, on 2 MiB
-//! pages a few dozen (docs/BENCHMARKS.md, "An eighth look").
+//! pages a few dozen (docs/BENCHMARKS.md, "One GGUF decode step, and memory").
 
 use std::ptr::NonNull;
 

@@ -4,7 +4,7 @@
 //! A floor counts each byte a kernel cannot avoid once: its inputs read once, its outputs written
 //! once (read too where it accumulates). Anything a kernel reads twice, or an index it reads
 //! beside the data, is above the floor; that is what `measured / floor` shows. The tables in
-//! `docs/BENCHMARKS.md` ("GPU: what each kernel must move") come from these functions at
+//! `docs/BENCHMARKS.md` ("GPU", its floors paragraph) come from these functions at
 //! [`DECODE`]'s shapes; the tests below hold the two together.
 
 /// An H200 SXM's HBM3e bandwidth in bytes per second (NVIDIA's datasheet: 4.8 TB/s).

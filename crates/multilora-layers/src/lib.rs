@@ -7,12 +7,15 @@
 //! [`lora_expand`], Punica's SGMV); [`lora_shrink_slow`] / [`lora_expand_slow`] gather each row's
 //! matrices instead (BGMV) and are the oracle the segmented ops are tested against.
 //!
+//! Each op is a candle op over `multilora-cpu`'s kernels (`cpu.rs`) and `multilora-kernels`' (`cuda.rs`).
+//!
 //! - [`LoraSlots`]: the stacked `A[max_loras, max_rank, in]` and `Bᵀ[max_loras, max_rank, out]` of
 //!   one module and the real rank of each slot; [`SlotConfig`] says how many, how big, where;
-//! - [`PackedWeight`]: an f32 base weight packed once for the CPU kernel, which every layer's
-//!   base product runs on, whatever the batch size;
-//! - [`QuantWeight`]: a GGUF (GGML block-quantized) base weight kept quantized, multiplied by
-//!   integer dot products against activations quantized to about 16 bits, whatever the batch size;
+//! - [`PackedWeight`]: an f32 / bf16 / f16 base weight packed once for the CPU kernel, which
+//!   every layer's base product runs on, whatever the batch size;
+//! - [`QuantWeight`]: a GGUF (GGML block-quantized) base weight kept quantized
+//!   (`multilora_cpu::quant::QuantMatrix`), multiplied by integer dot products against
+//!   activations quantized to about 16 bits, whatever the batch size;
 //! - [`LoraLinear`]: a plain or fused (qkv, gate_up) linear with one set of slots per module, and
 //!   `merge` / `unmerge` for a deployment dominated by one adapter; `lm_head` is a `LoraLinear` too,
 //!   driven by a mapping over logit rows;

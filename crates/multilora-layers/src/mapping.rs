@@ -56,9 +56,7 @@ pub struct LoraMapping {
 impl LoraMapping {
     /// Builds the mapping of a step, its device index uploaded on its own (a step that has other
     /// tables to upload builds it with [`LoraMapping::plan`] instead). `slots[i]` is row `i`'s
-    /// slot, `None` for the base model.
-    ///
-    /// Fails when a slot is `>= max_loras`: the one place a step's slots are checked.
+    /// slot, `None` for the base model. Fails as [`LoraMapping::plan`] does.
     pub fn new(slots: &[Option<SlotId>], max_loras: usize, device: &Device) -> Result<LoraMapping> {
         let mut meta = StepMeta::new();
         let pending = LoraMapping::plan(slots, max_loras, device, &mut meta)?;

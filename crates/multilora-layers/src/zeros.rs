@@ -1,7 +1,5 @@
-//! Zeroed host tensors a model keeps for its whole life: zeros whose pages the system hands out
-//! on first write ([`lazy_zeros`]), and those whose whole huge pages are advised
-//! ([`huge_zeros`], through `multilora_cpu::host_memory`): the LoRA slots' chunks (`slots.rs`)
-//! and the CPU KV cache.
+//! Zeroed host tensors kept for a model's life, paged in on first write ([`lazy_zeros`]) or on
+//! advised huge pages ([`huge_zeros`]: the LoRA slots' chunks and the CPU KV cache).
 
 use candle_core::{DType, Device, Tensor};
 use multilora_cpu::host_memory::advise_huge_within;

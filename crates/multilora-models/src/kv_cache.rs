@@ -173,7 +173,7 @@ impl KvCache {
         // memory only as far as it is used. On the CPU every layer's K and V are views of one
         // buffer whose huge pages are advised: a decode step reads its sequences' rows of every
         // layer as short streams (and asks for them ahead, `ReadAhead`), which on 4 KiB pages
-        // are a page walk every 4 KiB (docs/BENCHMARKS.md, "A ninth look").
+        // are a page walk every 4 KiB (docs/BENCHMARKS.md, "One GGUF decode step, and memory").
         // The keys of every layer, then the values: tensor `i` holds layer `i % layers`.
         let tensor_rows: Vec<usize> = layer_rows.iter().chain(&layer_rows).copied().collect();
         let tensors = if device.is_cpu() {

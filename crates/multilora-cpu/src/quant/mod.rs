@@ -80,7 +80,7 @@ pub struct QuantMatrix {
     /// The last plan made on several threads ([`QuantMatrix::plan`]), for the next product of as
     /// many rows on as many threads: a decode step's products repeat their shapes step after step.
     last_plan: Arc<Mutex<Option<Arc<Plan>>>>,
-    /// The plans on one thread of `1..=DECODE_ROWS` rows, each made once: a step's lanes (each
+    /// The plans on one thread of `1..=DECODE_ROWS` rows, each made once: a step's row groups (each
     /// thread its own rows through every layer) read them side by side without a lock.
     solo_plans: Arc<[OnceLock<Arc<Plan>>; DECODE_ROWS]>,
 }
