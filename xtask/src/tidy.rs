@@ -35,7 +35,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("multilora-server", &["multilora"]),
-    ("multilora-cli", &["multilora", "multilora-server"]),
+    // The binary reads and writes the model formats itself (`plan`: a `config.json`; `demo`:
+    // seeded adapters), which the engine's API does not carry (issue #49); it serves through the
+    // engine's API only.
+    ("multilora-cli", &["multilora", "multilora-server", "multilora-adapter", "multilora-models"]),
     // The GPU check binary: a tool, like xtask, but it reads the layers and the model directly.
     ("multilora-device-check", &["multilora", "multilora-adapter", "multilora-layers", "multilora-models"]),
 ];
@@ -190,7 +193,10 @@ fn check_files(root: &Path, names: &[String], problems: &mut Vec<String>) -> Res
         let shipped = rel.contains("/src/") && !rel.contains("/tests/");
         if !rel.starts_with("crates/multilora-types/") && !rel.starts_with("xtask/") {
             relayed_vocabulary(&rel, &text, names, problems);
-            for (n, line) in text.lines().enumerate() {
+            // The engine's public API spells the vocabulary it shows embedders in types of its own,
+            // converted inside it (issue #49), so that the API names no crate below it.
+            let engine_api = rel.starts_with("crates/multilora/src/");
+            for (n, line) in text.lines().enumerate().filter(|_| !engine_api) {
                 let code = line.split("//").next().unwrap_or("");
                 if let Some(item) =
                     VOCABULARY.iter().find(|v| code.contains(&format!("{v} ")) || code.contains(&format!("{v}(")))

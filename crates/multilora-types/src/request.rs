@@ -25,8 +25,8 @@ impl LogitsWanted {
     }
 }
 
-/// Why a request finished.
-#[non_exhaustive]
+/// Why a request finished. Exhaustive, like the other shared enums: the engine's public
+/// spelling of it (`multilora::FinishReason`) names every reason.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FinishReason {
     /// `max_new_tokens` generated, or the sequence reached `max_model_len`.

@@ -7,20 +7,18 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
-use candle_core::{DType, Device};
 use multilora_adapter::HubConfig;
 use multilora_adapter::{LoadOptions, SourceExt};
 use multilora_models::{Checkpoint, GenerationConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig, SlidingKv};
 use multilora_store::{Store, StoreBuilder, StoreConfig};
-use multilora_types::AdapterSource;
-use multilora_types::{DEFAULT_MAX_LORA_RANK, DEFAULT_STEP_FACTOR, LoraLimits, ModuleKind, StepTime};
+use multilora_types::{AdapterSource, DEFAULT_MAX_LORA_RANK, Resolver};
 
 use crate::command::{Command, EventCount};
 use crate::config::EngineConfig;
 use crate::error::BuildError;
 use crate::handle::Engine;
-use crate::resolver::{Resolver, StoreResolver};
+use crate::knobs::{DEFAULT_STEP_FACTOR, DType, Device, LoraLimits, ModuleKind, StepTime};
 
 /// What the start-up steps return.
 type Result<T> = std::result::Result<T, BuildError>;
@@ -246,7 +244,7 @@ impl EngineBuilder {
     /// in the engine (deferred) while the resolved adapter loads. See
     /// [`crate::DirectoryResolver`] for the built-in one.
     pub fn lora_resolver(mut self, resolver: impl Resolver + 'static) -> EngineBuilder {
-        self.resolvers.0.push(Box::new(move |b: StoreBuilder| b.resolver(StoreResolver(resolver))));
+        self.resolvers.0.push(Box::new(move |b: StoreBuilder| b.resolver(resolver)));
         self
     }
 
@@ -293,12 +291,13 @@ impl EngineBuilder {
         }
         let lora = self.lora_limits(&cfg)?;
         let (dtype, quantized) = self.resolve_dtype(&cfg, &checkpoint);
+        let device = self.device.open().map_err(|e| BuildError::Device { device: self.device, source: Arc::new(e) })?;
         let mut opts =
-            ModelOptions::default().dtype(dtype).device(self.device.clone()).lora(lora.clone()).hub(hub.clone());
+            ModelOptions::default().dtype(dtype.to_candle()).device(device).lora(lora.clone()).hub(hub.clone());
         // Unset, the model picks them (f16 for a GGUF file kept quantized on the CPU).
         opts.quantized = quantized;
-        opts.lora_dtype = self.lora_dtype;
-        opts.kv_dtype = self.kv_cache_dtype;
+        opts.lora_dtype = self.lora_dtype.map(DType::to_candle);
+        opts.kv_dtype = self.kv_cache_dtype.map(DType::to_candle);
         let model = Model::load_checkpoint(&checkpoint, &opts).map_err(BuildError::model)?;
         let (lora_dtype, kv_cache_dtype) = (model.lora_dtype(), model.kv_dtype());
         let weights = weights_description(&checkpoint, &model, quantized);
@@ -322,7 +321,7 @@ impl EngineBuilder {
         let kv = model.new_kv_cache(kv_cfg).map_err(BuildError::model)?;
         tracing::info!(
             model = %self.model,
-            device = ?self.device.location(),
+            device = %self.device,
             dtype = ?dtype,
             checkpoint_dtype = cfg.torch_dtype.as_deref().unwrap_or("unknown"),
             weights = %weights,
@@ -346,10 +345,10 @@ impl EngineBuilder {
             chat_template: text.chat_template,
             weights,
             served_model_name: served,
-            lora,
+            lora: LoraLimits::from_inner(&lora),
             max_cpu_loras,
-            lora_dtype,
-            kv_cache_dtype,
+            lora_dtype: served_dtype(lora_dtype)?,
+            kv_cache_dtype: served_dtype(kv_cache_dtype)?,
             dtype,
             kernels: model.kernels(),
             max_model_len,
@@ -399,21 +398,23 @@ impl EngineBuilder {
 
     /// The LoRA limits, built once: `max_loras`; `max_lora_rank` (default: the largest startup
     /// rank, else 16); the target modules (default: the seven projections plus whatever the
-    /// startup adapters target). `max_loras` 0 is [`LoraLimits::off`]: from here on, "LoRA off" is
+    /// startup adapters target). `max_loras` 0 is `LoraLimits::off`: from here on, "LoRA off" is
     /// that value, not a zero checked again.
-    fn lora_limits(&self, cfg: &ModelConfig) -> Result<LoraLimits> {
+    fn lora_limits(&self, cfg: &ModelConfig) -> Result<multilora_types::LoraLimits> {
+        use multilora_types::{LoraLimits, ModuleKind};
         if self.max_loras == 0 {
             return Ok(LoraLimits::off());
         }
         let (startup_rank, startup_targets) = self.scan_startup(cfg)?;
         let max_lora_rank =
             self.max_lora_rank.unwrap_or(if startup_rank > 0 { startup_rank } else { DEFAULT_MAX_LORA_RANK });
-        let targets = self.lora_target_modules.clone().unwrap_or_else(|| {
+        let given = self.lora_target_modules.as_ref().map(|t| t.iter().map(|k| k.to_inner()).collect::<Vec<_>>());
+        let targets = given.unwrap_or_else(|| {
             let mut t = ModuleKind::PROJECTIONS.to_vec();
             t.extend(startup_targets.iter().copied().filter(|k| !ModuleKind::PROJECTIONS.contains(k)));
             t
         });
-        Ok(LoraLimits::new(self.max_loras, max_lora_rank, &targets)?)
+        LoraLimits::new(self.max_loras, max_lora_rank, &targets).map_err(|e| BuildError::Limits(Arc::new(e)))
     }
 
     /// The adapter store over `store_cfg` (sized by the limits and the model), with the runtime
@@ -453,7 +454,13 @@ impl EngineBuilder {
     /// `max_num_seqs` requests each holding its window (and the two blocks it only partly fills)
     /// plus one step's tokens need, the full layers taking the rest
     /// ([`KvCacheConfig::for_budget_sliding`]: neither pool below one pool's blocks).
-    fn kv_cache_config(&self, cfg: &ModelConfig, dtype: DType, budget: u64, max_model_len: usize) -> KvCacheConfig {
+    fn kv_cache_config(
+        &self,
+        cfg: &ModelConfig,
+        dtype: candle_core::DType,
+        budget: u64,
+        max_model_len: usize,
+    ) -> KvCacheConfig {
         let bs = self.block_size;
         match cfg.sliding_window.filter(|_| cfg.mixed_windows()) {
             Some(window) => {
@@ -468,7 +475,7 @@ impl EngineBuilder {
     /// The scheduler over the blocks of `kv` (and its sliding layers' pool).
     fn build_scheduler(
         &self,
-        lora: &LoraLimits,
+        lora: &multilora_types::LoraLimits,
         max_model_len: usize,
         kv: KvCacheConfig,
         cfg: &ModelConfig,
@@ -478,7 +485,7 @@ impl EngineBuilder {
         let cfg = SchedulerConfig::default()
             .max_num_seqs(self.max_num_seqs)
             .max_num_batched_tokens(self.max_num_batched_tokens)
-            .step_time(self.step_time)
+            .step_time(self.step_time.to_inner())
             .max_model_len(max_model_len)
             .max_loras(lora.max_loras())
             .max_prompt_logprob_rows(prompt_logprob_rows(cfg.vocab_size))
@@ -497,10 +504,12 @@ impl EngineBuilder {
     /// its quantized tensors as they are (norms in f32; see `build` for its KV cache and slots). A
     /// dtype given for a GGUF file dequantizes every weight to it (`f32` is the reference path).
     fn resolve_dtype(&self, cfg: &ModelConfig, checkpoint: &Checkpoint) -> (DType, bool) {
+        // `auto_dtype` is the checkpoint's `torch_dtype`, one of the three, else f32.
+        let auto = || DType::from_candle(cfg.auto_dtype()).unwrap_or(DType::F32);
         match (self.dtype, checkpoint.gguf()) {
             (Some(dt), Some(_)) => (dt, false),
             (None, Some(_)) => (DType::F32, true),
-            (dt, None) => (dt.unwrap_or_else(|| cfg.auto_dtype()), false),
+            (dt, None) => (dt.unwrap_or_else(auto), false),
         }
     }
 
@@ -568,9 +577,9 @@ impl EngineBuilder {
 
     /// Reads each startup adapter's config (no tensors): the largest rank and the modules
     /// targeted, so slots are sized before the model allocates them.
-    fn scan_startup(&self, cfg: &ModelConfig) -> Result<(usize, Vec<ModuleKind>)> {
+    fn scan_startup(&self, cfg: &ModelConfig) -> Result<(usize, Vec<multilora_types::ModuleKind>)> {
         let shapes = cfg.shapes();
-        let opts = LoadOptions::new(DType::F32);
+        let opts = LoadOptions::new(candle_core::DType::F32);
         let (mut rank, mut kinds) = (0, Vec::new());
         for (name, src) in &self.loras {
             let summary = AdapterSource::parse(src)
@@ -611,4 +620,13 @@ const PROMPT_LOGITS_BYTES: usize = 256 << 20;
 /// SmolLM2's 49,152), at least one.
 fn prompt_logprob_rows(vocab_size: usize) -> usize {
     (PROMPT_LOGITS_BYTES / (12 * vocab_size.max(1))).max(1)
+}
+
+/// The engine's spelling of a dtype the model chose (slots, KV cache): always one the engine
+/// serves in; anything else is the model's error, not a silent substitute.
+fn served_dtype(dtype: candle_core::DType) -> Result<DType> {
+    DType::from_candle(dtype).ok_or_else(|| {
+        let e: Box<dyn std::error::Error + Send + Sync> = format!("the model chose dtype {dtype:?}").into();
+        BuildError::Model(Arc::from(e))
+    })
 }

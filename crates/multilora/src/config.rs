@@ -3,12 +3,11 @@
 
 use std::path::PathBuf;
 
-use candle_core::DType;
 use multilora_models::GenerationConfig;
 
+use crate::knobs::{DType, LoraLimits, StepTime};
 use crate::request::SamplingParams;
 use crate::text::ChatTemplateSource;
-use multilora_types::{LoraLimits, StepTime};
 
 /// The resolved configuration an engine runs with.
 #[derive(Clone, Debug)]
@@ -29,7 +28,7 @@ pub struct EngineConfig {
     /// The name requests use for the base model.
     pub served_model_name: String,
     /// Adapter slots (distinct adapters per step), the rank of every slot and the modules with
-    /// slot buffers; [`LoraLimits::off`] when LoRA is off.
+    /// slot buffers ([`LoraLimits::is_off`] when LoRA is off).
     pub lora: LoraLimits,
     /// Adapters held in host memory.
     pub max_cpu_loras: usize,

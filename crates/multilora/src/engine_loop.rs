@@ -118,7 +118,7 @@ impl EngineLoop {
     }
 
     fn serve(&mut self) {
-        if self.config.step_time != multilora_types::StepTime::Unbounded {
+        if self.config.step_time != crate::knobs::StepTime::Unbounded {
             let pool = Arc::clone(&self.pool);
             pool.install(|| self.warm_up());
         }

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use multilora_types::{LimitsError, ModuleKind};
+use crate::knobs::{Device, ModuleKind};
 
 /// The crate's result type (request-time errors; [`crate::EngineBuilder::build`] returns a
 /// [`BuildError`]).
@@ -145,7 +145,8 @@ impl EngineError {
             | S::HubDisabled { .. } => EngineError::InvalidRequest { reason: e.to_string() },
             S::Shutdown { .. } => EngineError::Shutdown,
             S::UntargetedModules { modules, .. } => {
-                EngineError::AdapterTargets { name: name.to_string(), modules: modules.clone() }
+                let modules = modules.iter().map(|&k| ModuleKind::from_inner(k)).collect();
+                EngineError::AdapterTargets { name: name.to_string(), modules }
             }
             _ => EngineError::Adapter { name: name.to_string(), source: Arc::clone(e) as SharedError },
         }
@@ -181,9 +182,18 @@ pub enum BuildError {
         /// The model's limit.
         limit: usize,
     },
-    /// The LoRA limits cannot work.
+    /// The LoRA limits cannot work (`max_lora_rank` 0 or above the ceiling, no target modules).
     #[error("invalid engine config: {0}")]
-    Limits(#[from] LimitsError),
+    Limits(#[source] SharedError),
+    /// The device could not be opened (no such GPU, or a build without the `cuda` feature).
+    #[error("invalid engine config: device {device}: {source}")]
+    Device {
+        /// The device asked for.
+        device: Device,
+        /// Why.
+        #[source]
+        source: SharedError,
+    },
     /// The adapter store refused its configuration.
     #[error("invalid engine config: {source}")]
     Store {
@@ -243,6 +253,7 @@ impl BuildError {
             | BuildError::MaxModelLen { .. }
             | BuildError::GpuMemoryUtilization { .. }
             | BuildError::Limits(_)
+            | BuildError::Device { .. }
             | BuildError::Store { .. }
             | BuildError::Scheduler { .. } => "invalid_config",
             BuildError::Model(_) | BuildError::Tokenizer { .. } => "model_error",

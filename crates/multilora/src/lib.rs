@@ -14,7 +14,7 @@
 //!     .lora("chat", format!("{fixtures}/adapters/all_r16"))
 //!     .kv_cache_bytes(8 << 20)
 //!     .build()?;
-//! let params = SamplingParams::greedy(8);
+//! let params = SamplingParams::greedy(8).validate(engine.config().vocab_size)?; // checked once
 //! let sql = engine.submit(GenerateRequest::new("sql", "SELECT the").params(params.clone()))?;
 //! let mut chat = engine.submit(GenerateRequest::new("chat", "Hello").params(params))?;
 //! while let Some(Event::Token { text_delta, .. }) = chat.recv_blocking() {
@@ -29,10 +29,15 @@
 //!   commands are drained between steps, and an idle engine blocks on its channel.
 //! - A request reaches the scheduler only once its adapter is in host memory; until then it waits
 //!   in the engine in arrival order (counted as deferred).
-//! - Parameters, prompts and model names are checked (and prompts tokenized) on the caller's
-//!   thread, so `submit` returns `invalid_request` / `prompt_too_long` / `model_not_found` at
-//!   once and an invalid request is never queued; only a cold adapter's failed load arrives on
-//!   the stream as [`Event::Error`].
+//! - Sampling parameters are checked once, by [`SamplingParams::validate`], into the
+//!   [`ValidParams`] a request carries; prompts and model names are checked (and prompts
+//!   tokenized) on the caller's thread, so `submit` returns `invalid_request` /
+//!   `prompt_too_long` / `model_not_found` at once and an invalid request is never queued; only a
+//!   cold adapter's failed load arrives on the stream as [`Event::Error`].
+//! - The API names no type of candle or of a crate below the engine: [`Device`], [`DType`],
+//!   [`StepTime`], [`ModuleKind`], [`LoraLimits`], [`FinishReason`] and [`Histogram`] are the
+//!   engine's own, converted inside it. The one exception is the resolver vocabulary, which the
+//!   store runs and so defines below the engine, re-exported here as it is.
 //! - A panic in the engine loop is caught: every live request gets
 //!   [`EngineError::EngineFailed`], and so does every later submit and adapter call.
 //!   [`EngineHandle::health`] and [`EngineHandle::published_metrics`] never wait on the loop, so
@@ -62,9 +67,9 @@ mod error;
 mod failpoints;
 mod handle;
 mod health;
+mod knobs;
 mod metrics;
 mod request;
-mod resolver;
 mod sampler;
 mod sampling;
 mod step_cost;
@@ -72,27 +77,26 @@ mod stop;
 mod text;
 
 pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, MAX_DEFAULT_KV_CACHE_BYTES};
-pub use candle_core::{DType, Device};
 pub use config::EngineConfig;
 pub use error::{BuildError, EngineError, Result, SharedError};
 pub use handle::{Engine, EngineHandle, METRICS_WAIT, ModelInfo, RequestStream, Tier};
 pub use health::{EngineHealth, LoopState};
+pub use knobs::{DEFAULT_STEP_FACTOR, DType, Device, LoraLimits, ModuleKind, StepTime};
 pub use metrics::{
     AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
     STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
 };
-/// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
-pub use multilora_adapter::{ModelShapes, SyntheticAdapter};
-pub use multilora_models::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
-pub use multilora_types::ModuleKind;
-/// The step-time budget (`EngineBuilder::step_time`).
-pub use multilora_types::{DEFAULT_STEP_FACTOR, StepTime};
-/// The LoRA limits an engine runs with ([`EngineConfig::lora`]) and why a set is refused.
-pub use multilora_types::{LimitsError, LoraLimits};
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, StopReason, TokenLogprob, Usage,
+    MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, StopReason, TokenLogprob, Usage, ValidParams,
 };
-pub use resolver::{AdapterSource, DirectoryResolver, HubResolver, ResolveError, Resolver};
 pub use sampler::Sampler;
 pub use text::ChatTemplateSource;
+
+// Resolvers of adapter names nobody registered (vLLM's `LoRAResolver`): the one trait and its
+// error, with the answer they give, from `multilora-types`, and the two built-in resolvers,
+// implemented once in the store, which runs resolvers on its loader threads. Re-exported as they
+// are, because one trait shared with the store cannot be defined above it; none of them names
+// another type of a crate below the engine.
+pub use multilora_store::{DirectoryResolver, HubResolver};
+pub use multilora_types::{AdapterSource, ResolveError, Resolver};

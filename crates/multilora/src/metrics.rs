@@ -3,7 +3,42 @@
 
 use std::collections::BTreeMap;
 
-pub use multilora_types::Histogram;
+use multilora_types::Histogram as Counting;
+
+/// A histogram with fixed upper bounds and one more bucket for `+Inf`, as a snapshot reports it.
+/// Fixed bounds, so that histograms from different replicas add up.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Histogram {
+    /// Upper bounds, ascending (the last bucket, not listed, is unbounded).
+    pub bounds: Vec<f64>,
+    /// Observations per bucket (not cumulative), `bounds.len() + 1` of them.
+    pub counts: Vec<u64>,
+    /// The sum of all observations (seconds for durations).
+    pub sum: f64,
+    /// The number of observations.
+    pub count: u64,
+}
+
+impl Default for Histogram {
+    /// An empty histogram with one bucket, `+Inf`.
+    fn default() -> Histogram {
+        Histogram { bounds: Vec::new(), counts: vec![0], sum: 0.0, count: 0 }
+    }
+}
+
+impl Histogram {
+    /// The mean of the observations (exact: the sum and the count are kept exactly); 0 when
+    /// there are none.
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 { 0.0 } else { self.sum / self.count as f64 }
+    }
+
+    /// The snapshot of a histogram the engine or the store counts in.
+    pub(crate) fn of(h: &Counting) -> Histogram {
+        Histogram { bounds: h.bounds.clone(), counts: h.counts.clone(), sum: h.sum, count: h.count }
+    }
+}
 
 /// Bucket bounds (seconds) of time to first token and end-to-end latency.
 pub const LATENCY_BUCKETS_S: [f64; 14] =
@@ -137,17 +172,17 @@ pub(crate) struct Counters {
     pub(crate) finished: BTreeMap<&'static str, u64>,
     pub(crate) errors: BTreeMap<&'static str, u64>,
     pub(crate) per_adapter: BTreeMap<String, AdapterUsage>,
-    pub(crate) ttft: Histogram,
-    pub(crate) itl: Histogram,
-    pub(crate) e2e: Histogram,
+    pub(crate) ttft: Counting,
+    pub(crate) itl: Counting,
+    pub(crate) e2e: Counting,
     pub(crate) deferred_max: usize,
     pub(crate) preemptions: u64,
     pub(crate) steps: u64,
-    pub(crate) step_duration: Histogram,
-    pub(crate) iteration_tokens: Histogram,
-    pub(crate) prefill_tokens: Histogram,
-    pub(crate) step_rows: Histogram,
-    pub(crate) step_adapters: Histogram,
+    pub(crate) step_duration: Counting,
+    pub(crate) iteration_tokens: Counting,
+    pub(crate) prefill_tokens: Counting,
+    pub(crate) step_rows: Counting,
+    pub(crate) step_adapters: Counting,
 }
 
 impl Default for Counters {
@@ -158,17 +193,17 @@ impl Default for Counters {
             finished: BTreeMap::new(),
             errors: BTreeMap::new(),
             per_adapter: BTreeMap::new(),
-            ttft: Histogram::new(&LATENCY_BUCKETS_S),
-            itl: Histogram::new(&ITL_BUCKETS_S),
-            e2e: Histogram::new(&LATENCY_BUCKETS_S),
+            ttft: Counting::new(&LATENCY_BUCKETS_S),
+            itl: Counting::new(&ITL_BUCKETS_S),
+            e2e: Counting::new(&LATENCY_BUCKETS_S),
             deferred_max: 0,
             preemptions: 0,
             steps: 0,
-            step_duration: Histogram::new(&STEP_BUCKETS_S),
-            iteration_tokens: Histogram::new(&STEP_TOKEN_BUCKETS),
-            prefill_tokens: Histogram::new(&STEP_TOKEN_BUCKETS),
-            step_rows: Histogram::new(&STEP_ROW_BUCKETS),
-            step_adapters: Histogram::new(&STEP_ADAPTER_BUCKETS),
+            step_duration: Counting::new(&STEP_BUCKETS_S),
+            iteration_tokens: Counting::new(&STEP_TOKEN_BUCKETS),
+            prefill_tokens: Counting::new(&STEP_TOKEN_BUCKETS),
+            step_rows: Counting::new(&STEP_ROW_BUCKETS),
+            step_adapters: Counting::new(&STEP_ADAPTER_BUCKETS),
         }
     }
 }
@@ -187,15 +222,17 @@ mod tests {
 
     #[test]
     fn histogram_buckets() {
-        let mut h = Histogram::new(&[0.1, 1.0]);
+        let mut h = Counting::new(&[0.1, 1.0]);
         h.observe(Duration::from_millis(50));
         h.observe(Duration::from_millis(500));
         h.observe(Duration::from_secs(5));
         assert_eq!(h.counts, vec![1, 1, 1]);
         assert_eq!(h.count, 3);
-        let mut t = Histogram::new(&STEP_TOKEN_BUCKETS);
+        let mut t = Counting::new(&STEP_TOKEN_BUCKETS);
         t.observe_value(16.0);
         t.observe_value(17.0);
         assert_eq!((t.counts[2], t.counts[3], t.sum), (1, 1, 33.0));
+        let snapshot = Histogram::of(&t);
+        assert_eq!((snapshot.mean(), snapshot.count, snapshot.counts), (16.5, 2, t.counts));
     }
 }

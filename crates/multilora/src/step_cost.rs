@@ -1,5 +1,5 @@
 //! The engine's measurement of what a step costs, which the scheduler turns into prefill tokens
-//! under the step-time budget (`multilora_types::StepTime`).
+//! under the step-time budget (`crate::StepTime`).
 //!
 //! Every step is timed and fed in as `(decode rows, prefill tokens, seconds)`. Decode-only steps
 //! fit a line `fixed + rows · per_row` by least squares over the most recent [`WINDOW`] of them

@@ -7,14 +7,14 @@
 use std::time::Instant;
 
 use multilora_scheduler::{RequestResult, ScheduledRequest};
-use multilora_types::LogitsWanted;
+use multilora_types::{FinishReason, LogitsWanted};
 use tokenizers::Tokenizer;
 
 use super::hold::Hold;
 use crate::command::Submission;
 use crate::detokenize::Detokenizer;
 use crate::metrics::Counters;
-use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams, StopReason};
+use crate::request::{Event, PromptLogprob, SamplingParams, StopReason};
 use crate::sampling::{Picked, SamplerState, prompt_logprob};
 use crate::stop::{StopScan, StopStrings};
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use multilora_types::AdapterGen;
 
 use super::EngineLoop;
-use crate::metrics::{MetricsSnapshot, TierOccupancy};
+use crate::metrics::{Histogram, MetricsSnapshot, TierOccupancy};
 
 impl EngineLoop {
     pub(super) fn note_deferred(&mut self) {
@@ -58,16 +58,16 @@ impl EngineLoop {
             adapter_loads_waiting: sm.waiting_for_capacity,
             adapter_capacity_waits: sm.capacity_waits,
             per_adapter: self.counters.per_adapter.clone(),
-            ttft: self.counters.ttft.clone(),
-            inter_token_latency: self.counters.itl.clone(),
-            e2e_latency: self.counters.e2e.clone(),
-            adapter_load_time: sm.load_time,
+            ttft: Histogram::of(&self.counters.ttft),
+            inter_token_latency: Histogram::of(&self.counters.itl),
+            e2e_latency: Histogram::of(&self.counters.e2e),
+            adapter_load_time: Histogram::of(&sm.load_time),
             steps: self.counters.steps,
-            step_duration: self.counters.step_duration.clone(),
-            iteration_tokens: self.counters.iteration_tokens.clone(),
-            prefill_tokens_per_step: self.counters.prefill_tokens.clone(),
-            step_rows: self.counters.step_rows.clone(),
-            step_adapters: self.counters.step_adapters.clone(),
+            step_duration: Histogram::of(&self.counters.step_duration),
+            iteration_tokens: Histogram::of(&self.counters.iteration_tokens),
+            prefill_tokens_per_step: Histogram::of(&self.counters.prefill_tokens),
+            step_rows: Histogram::of(&self.counters.step_rows),
+            step_adapters: Histogram::of(&self.counters.step_adapters),
         }
     }
 }

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use super::EngineLoop;
 use super::live::{Computed, Live};
 use crate::error::{EngineError, SharedError};
+use crate::request::FinishReason;
 
 /// Logit entries in a step from which its rows are sampled on the pool's threads (two rows of a
 /// 16k vocabulary): below it the work is a few µs, which waking the pool's other threads (tens
@@ -148,7 +149,7 @@ impl EngineLoop {
             }
         }
         for f in finished {
-            self.finish(f.id, f.reason, f.output_token_ids.len());
+            self.finish(f.id, FinishReason::from_inner(f.reason), f.output_token_ids.len());
         }
         let decode_rows = batch.seqs.iter().filter(|s| s.tokens.len() == 1).count();
         let prefill_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).filter(|&n| n > 1).sum();
