@@ -38,7 +38,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("multilora-server", &["multilora"]),
-    ("multilora-cli", &["multilora", "multilora-server"]),
+    // The binary reads and writes the model formats itself (`plan`: a `config.json`; `demo`:
+    // seeded adapters), which the engine's API does not carry (issue #49); it serves through the
+    // engine's API only.
+    ("multilora-cli", &["multilora", "multilora-server", "multilora-adapter", "multilora-models"]),
     // The GPU check binary: a tool, like xtask, but it reads the layers and the model directly.
     ("multilora-device-check", &["multilora", "multilora-adapter", "multilora-layers", "multilora-models"]),
 ];

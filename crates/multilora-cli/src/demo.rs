@@ -18,10 +18,9 @@ use candle_core::{Device, Tensor};
 use clap::Args;
 use clap::builder::TypedValueParser;
 use indicatif::{ProgressBar, ProgressStyle};
-use multilora::{
-    Engine, Event, GenerateRequest, MetricsSnapshot, ModelShapes, ModuleKind, SamplingParams, SyntheticAdapter,
-};
-use multilora_types::SplitMix64;
+use multilora::{Engine, Event, GenerateRequest, MetricsSnapshot, SamplingParams};
+use multilora_adapter::{ModelShapes, SyntheticAdapter};
+use multilora_types::{ModuleKind, SplitMix64};
 use serde_json::json;
 
 use crate::Failure;
@@ -239,6 +238,7 @@ fn run_once(
         b = b.lora(n, s);
     }
     let engine = b.build().map_err(|e| anyhow!("{e}"))?;
+    let params = params.clone().validate(engine.config().vocab_size).map_err(|e| anyhow!("{e}"))?;
     let bar = ProgressBar::new(work.len() as u64);
     bar.set_style(
         ProgressStyle::with_template(&format!(
@@ -249,8 +249,7 @@ fn run_once(
     let start = Instant::now();
     let mut streams = Vec::with_capacity(work.len());
     for (i, (m, p)) in work.iter().enumerate() {
-        let mut params = params.clone();
-        params.seed = Some(i as u64);
+        let params = params.clone().with_seed(Some(i as u64));
         streams.push((Instant::now(), engine.submit(GenerateRequest::new(m.clone(), p.as_str()).params(params))));
     }
     // One reader per request, so that each first token is timed when it arrives.
@@ -337,13 +336,10 @@ fn print_answers(model: &str, loras: &[(String, String)]) -> anyhow::Result<()> 
         .map_err(|e| anyhow!("{e}"))?;
     let ids = engine.handle().tokenize(&prompt, false).map_err(|e| anyhow!("{e}"))?;
     let names: Vec<&str> = std::iter::once("base").chain(loras.iter().map(|(n, _)| n.as_str())).collect();
+    let greedy = SamplingParams::greedy(40).validate(engine.config().vocab_size).map_err(|e| anyhow!("{e}"))?;
     let streams = names
         .iter()
-        .map(|n| {
-            engine.submit(
-                GenerateRequest::new(*n, multilora::Prompt::Tokens(ids.clone())).params(SamplingParams::greedy(40)),
-            )
-        })
+        .map(|n| engine.submit(GenerateRequest::new(*n, multilora::Prompt::Tokens(ids.clone())).params(greedy.clone())))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!("{e}"))?;
     println!("{ANSWER_QUESTION}");

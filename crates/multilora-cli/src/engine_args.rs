@@ -160,15 +160,11 @@ fn cuda_device(_: usize, flag: &str) -> anyhow::Result<Device> {
     ))
 }
 
-/// The GPU on its own stream: the builder's uploads and the engine loop's steps (on other
-/// threads) are then ordered by the stream itself.
+/// GPU `n`: the engine opens it when it is built (on a stream of its own), and says so if it
+/// cannot ([`multilora::BuildError::Device`]).
 #[cfg(feature = "cuda")]
-fn cuda_device(n: usize, flag: &str) -> anyhow::Result<Device> {
-    // candle's error may carry a backtrace on further lines; the first says what failed.
-    Device::new_cuda_with_stream(n).map_err(|e| {
-        let e = e.to_string();
-        anyhow!("--device {flag}: no CUDA device found ({})", e.lines().next().unwrap_or_default().trim())
-    })
+fn cuda_device(n: usize, _: &str) -> anyhow::Result<Device> {
+    Ok(Device::Cuda(n))
 }
 
 impl EngineArgs {
@@ -224,6 +220,12 @@ impl EngineArgs {
             // (its message already starts with `adapter "NAME":`, so it is not repeated here).
             match &e {
                 multilora::BuildError::Adapter { .. } => Failure::input(anyhow!("--lora: {e}")),
+                // candle's error may carry a backtrace on further lines; the first says what failed.
+                multilora::BuildError::Device { device, source } => {
+                    let cause = source.to_string();
+                    let cause = cause.lines().next().unwrap_or_default().trim().to_string();
+                    Failure::input(anyhow!("--device {device}: no CUDA device found ({cause})"))
+                }
                 _ => Failure::input(anyhow!("--model {}: {e}", self.model)),
             }
         })

@@ -128,8 +128,11 @@ pub(crate) fn run(a: GenerateArgs) -> Result<(), Failure> {
                 }
             },
         };
-        let req = GenerateRequest::new(model.clone(), engine_prompt).params((*params).clone());
-        match engine.submit(req) {
+        let submitted = (*params)
+            .clone()
+            .validate(engine.config().vocab_size)
+            .and_then(|valid| engine.submit(GenerateRequest::new(model.clone(), engine_prompt).params(valid)));
+        match submitted {
             Ok(stream) => pending.push(Ok((id, model, ids, params, stream))),
             Err(e) => pending.push(Err(error_line(&id, contract_kind(&e), &e.to_string()))),
         }

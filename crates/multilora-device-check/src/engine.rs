@@ -8,12 +8,12 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
-use multilora::{Engine, GenerateRequest, SamplingParams};
+use candle_core::Device;
+use multilora::{DType, Engine, GenerateRequest, SamplingParams};
 use serde_json::Value;
 
 use crate::report::Report;
-use crate::util::{ids, median};
+use crate::util::{engine_device, ids, median};
 
 const SECTION: &str = "engine";
 
@@ -24,6 +24,7 @@ fn serve(engine: &Engine, requests: &[(String, Vec<u32>)], new: usize) -> Result
     for (model, prompt) in requests {
         let mut params = SamplingParams::greedy(new);
         params.ignore_eos = true;
+        let params = params.validate(engine.config().vocab_size)?;
         streams.push(engine.submit(GenerateRequest::new(model.clone(), prompt.clone()).params(params))?);
     }
     for s in streams {
@@ -51,7 +52,7 @@ pub(crate) fn throughput(report: &mut Report, dev: &Device, workdir: &Path, peft
     for (dname, dtype) in [("f32", DType::F32), ("bf16", DType::BF16)] {
         let mut b = Engine::builder(workdir.join("base").display().to_string())
             .served_model_name("base")
-            .device(dev.clone())
+            .device(engine_device(dev))
             .dtype(dtype)
             .max_loras(8)
             .max_lora_rank(16)

@@ -5,12 +5,12 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
-use multilora::{Engine, GenerateRequest, SamplingParams};
+use candle_core::Device;
+use multilora::{DType, Engine, GenerateRequest, SamplingParams};
 use serde_json::Value;
 
 use crate::report::Report;
-use crate::util::{cases, ids};
+use crate::util::{cases, engine_device, ids};
 
 const SECTION: &str = "golden";
 
@@ -44,7 +44,7 @@ fn run(fixtures: &Path, dev: &Device, dtype: DType) -> Result<(f32, usize, usize
     let cases = cases(fixtures)?;
     let mut b = Engine::builder(fixtures.join("base").display().to_string())
         .served_model_name("base")
-        .device(dev.clone())
+        .device(engine_device(dev))
         .dtype(dtype)
         .max_loras(9)
         .max_lora_rank(32)
@@ -65,6 +65,7 @@ fn run(fixtures: &Path, dev: &Device, dtype: DType) -> Result<(f32, usize, usize
                 let model = row["adapter"].as_str().unwrap_or("base").to_string();
                 let mut params = SamplingParams::greedy(1);
                 params.prompt_logprobs = Some(0);
+                let params = params.validate(engine.config().vocab_size)?;
                 let stream = engine.submit(GenerateRequest::new(model, ids.clone()).params(params))?;
                 pending.push((stream, ids, logits));
             }
@@ -88,6 +89,7 @@ fn run(fixtures: &Path, dev: &Device, dtype: DType) -> Result<(f32, usize, usize
             let n = g["max_new_tokens"].as_u64().unwrap_or(16) as usize;
             let mut params = SamplingParams::greedy(n);
             params.ignore_eos = true;
+            let params = params.validate(engine.config().vocab_size)?;
             let stream = engine.submit(GenerateRequest::new(model, ids(&g["input_ids"])?).params(params))?;
             gens.push((stream, ids(&g["output_ids"])?));
         }

@@ -55,3 +55,11 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
+
+/// The engine's name of `dev`, the device the check runs on: the engine opens it again itself.
+pub(crate) fn engine_device(dev: &Device) -> multilora::Device {
+    match dev.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => multilora::Device::Cuda(gpu_id),
+        _ => multilora::Device::Cpu,
+    }
+}

@@ -52,17 +52,6 @@ pub(crate) fn tier_name(t: Tier) -> &'static str {
     }
 }
 
-/// PyTorch's name of a dtype, as `config.json` and vLLM spell it.
-pub(crate) fn torch_name(dt: multilora::DType) -> &'static str {
-    match dt {
-        multilora::DType::BF16 => "bfloat16",
-        multilora::DType::F16 => "float16",
-        multilora::DType::F32 => "float32",
-        multilora::DType::F64 => "float64",
-        _ => "other",
-    }
-}
-
 /// `GET /v1/models`: the base model, then every adapter (vLLM's model cards, plus this engine's
 /// rank, fingerprint, tier and the dtype it is served in under `multilora`; an adapter also
 /// names its slots' dtype), then the adapters the resolvers offer that no request loaded yet
@@ -74,7 +63,7 @@ pub(crate) async fn models(State(state): State<AppState>) -> Result<Json<Value>>
     let first_discovered = list.len();
     list.extend(discovered);
     let cfg = state.engine.config();
-    let (max_model_len, dtype, lora_dtype) = (cfg.max_model_len, torch_name(cfg.dtype), torch_name(cfg.lora_dtype));
+    let (max_model_len, dtype, lora_dtype) = (cfg.max_model_len, cfg.dtype.torch_name(), cfg.lora_dtype.torch_name());
     let data: Vec<Value> = list
         .iter()
         .enumerate()

@@ -82,7 +82,7 @@ pub(crate) struct Started {
 /// dropped. For a request whose adapter was still loading, its first event is awaited, so that a
 /// failed load fails the HTTP request the same way.
 pub(crate) async fn start(state: &AppState, admission: Admission, requests: FanOut<'_>, n: usize) -> Result<Started> {
-    requests.params.validate(state.engine.config().vocab_size)?;
+    let params = requests.params.clone().validate(state.engine.config().vocab_size)?;
     let mut streams = Vec::with_capacity(requests.len());
     for prompt in &requests.prompts {
         let prompt = match prompt {
@@ -90,7 +90,7 @@ pub(crate) async fn start(state: &AppState, admission: Admission, requests: FanO
             other => other.clone(),
         };
         for i in 0..requests.n {
-            streams.push(state.engine.submit(requests.request(prompt.clone(), i))?);
+            streams.push(state.engine.submit(requests.request(prompt.clone(), &params, i))?);
         }
     }
     let mut choices = Vec::with_capacity(streams.len());

@@ -16,7 +16,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, NoLabelSe
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::admin::{blocking, tier_name, torch_name};
+use crate::admin::{blocking, tier_name};
 use crate::error::{Error, Result};
 use crate::state::AppState;
 
@@ -35,7 +35,7 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Result<Response> {
     let cache = CacheConfig {
         block_size: cfg.block_size,
         num_gpu_blocks: cfg.num_kv_blocks,
-        cache_dtype: torch_name(cfg.dtype),
+        cache_dtype: cfg.dtype.torch_name(),
         enable_prefix_caching: cfg.enable_prefix_caching,
     };
     let endpoints = crate::state::ENDPOINTS

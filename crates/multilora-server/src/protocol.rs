@@ -6,7 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use multilora::{GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Prompt, SamplingParams};
+use multilora::{
+    GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Prompt, SamplingParams, ValidParams,
+};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -418,12 +420,12 @@ impl FanOut<'_> {
         self.prompts.len().saturating_mul(self.n)
     }
 
-    /// Choice `i` of `prompt`: choice `i` of a seeded request gets seed + i, so the choices
-    /// differ and the whole response is reproducible.
-    pub(crate) fn request(&self, prompt: Prompt, i: usize) -> GenerateRequest {
-        let mut p = self.params.clone();
-        p.seed = self.params.seed.map(|s| s.wrapping_add(i as u64));
-        GenerateRequest::new(self.model, prompt).params(p)
+    /// Choice `i` of `prompt`, with `params` (this fan-out's, validated once): choice `i` of a
+    /// seeded request gets seed + i, so the choices differ and the whole response is
+    /// reproducible. The seed is the one field no check reads, so the copy is not checked again.
+    pub(crate) fn request(&self, prompt: Prompt, params: &ValidParams, i: usize) -> GenerateRequest {
+        let seed = params.params().seed.map(|s| s.wrapping_add(i as u64));
+        GenerateRequest::new(self.model, prompt).params(params.clone().with_seed(seed))
     }
 }
 
@@ -465,7 +467,9 @@ mod tests {
         assert_eq!(p.logit_bias.get(&7), Some(&3.5));
         let fan = fan_out("m", req.prompts().unwrap(), &p, req.sampling.n().unwrap());
         assert_eq!(fan.len(), 2);
-        let seeds: Vec<_> = (0..fan.n).map(|i| fan.request(fan.prompts[0].clone(), i).params.seed).collect();
+        let valid = p.clone().validate(usize::MAX).unwrap();
+        let seeds: Vec<_> =
+            (0..fan.n).map(|i| fan.request(fan.prompts[0].clone(), &valid, i).params.params().seed).collect();
         assert_eq!(seeds, vec![Some(9), Some(10)]);
         let bad = CompletionRequest::parse(br#"{"model": "m", "prompt": "a", "logit_bias": {"x": 1}}"#).unwrap();
         assert!(bad.sampling.params(SamplingParams::default(), None, None).is_err());

@@ -97,7 +97,8 @@ async fn concurrent_mixed_completions_match_peft_and_the_engine() -> Result<()> 
         let model = g["adapter"].as_str().unwrap_or(BASE).to_string();
         let mut params = SamplingParams::greedy(g["max_new_tokens"].as_u64().unwrap() as usize);
         params.ignore_eos = true;
-        let req = GenerateRequest::new(model, ids(&g["input_ids"])).params(params);
+        let req =
+            GenerateRequest::new(model, ids(&g["input_ids"])).params(params.validate(handle.config().vocab_size)?);
         let h = handle.clone();
         let direct = tokio::task::spawn_blocking(move || h.submit(req)?.collect_blocking()).await??;
         assert_eq!(choice["text"].as_str(), Some(direct.text.as_str()));

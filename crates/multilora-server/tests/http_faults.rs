@@ -12,8 +12,9 @@ use std::path::Path;
 
 use anyhow::Result;
 use common::{BASE, Server, builder, copy_dir, hold, path, sse_events, value};
-use multilora::{ModelShapes, ModuleKind, SyntheticAdapter};
+use multilora_adapter::{ModelShapes, SyntheticAdapter};
 use multilora_server::ServerConfig;
+use multilora_types::ModuleKind;
 use serde_json::{Value, json};
 
 fn code(body: &Value) -> &str {

@@ -76,7 +76,7 @@ pub use lease::SlotLease;
 pub use loader::{AdapterLoader, FsLoader};
 pub use metrics::{LOAD_TIME_BUCKETS_S, StoreMetrics, TierMetrics};
 pub use registry::{AdapterInfo, MAX_NAME_LEN, validate_name};
-pub use resolver::{DirectoryResolver, HubResolver, MAX_OFFERED, Resolver};
+pub use resolver::{DirectoryResolver, HubResolver, MAX_OFFERED};
 pub use status::{LoadEvent, Loaded, Resolution, Unloaded};
 pub use store::{Store, StoreBuilder};
 pub use ticket::{AdapterRef, LoadTicket};

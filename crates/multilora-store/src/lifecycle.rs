@@ -22,6 +22,7 @@ use crate::backoff::Failure;
 use crate::cpu_tier::TierFull;
 use crate::error::{Error, Result};
 use crate::registry::LoadState;
+use crate::resolver::resolver_error;
 use crate::security::{confine, parse_runtime_source};
 use crate::status::{LoadEvent, Loaded, Unloaded};
 use crate::store::{Inner, Job, JobKind, Shared, Store};
@@ -51,7 +52,7 @@ impl Shared {
     /// Asks the resolvers in order for `name`'s source, and confines the answer.
     fn resolve(&self, name: &str) -> Result<AdapterSource> {
         for resolver in &self.resolvers {
-            if let Some(source) = resolver.resolve(name)? {
+            if let Some(source) = resolver.resolve(name).map_err(|e| resolver_error(name, e))? {
                 return confine(name, &source, &self.config);
             }
         }

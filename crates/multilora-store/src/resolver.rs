@@ -1,13 +1,15 @@
-//! Resolvers: asked in order, on a loader thread, for the source of an adapter name nobody
-//! registered. Two built in: a directory of adapters, and an allow-list of hub repositories.
-//! Each can also list what it offers ([`Resolver::offered`]), so that a server lists adapters a
-//! router may send it before any request loaded them.
+//! The built-in resolvers, implemented once against `multilora-types`' [`Resolver`] (the trait
+//! the engine re-exports for embedders): a directory of adapters, and an allow-list of hub
+//! repositories. Each also lists what it offers ([`Resolver::offered`]), so that a server lists
+//! adapters a router may send it before any request loaded them. Their refusals are the store's
+//! own [`Error`]s inside the [`ResolveError`], which the store takes back out
+//! ([`resolver_error`]), so they keep their kind (`path_outside_roots`, `resolver_io`, `config`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use multilora_adapter::CONFIG_FILE;
-use multilora_types::AdapterSource;
+use multilora_types::{AdapterSource, ResolveError, Resolver};
 
 use crate::error::{Error, Result};
 use crate::registry::validate_name;
@@ -17,18 +19,12 @@ use crate::security::confine_path;
 /// name), and every name in it still resolves on request.
 pub const MAX_OFFERED: usize = 4096;
 
-/// Maps an unknown adapter name to a source. Synchronous: it runs on a loader thread, never on
-/// the engine's. The store confines what it returns like any runtime source.
-pub trait Resolver: Send + Sync {
-    /// `Ok(None)`: this resolver does not provide `name` (the next one is asked). An error fails
-    /// the request for `name` with it.
-    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>>;
-
-    /// The names this resolver would answer for, with their sources, as far as it can tell
-    /// without loading anything (at most [`MAX_OFFERED`]). A resolver over an open-ended space of
-    /// names (a lookup service) offers none up front, which is what this default says.
-    fn offered(&self) -> Result<Vec<(String, AdapterSource)>> {
-        Ok(Vec::new())
+/// The store's error for a resolver's failure about `name`: the store's own error as it is (a
+/// built-in resolver's refusal), any other as [`Error::Resolver`].
+pub(crate) fn resolver_error(name: &str, e: ResolveError) -> Error {
+    match e.downcast::<Error>() {
+        Ok(own) => own,
+        Err(other) => Error::Resolver { name: name.to_string(), source: other.into_inner() },
     }
 }
 
@@ -53,7 +49,7 @@ impl DirectoryResolver {
 
     /// `<root>/<name>` once every link is resolved, when it holds an `adapter_config.json` and
     /// lies inside `root`: what [`Resolver::resolve`] answers, as a directory.
-    pub fn resolve_dir(&self, name: &str) -> Result<Option<PathBuf>> {
+    fn resolve_dir(&self, name: &str) -> Result<Option<PathBuf>> {
         let dir = self.root.join(name);
         if !dir.join(CONFIG_FILE).is_file() {
             return Ok(None);
@@ -64,7 +60,7 @@ impl DirectoryResolver {
     /// The subdirectories of `root` that [`DirectoryResolver::resolve_dir`] answers for, sorted
     /// by name, at most [`MAX_OFFERED`]: names that are not valid adapter names (hidden ones
     /// included) and links out of the root are left out, as a request for them is refused.
-    pub fn list(&self) -> Result<Vec<(String, PathBuf)>> {
+    fn list(&self) -> Result<Vec<(String, PathBuf)>> {
         let entries =
             std::fs::read_dir(&self.root).map_err(|source| Error::ResolverIo { root: self.root.clone(), source })?;
         let mut names: Vec<String> = entries
@@ -86,20 +82,24 @@ impl DirectoryResolver {
 }
 
 impl Resolver for DirectoryResolver {
-    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>> {
-        Ok(self.resolve_dir(name)?.map(AdapterSource::Local))
+    fn resolve(&self, name: &str) -> std::result::Result<Option<AdapterSource>, ResolveError> {
+        Ok(self.resolve_dir(name).map_err(ResolveError::new)?.map(AdapterSource::Local))
     }
 
-    fn offered(&self) -> Result<Vec<(String, AdapterSource)>> {
-        Ok(self.list()?.into_iter().map(|(name, dir)| (name, AdapterSource::Local(dir))).collect())
+    /// The subdirectories of the root holding an `adapter_config.json`, sorted by name (at most
+    /// [`MAX_OFFERED`]); names a request could not use, and links out of the root, are left out.
+    fn offered(&self) -> std::result::Result<Vec<(String, AdapterSource)>, ResolveError> {
+        let list = self.list().map_err(ResolveError::new)?;
+        Ok(list.into_iter().map(|(name, dir)| (name, AdapterSource::Local(dir))).collect())
     }
 }
 
-/// An allow-list of hub repositories, each served under its repository name: `acme/sql-lora`
-/// answers the name `sql-lora` (a name cannot hold a `/`, since names also name directories),
-/// at the revision given (`org/name@rev`) or `main`. Nothing outside the list is ever asked of
-/// the hub; the store loads these repositories at run time because they are on the list
-/// ([`crate::StoreConfig::allowed_hub_repo`]), not because hub sources are allowed in general.
+/// An allow-list of hub repositories (vLLM's hub resolver, `VLLM_LORA_RESOLVER_HF_REPO_LIST`),
+/// each served under its repository name: `acme/sql-lora` answers the name `sql-lora` (a name
+/// cannot hold a `/`, since names also name directories), at the revision given (`org/name@rev`)
+/// or `main`. Nothing outside the list is ever asked of the hub; the store loads these
+/// repositories at run time because they are on the list ([`crate::StoreConfig::allowed_hub_repo`],
+/// the engine's `allowed_lora_hub_repo`), not because hub sources are allowed in general.
 #[derive(Clone, Debug)]
 pub struct HubResolver {
     /// Name → (repo, revision).
@@ -108,8 +108,13 @@ pub struct HubResolver {
 
 impl HubResolver {
     /// A resolver over `repos` (`org/name` or `org/name@revision` each). Refused: a repo id that
-    /// is not `org/name`, and two repos with the same name (a request could not say which).
-    pub fn new<S: AsRef<str>>(repos: impl IntoIterator<Item = S>) -> Result<HubResolver> {
+    /// is not `org/name`, and two repos with the same name (a request could not say which); the
+    /// error holds the store's [`Error::Config`] naming it.
+    pub fn new<S: AsRef<str>>(repos: impl IntoIterator<Item = S>) -> std::result::Result<HubResolver, ResolveError> {
+        HubResolver::parse(repos).map_err(ResolveError::new)
+    }
+
+    fn parse<S: AsRef<str>>(repos: impl IntoIterator<Item = S>) -> Result<HubResolver> {
         let mut map = BTreeMap::new();
         for spec in repos {
             let spec = spec.as_ref().trim();
@@ -150,11 +155,12 @@ impl HubResolver {
 }
 
 impl Resolver for HubResolver {
-    fn resolve(&self, name: &str) -> Result<Option<AdapterSource>> {
+    fn resolve(&self, name: &str) -> std::result::Result<Option<AdapterSource>, ResolveError> {
         Ok(self.source(name))
     }
 
-    fn offered(&self) -> Result<Vec<(String, AdapterSource)>> {
+    /// Every name on the list.
+    fn offered(&self) -> std::result::Result<Vec<(String, AdapterSource)>, ResolveError> {
         Ok(self.repos.keys().filter_map(|name| Some((name.clone(), self.source(name)?))).take(MAX_OFFERED).collect())
     }
 }
@@ -186,7 +192,7 @@ mod tests {
         std::fs::create_dir_all(&outside).unwrap();
         std::fs::write(outside.join(CONFIG_FILE), "{}").unwrap();
         std::os::unix::fs::symlink(&outside, root.join("evil")).unwrap();
-        let err = DirectoryResolver::new(&root).resolve("evil").unwrap_err();
+        let err = resolver_error("evil", DirectoryResolver::new(&root).resolve("evil").unwrap_err());
         assert_eq!(err.kind(), "path_outside_roots");
     }
 
@@ -235,9 +241,26 @@ mod tests {
             (vec!["acme/x@"], "empty revision"),
             (vec!["a/x", "b/x"], "also the name of"),
         ] {
-            let err = HubResolver::new(bad.clone()).unwrap_err();
+            let err = resolver_error("", HubResolver::new(bad.clone()).unwrap_err());
             assert_eq!(err.kind(), "config");
             assert!(err.to_string().contains(why), "{bad:?}: {err}");
         }
+    }
+
+    #[test]
+    fn an_embedders_error_is_the_resolvers_and_the_stores_own_stays_itself() {
+        struct Failing;
+        impl Resolver for Failing {
+            fn resolve(&self, _: &str) -> std::result::Result<Option<AdapterSource>, ResolveError> {
+                Err(ResolveError::new("registry unreachable"))
+            }
+        }
+        let err = resolver_error("sql", Failing.resolve("sql").unwrap_err());
+        assert_eq!(err.kind(), "resolver");
+        assert_eq!(err.to_string(), "adapter \"sql\": the resolver failed: registry unreachable");
+        assert_eq!(std::error::Error::source(&err).map(|s| s.to_string()).as_deref(), Some("registry unreachable"));
+        let own = ResolveError::new(Error::UnknownAdapter { name: "x".into() });
+        assert_eq!(own.to_string(), Error::UnknownAdapter { name: "x".into() }.to_string());
+        assert_eq!(resolver_error("x", own).kind(), "unknown_adapter");
     }
 }

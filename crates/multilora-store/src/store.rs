@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use lru::LruCache;
 use multilora_adapter::{LoadOptions, LoraAdapter, SlotSink};
 use multilora_types::AdapterSource;
-use multilora_types::SlotId;
+use multilora_types::{Resolver, SlotId};
 use parking_lot::{Condvar, Mutex};
 
 use crate::backoff::Failure;
@@ -23,7 +23,6 @@ use crate::lease::SlotLease;
 use crate::loader::{AdapterLoader, FsLoader, LoaderPool};
 use crate::metrics::{Counters, StoreMetrics, TierMetrics};
 use crate::registry::{AdapterInfo, LoadState, Registry, validate_name};
-use crate::resolver::Resolver;
 use crate::slots::{AllPinned, PinKind, Placement, SlotTable};
 use crate::status::{LoadEvent, Resolution};
 use crate::ticket::{AdapterRef, LoadTicket, Pending};
@@ -387,7 +386,7 @@ impl Store {
             match resolver.offered() {
                 // An embedder's resolver may list more than the built-in ones would.
                 Ok(list) => out.extend(list.into_iter().take(crate::resolver::MAX_OFFERED)),
-                Err(e) => errors.push(e),
+                Err(e) => errors.push(crate::resolver::resolver_error("(listing)", e)),
             }
         }
         let registered: std::collections::HashSet<String> =

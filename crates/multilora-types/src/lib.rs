@@ -4,7 +4,9 @@
 //!
 //! - [`AdapterId`], [`Fingerprint`] and [`AdapterGen`]: an adapter, its content, and the pair of
 //!   the two that occupies a slot and counts toward `max_loras`.
-//! - [`AdapterSource`]: where an adapter's files are (a directory, a GGUF LoRA file, a hub repo).
+//! - [`AdapterSource`]: where an adapter's files are (a directory, a GGUF LoRA file, a hub repo),
+//!   and [`Resolver`] / [`ResolveError`]: the one trait (and its error) that answers it for an
+//!   adapter name nobody registered; the store runs resolvers, the engine re-exports the three.
 //! - [`SlotId`]: a device slot. "No adapter" is `Option::<SlotId>::None`; only the kernels' own
 //!   index buffers spell it `-1`.
 //! - [`ModuleKind`] and [`LoraLimits`]: what can be adapted, and the LoRA limits checked once
@@ -13,13 +15,14 @@
 //! - [`FinishReason`], [`LogitsWanted`] and [`Histogram`].
 //! - [`SplitMix64`]: the one seeded generator, whose streams seeded outputs and tests rely on.
 //!
-//! Plain data: no candle, no threads, no I/O, no dependency of ours.
+//! Plain data and one trait: no candle, no threads, no I/O, no dependency of ours.
 
 mod adapter;
 mod histogram;
 mod limits;
 mod module;
 mod request;
+mod resolver;
 mod rng;
 mod slot;
 mod source;
@@ -30,6 +33,7 @@ pub use histogram::Histogram;
 pub use limits::{DEFAULT_MAX_LORA_RANK, LimitsError, LoraLimits, MAX_LORA_RANK_CEILING};
 pub use module::ModuleKind;
 pub use request::{FinishReason, LogitsWanted};
+pub use resolver::{ResolveError, Resolver};
 pub use rng::SplitMix64;
 pub use slot::SlotId;
 pub use source::AdapterSource;

@@ -40,6 +40,7 @@ fn engine(model: &Path, dir: &Path, max_loras: usize, step_time: StepTime) -> an
 fn run(engine: &Engine, mixed: bool) -> usize {
     let mut p = SamplingParams::greedy(NEW);
     p.ignore_eos = true;
+    let p = p.validate(engine.config().vocab_size).expect("valid parameters");
     let streams: Vec<_> = (0..REQUESTS)
         .map(|r| {
             let model = if mixed { format!("lora{}", r % ADAPTERS) } else { "base".to_string() };
@@ -57,7 +58,7 @@ fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     write_model(tmp.path())?;
     let bf16 = tmp.path().join("bf16");
-    multilora_models::write_checkpoint_copy(tmp.path(), &bf16, multilora::DType::BF16)?;
+    multilora_models::write_checkpoint_copy(tmp.path(), &bf16, candle_core::DType::BF16)?;
     let mut criterion = Criterion::default().configure_from_args().sample_size(10);
     let auto = StepTime::Auto { factor: DEFAULT_STEP_FACTOR };
     let (f32_dir, bf16_dir) = (tmp.path(), bf16.as_path());

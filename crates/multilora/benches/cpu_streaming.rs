@@ -48,6 +48,7 @@ fn client(engine: &Engine, id: usize, deadline: Instant) -> Seen {
     let mut seen = Seen::default();
     let mut p = SamplingParams::greedy(NEW);
     p.ignore_eos = true;
+    let p = p.validate(engine.config().vocab_size).expect("valid parameters");
     let mut n = 0;
     while Instant::now() < deadline {
         let prompt: Vec<u32> = (0..PROMPT).map(|k| ((id * 7919 + n * 131 + k * 17) % 31990 + 3) as u32).collect();

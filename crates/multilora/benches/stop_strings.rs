@@ -27,9 +27,12 @@ fn greedy(n: usize) -> SamplingParams {
 fn beside(engine: &Engine, stops: &[String]) -> Duration {
     let mut neighbour = greedy(64);
     neighbour.stop = stops.to_vec();
+    let vocab = engine.config().vocab_size;
+    let neighbour = neighbour.validate(vocab).expect("valid parameters");
     let other = engine.submit(GenerateRequest::new("base", vec![1, 450, 496]).params(neighbour)).expect("submit");
+    let mine = greedy(32).validate(vocab).expect("valid parameters");
     let start = Instant::now();
-    let done = engine.submit(GenerateRequest::new("base", vec![1, 306, 263]).params(greedy(32))).expect("submit");
+    let done = engine.submit(GenerateRequest::new("base", vec![1, 306, 263]).params(mine)).expect("submit");
     let c = done.collect_blocking().expect("collect");
     let took = start.elapsed();
     assert_eq!(c.token_ids.len(), 32);

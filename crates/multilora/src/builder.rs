@@ -7,20 +7,19 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
-use candle_core::{DType, Device};
 use multilora_adapter::HubConfig;
 use multilora_adapter::{LoadOptions, SourceExt};
 use multilora_models::{Checkpoint, GenerationConfig, KvCacheConfig, Model, ModelConfig, ModelOptions, ModelSource};
 use multilora_scheduler::{KvConfig, Scheduler, SchedulerConfig, SlidingKv};
 use multilora_store::{Store, StoreBuilder, StoreConfig};
-use multilora_types::AdapterSource;
-use multilora_types::{DEFAULT_MAX_LORA_RANK, DEFAULT_STEP_FACTOR, LoraLimits, ModuleKind, StepTime};
+use multilora_types::{AdapterSource, DEFAULT_MAX_LORA_RANK, Resolver};
+use multilora_types::{DEFAULT_STEP_FACTOR, LoraLimits, ModuleKind, StepTime};
 
 use crate::command::{Command, EventCount};
 use crate::config::EngineConfig;
 use crate::error::BuildError;
 use crate::handle::Engine;
-use crate::resolver::{Resolver, StoreResolver};
+use crate::knobs::{DType, Device};
 
 /// What the start-up steps return.
 type Result<T> = std::result::Result<T, BuildError>;
@@ -246,7 +245,7 @@ impl EngineBuilder {
     /// in the engine (deferred) while the resolved adapter loads. See
     /// [`crate::DirectoryResolver`] for the built-in one.
     pub fn lora_resolver(mut self, resolver: impl Resolver + 'static) -> EngineBuilder {
-        self.resolvers.0.push(Box::new(move |b: StoreBuilder| b.resolver(StoreResolver(resolver))));
+        self.resolvers.0.push(Box::new(move |b: StoreBuilder| b.resolver(resolver)));
         self
     }
 
@@ -293,12 +292,13 @@ impl EngineBuilder {
         }
         let lora = self.lora_limits(&cfg)?;
         let (dtype, quantized) = self.resolve_dtype(&cfg, &checkpoint);
+        let device = self.device.open().map_err(|e| BuildError::Device { device: self.device, source: Arc::new(e) })?;
         let mut opts =
-            ModelOptions::default().dtype(dtype).device(self.device.clone()).lora(lora.clone()).hub(hub.clone());
+            ModelOptions::default().dtype(dtype.to_candle()).device(device).lora(lora.clone()).hub(hub.clone());
         // Unset, the model picks them (f16 for a GGUF file kept quantized on the CPU).
         opts.quantized = quantized;
-        opts.lora_dtype = self.lora_dtype;
-        opts.kv_dtype = self.kv_cache_dtype;
+        opts.lora_dtype = self.lora_dtype.map(DType::to_candle);
+        opts.kv_dtype = self.kv_cache_dtype.map(DType::to_candle);
         let model = Model::load_checkpoint(&checkpoint, &opts).map_err(BuildError::model)?;
         let (lora_dtype, kv_cache_dtype) = (model.lora_dtype(), model.kv_dtype());
         let weights = weights_description(&checkpoint, &model, quantized);
@@ -322,7 +322,7 @@ impl EngineBuilder {
         let kv = model.new_kv_cache(kv_cfg).map_err(BuildError::model)?;
         tracing::info!(
             model = %self.model,
-            device = ?self.device.location(),
+            device = %self.device,
             dtype = ?dtype,
             checkpoint_dtype = cfg.torch_dtype.as_deref().unwrap_or("unknown"),
             weights = %weights,
@@ -348,8 +348,8 @@ impl EngineBuilder {
             served_model_name: served,
             lora,
             max_cpu_loras,
-            lora_dtype,
-            kv_cache_dtype,
+            lora_dtype: served_dtype(lora_dtype)?,
+            kv_cache_dtype: served_dtype(kv_cache_dtype)?,
             dtype,
             kernels: model.kernels(),
             max_model_len,
@@ -453,7 +453,13 @@ impl EngineBuilder {
     /// `max_num_seqs` requests each holding its window (and the two blocks it only partly fills)
     /// plus one step's tokens need, the full layers taking the rest
     /// ([`KvCacheConfig::for_budget_sliding`]: neither pool below one pool's blocks).
-    fn kv_cache_config(&self, cfg: &ModelConfig, dtype: DType, budget: u64, max_model_len: usize) -> KvCacheConfig {
+    fn kv_cache_config(
+        &self,
+        cfg: &ModelConfig,
+        dtype: candle_core::DType,
+        budget: u64,
+        max_model_len: usize,
+    ) -> KvCacheConfig {
         let bs = self.block_size;
         match cfg.sliding_window.filter(|_| cfg.mixed_windows()) {
             Some(window) => {
@@ -497,10 +503,12 @@ impl EngineBuilder {
     /// its quantized tensors as they are (norms in f32; see `build` for its KV cache and slots). A
     /// dtype given for a GGUF file dequantizes every weight to it (`f32` is the reference path).
     fn resolve_dtype(&self, cfg: &ModelConfig, checkpoint: &Checkpoint) -> (DType, bool) {
+        // `auto_dtype` is the checkpoint's `torch_dtype`, one of the three, else f32.
+        let auto = || DType::from_candle(cfg.auto_dtype()).unwrap_or(DType::F32);
         match (self.dtype, checkpoint.gguf()) {
             (Some(dt), Some(_)) => (dt, false),
             (None, Some(_)) => (DType::F32, true),
-            (dt, None) => (dt.unwrap_or_else(|| cfg.auto_dtype()), false),
+            (dt, None) => (dt.unwrap_or_else(auto), false),
         }
     }
 
@@ -570,7 +578,7 @@ impl EngineBuilder {
     /// targeted, so slots are sized before the model allocates them.
     fn scan_startup(&self, cfg: &ModelConfig) -> Result<(usize, Vec<ModuleKind>)> {
         let shapes = cfg.shapes();
-        let opts = LoadOptions::new(DType::F32);
+        let opts = LoadOptions::new(candle_core::DType::F32);
         let (mut rank, mut kinds) = (0, Vec::new());
         for (name, src) in &self.loras {
             let summary = AdapterSource::parse(src)
@@ -611,4 +619,13 @@ const PROMPT_LOGITS_BYTES: usize = 256 << 20;
 /// SmolLM2's 49,152), at least one.
 fn prompt_logprob_rows(vocab_size: usize) -> usize {
     (PROMPT_LOGITS_BYTES / (12 * vocab_size.max(1))).max(1)
+}
+
+/// The engine's spelling of a dtype the model chose (slots, KV cache): always one the engine
+/// serves in; anything else is the model's error, not a silent substitute.
+fn served_dtype(dtype: candle_core::DType) -> Result<DType> {
+    DType::from_candle(dtype).ok_or_else(|| {
+        let e: Box<dyn std::error::Error + Send + Sync> = format!("the model chose dtype {dtype:?}").into();
+        BuildError::Model(Arc::from(e))
+    })
 }

@@ -3,12 +3,13 @@
 
 use std::path::PathBuf;
 
-use candle_core::DType;
 use multilora_models::GenerationConfig;
 
+use multilora_types::{LoraLimits, StepTime};
+
+use crate::knobs::DType;
 use crate::request::SamplingParams;
 use crate::text::ChatTemplateSource;
-use multilora_types::{LoraLimits, StepTime};
 
 /// The resolved configuration an engine runs with.
 #[derive(Clone, Debug)]

@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use multilora_types::{LimitsError, ModuleKind};
 
+use crate::knobs::Device;
+
 /// The crate's result type (request-time errors; [`crate::EngineBuilder::build`] returns a
 /// [`BuildError`]).
 pub type Result<T> = std::result::Result<T, EngineError>;
@@ -181,9 +183,18 @@ pub enum BuildError {
         /// The model's limit.
         limit: usize,
     },
-    /// The LoRA limits cannot work.
+    /// The LoRA limits cannot work (`max_lora_rank` 0 or above the ceiling, no target modules).
     #[error("invalid engine config: {0}")]
     Limits(#[from] LimitsError),
+    /// The device could not be opened (no such GPU, or a build without the `cuda` feature).
+    #[error("invalid engine config: device {device}: {source}")]
+    Device {
+        /// The device asked for.
+        device: Device,
+        /// Why.
+        #[source]
+        source: SharedError,
+    },
     /// The adapter store refused its configuration.
     #[error("invalid engine config: {source}")]
     Store {
@@ -243,6 +254,7 @@ impl BuildError {
             | BuildError::MaxModelLen { .. }
             | BuildError::GpuMemoryUtilization { .. }
             | BuildError::Limits(_)
+            | BuildError::Device { .. }
             | BuildError::Store { .. }
             | BuildError::Scheduler { .. } => "invalid_config",
             BuildError::Model(_) | BuildError::Tokenizer { .. } => "model_error",

@@ -173,8 +173,9 @@ impl EngineHandle {
         &self.shared.config
     }
 
-    /// Validates and tokenizes `request` on the caller's thread, then queues it. Invalid
-    /// parameters, an untokenizable or too long prompt, an unknown model and an adapter whose
+    /// Tokenizes `request` on the caller's thread, then queues it. Its parameters were validated
+    /// once, by [`crate::SamplingParams::validate`]; only their token ids are checked here, against
+    /// the engine's vocabulary. Token ids outside it, an untokenizable or too long prompt, an unknown model and an adapter whose
     /// last load failed fail here, before anything is queued. The model name is resolved here,
     /// once: the request holds the adapter generation it was accepted with (or the load of it
     /// that this call started or joined, for an adapter not in host memory yet) until it ends,
@@ -184,7 +185,7 @@ impl EngineHandle {
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
         let config = &self.shared.config;
         self.check_alive()?;
-        request.params.validate(config.vocab_size)?;
+        request.params.check_vocab(config.vocab_size)?;
         let prompt = match request.prompt {
             Prompt::Tokens(ids) => ids,
             Prompt::Text(text) => self.tokenize(&text, true)?,
@@ -201,21 +202,14 @@ impl EngineHandle {
         if prompt.len() >= config.max_model_len {
             return Err(EngineError::PromptTooLong { prompt_len: prompt.len(), max_model_len: config.max_model_len });
         }
-        let stops = StopStrings::new(&request.params.stop)?;
+        let params = request.params.into_params();
+        let stops = StopStrings::new(&params.stop)?;
         let adapter = self.resolve(&request.model)?;
         let adapter_ready = !matches!(adapter, Some(Resolution::Loading(_)));
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = unbounded_channel();
-        let sub = Submission {
-            id,
-            model: request.model,
-            adapter,
-            prompt,
-            params: request.params,
-            stops,
-            events,
-            arrived: Instant::now(),
-        };
+        let sub =
+            Submission { id, model: request.model, adapter, prompt, params, stops, events, arrived: Instant::now() };
         self.shared.tx.send(Command::Submit(Box::new(sub))).map_err(|_| EngineError::Shutdown)?;
         Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false, adapter_ready })
     }

@@ -14,7 +14,7 @@
 //!     .lora("chat", format!("{fixtures}/adapters/all_r16"))
 //!     .kv_cache_bytes(8 << 20)
 //!     .build()?;
-//! let params = SamplingParams::greedy(8);
+//! let params = SamplingParams::greedy(8).validate(engine.config().vocab_size)?; // checked once
 //! let sql = engine.submit(GenerateRequest::new("sql", "SELECT the").params(params.clone()))?;
 //! let mut chat = engine.submit(GenerateRequest::new("chat", "Hello").params(params))?;
 //! while let Some(Event::Token { text_delta, .. }) = chat.recv_blocking() {
@@ -29,10 +29,15 @@
 //!   commands are drained between steps, and an idle engine blocks on its channel.
 //! - A request reaches the scheduler only once its adapter is in host memory; until then it waits
 //!   in the engine in arrival order (counted as deferred).
-//! - Parameters, prompts and model names are checked (and prompts tokenized) on the caller's
-//!   thread, so `submit` returns `invalid_request` / `prompt_too_long` / `model_not_found` at
-//!   once and an invalid request is never queued; only a cold adapter's failed load arrives on
-//!   the stream as [`Event::Error`].
+//! - Sampling parameters are checked once, by [`SamplingParams::validate`], into the
+//!   [`ValidParams`] a request carries; prompts and model names are checked (and prompts
+//!   tokenized) on the caller's thread, so `submit` returns `invalid_request` /
+//!   `prompt_too_long` / `model_not_found` at once and an invalid request is never queued; only a
+//!   cold adapter's failed load arrives on the stream as [`Event::Error`].
+//! - The API names no candle type and no type of a crate below the engine but the shared
+//!   vocabulary of `multilora-types` ([`ModuleKind`], [`LoraLimits`], [`StepTime`],
+//!   [`FinishReason`], [`Histogram`], the [`Resolver`] trait): [`Device`] and [`DType`] are the
+//!   engine's own knobs, converted inside it, and the built-in resolvers are its own types.
 //! - A panic in the engine loop is caught: every live request gets
 //!   [`EngineError::EngineFailed`], and so does every later submit and adapter call.
 //!   [`EngineHandle::health`] and [`EngineHandle::published_metrics`] never wait on the loop, so
@@ -62,6 +67,7 @@ mod error;
 mod failpoints;
 mod handle;
 mod health;
+mod knobs;
 mod metrics;
 mod request;
 mod resolver;
@@ -72,27 +78,30 @@ mod stop;
 mod text;
 
 pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, MAX_DEFAULT_KV_CACHE_BYTES};
-pub use candle_core::{DType, Device};
 pub use config::EngineConfig;
 pub use error::{BuildError, EngineError, Result, SharedError};
 pub use handle::{Engine, EngineHandle, METRICS_WAIT, ModelInfo, RequestStream, Tier};
 pub use health::{EngineHealth, LoopState};
+pub use knobs::{DType, Device};
 pub use metrics::{
     AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
     STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
 };
-/// Seeded PEFT adapter files for demos, benchmarks and tests of embedding applications.
-pub use multilora_adapter::{ModelShapes, SyntheticAdapter};
-pub use multilora_models::{Architecture, ConfigError, HiddenAct, ModelConfig, RopeScaling};
+pub use request::{
+    Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, StopReason, TokenLogprob, Usage, ValidParams,
+};
+pub use resolver::{DirectoryResolver, HubResolver};
+pub use sampler::Sampler;
+pub use text::ChatTemplateSource;
+
+// The shared vocabulary (`multilora-types`: plain data every crate speaks, not one of the crates
+// below the engine).
 pub use multilora_types::ModuleKind;
+/// Resolvers of adapter names nobody registered (vLLM's `LoRAResolver`): the one trait, its
+/// error and its answer, which the store runs on its loader threads.
+pub use multilora_types::{AdapterSource, ResolveError, Resolver};
 /// The step-time budget (`EngineBuilder::step_time`).
 pub use multilora_types::{DEFAULT_STEP_FACTOR, StepTime};
 /// The LoRA limits an engine runs with ([`EngineConfig::lora`]) and why a set is refused.
 pub use multilora_types::{LimitsError, LoraLimits};
-pub use request::{
-    Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS, Prompt, PromptLogprob, SamplingParams, StopReason, TokenLogprob, Usage,
-};
-pub use resolver::{AdapterSource, DirectoryResolver, HubResolver, ResolveError, Resolver};
-pub use sampler::Sampler;
-pub use text::ChatTemplateSource;

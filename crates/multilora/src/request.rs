@@ -1,5 +1,5 @@
-//! What a caller submits (`GenerateRequest`, `Prompt`, `SamplingParams`) and what streams back
-//! (`Event`, `Completion`), with vLLM's meanings.
+//! What a caller submits (`GenerateRequest`, `Prompt`, `SamplingParams` and, checked once,
+//! `ValidParams`) and what streams back (`Event`, `Completion`), with vLLM's meanings.
 
 use std::collections::BTreeMap;
 
@@ -14,18 +14,19 @@ pub struct GenerateRequest {
     pub model: String,
     /// The prompt.
     pub prompt: Prompt,
-    /// How to sample.
-    pub params: SamplingParams,
+    /// How to sample, checked once ([`SamplingParams::validate`]).
+    pub params: ValidParams,
 }
 
 impl GenerateRequest {
     /// A request for `model` with default sampling parameters.
     pub fn new(model: impl Into<String>, prompt: impl Into<Prompt>) -> GenerateRequest {
-        GenerateRequest { model: model.into(), prompt: prompt.into(), params: SamplingParams::default() }
+        GenerateRequest { model: model.into(), prompt: prompt.into(), params: ValidParams::default() }
     }
 
-    /// Sets the sampling parameters.
-    pub fn params(mut self, params: SamplingParams) -> GenerateRequest {
+    /// Sets the sampling parameters, validated by [`SamplingParams::validate`]: a caller that
+    /// submits the same parameters many times (the server's `n` choices) checks them once.
+    pub fn params(mut self, params: ValidParams) -> GenerateRequest {
         self.params = params;
         self
     }
@@ -139,8 +140,11 @@ impl SamplingParams {
         SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ..SamplingParams::default() }
     }
 
-    /// Checks ranges as vLLM does; the error names the field.
-    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+    /// Checks ranges as vLLM does, and every token id against a vocabulary of `vocab_size` (the
+    /// engine's is [`crate::EngineConfig::vocab_size`]); the error (`invalid_request`) names the
+    /// field. What passes is the [`ValidParams`] a [`GenerateRequest`] carries: `submit` checks
+    /// nothing of it again but that its token ids fit the engine's vocabulary.
+    pub fn validate(self, vocab_size: usize) -> Result<ValidParams> {
         let bad = |m: String| Err(EngineError::invalid(m));
         if self.n != 1 {
             return bad(format!("n must be 1 (n > 1 is not supported yet), got {}", self.n));
@@ -180,9 +184,11 @@ impl SamplingParams {
                 return bad(format!("{name} must be at most {MAX_LOGPROBS}, got {n}"));
             }
         }
-        let out_of_vocab = self.logit_bias.keys().chain(&self.stop_token_ids).find(|&&t| t as usize >= vocab_size);
-        if let Some(t) = out_of_vocab {
-            return bad(format!("token id {t} is outside the vocabulary of {vocab_size}"));
+        let max_token_id = self.logit_bias.keys().chain(&self.stop_token_ids).copied().max();
+        if let Some(t) = max_token_id
+            && t as usize >= vocab_size
+        {
+            return bad(out_of_vocab(t, vocab_size));
         }
         if self.stop.iter().any(String::is_empty) {
             return bad("stop strings must not be empty".into());
@@ -202,7 +208,57 @@ impl SamplingParams {
                 self.stop_token_ids.len()
             ));
         }
-        Ok(())
+        Ok(ValidParams { params: self, max_token_id })
+    }
+}
+
+fn out_of_vocab(t: u32, vocab_size: usize) -> String {
+    format!("token id {t} is outside the vocabulary of {vocab_size}")
+}
+
+/// Sampling parameters that passed [`SamplingParams::validate`]: the only kind a
+/// [`GenerateRequest`] carries, so a request's parameters are checked once, however many times
+/// they are submitted. It remembers the largest token id they name, which `submit` checks
+/// against the engine's vocabulary (the one check that depends on the engine).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidParams {
+    params: SamplingParams,
+    /// The largest of `logit_bias`' and `stop_token_ids`' ids.
+    max_token_id: Option<u32>,
+}
+
+impl Default for ValidParams {
+    /// [`SamplingParams::default`], valid for every vocabulary (it names no token).
+    fn default() -> ValidParams {
+        ValidParams { params: SamplingParams::default(), max_token_id: None }
+    }
+}
+
+impl ValidParams {
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The parameters, to change and validate again.
+    pub fn into_params(self) -> SamplingParams {
+        self.params
+    }
+
+    /// The same parameters with another `seed` (which no check reads): the server's `n` choices
+    /// of one seeded request get `seed + i`.
+    pub fn with_seed(mut self, seed: Option<u64>) -> ValidParams {
+        self.params.seed = seed;
+        self
+    }
+
+    /// Refuses parameters whose token ids do not fit the engine's vocabulary of `vocab_size`
+    /// (they were validated against a larger one), as [`SamplingParams::validate`] would.
+    pub(crate) fn check_vocab(&self, vocab_size: usize) -> Result<()> {
+        match self.max_token_id {
+            Some(t) if t as usize >= vocab_size => Err(EngineError::invalid(out_of_vocab(t, vocab_size))),
+            _ => Ok(()),
+        }
     }
 }
 

@@ -29,12 +29,12 @@ impl Sampler {
     /// `seed`, for a request whose prompt was `prompt` (the repetition penalty reads it) and whose
     /// end-of-sequence ids are `eos` (masked before `min_tokens`, unless `ignore_eos`).
     pub fn new(params: &SamplingParams, seed: u64, prompt: &[u32], eos: &[u32]) -> crate::Result<Sampler> {
-        params.validate(usize::MAX)?;
+        let params = params.clone().validate(usize::MAX)?.into_params();
         let mut stop = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop.extend_from_slice(eos);
         }
-        Ok(Sampler { state: SamplerState::new(seed, prompt, stop, params), params: params.clone() })
+        Ok(Sampler { state: SamplerState::new(seed, prompt, stop, &params), params })
     }
 
     /// The next token from a row of raw logits (changed while it runs, the same values again when

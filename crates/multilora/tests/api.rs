@@ -54,7 +54,8 @@ fn streaming_text_seeds_stops_and_logprobs() -> Result<()> {
     let mut p = SamplingParams::greedy(16);
     p.ignore_eos = true;
     p.logprobs = Some(3);
-    let mut stream = engine.submit(GenerateRequest::new("qv_r8", "The quick brown fox").params(p))?;
+    let mut stream = engine
+        .submit(GenerateRequest::new("qv_r8", "The quick brown fox").params(p.validate(engine.config().vocab_size)?))?;
     let (mut text, mut n) = (String::new(), 0);
     while let Some(ev) = stream.recv_blocking() {
         match ev {
@@ -81,15 +82,21 @@ fn streaming_text_seeds_stops_and_logprobs() -> Result<()> {
     p.max_tokens = Some(24);
     p.ignore_eos = true;
     p.top_k = 40;
-    let a = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(p.clone()))?.collect_blocking()?;
-    let b = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(p.clone()))?.collect_blocking()?;
+    let a = engine
+        .submit(GenerateRequest::new("all_r16", "Hello world").params(p.clone().validate(engine.config().vocab_size)?))?
+        .collect_blocking()?;
+    let b = engine
+        .submit(GenerateRequest::new("all_r16", "Hello world").params(p.clone().validate(engine.config().vocab_size)?))?
+        .collect_blocking()?;
     assert_eq!(a.token_ids, b.token_ids);
     if let Some(stop) =
         a.text.get(a.text.len() / 2..).and_then(|t| t.chars().find(|c| !c.is_whitespace() && *c != '\u{FFFD}'))
     {
         let mut ps = p.clone();
         ps.stop = vec![stop.to_string()];
-        let c = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(ps))?.collect_blocking()?;
+        let c = engine
+            .submit(GenerateRequest::new("all_r16", "Hello world").params(ps.validate(engine.config().vocab_size)?))?
+            .collect_blocking()?;
         assert_eq!(c.finish_reason, FinishReason::Stop);
         assert_eq!(c.stop_reason, Some(StopReason::String(stop.to_string())), "the stop string found is named");
         assert!(!c.text.contains(stop), "{:?} contains {stop:?}", c.text);
@@ -99,7 +106,9 @@ fn streaming_text_seeds_stops_and_logprobs() -> Result<()> {
     let token = a.token_ids[a.token_ids.len() / 2];
     let mut pt = p.clone();
     pt.stop_token_ids = vec![token];
-    let t = engine.submit(GenerateRequest::new("all_r16", "Hello world").params(pt))?.collect_blocking()?;
+    let t = engine
+        .submit(GenerateRequest::new("all_r16", "Hello world").params(pt.validate(engine.config().vocab_size)?))?
+        .collect_blocking()?;
     let at = a.token_ids.iter().position(|&x| x == token).map(|i| i + 1);
     assert_eq!(
         (t.finish_reason, t.stop_reason, Some(t.token_ids.len())),
@@ -138,11 +147,15 @@ fn defaults_follow_the_startup_adapters_and_max_loras_zero_turns_lora_off() -> R
     let mut p = SamplingParams::greedy(3);
     p.ignore_eos = true;
     assert_eq!(
-        off.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p.clone()))?.collect_blocking()?.token_ids.len(),
+        off.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p.clone().validate(off.config().vocab_size)?))?
+            .collect_blocking()?
+            .token_ids
+            .len(),
         3
     );
     // Refused at submit, before anything is queued.
-    let err = off.submit(GenerateRequest::new("qv_r8", vec![1, 2]).params(p)).unwrap_err();
+    let err =
+        off.submit(GenerateRequest::new("qv_r8", vec![1, 2]).params(p.validate(off.config().vocab_size)?)).unwrap_err();
     assert_eq!(err.kind(), "model_not_found");
     let err = Engine::builder(path("base")).max_loras(0).lora("x", path("adapters/qv_r8")).build().unwrap_err();
     assert_eq!(err.kind(), "invalid_config");
@@ -159,7 +172,8 @@ fn step_metrics_count_every_step_exactly() -> Result<()> {
         .map(|&(model, n)| {
             let mut p = SamplingParams::greedy(n);
             p.ignore_eos = true;
-            engine.submit(GenerateRequest::new(model, vec![1, 294, 488]).params(p))
+            engine
+                .submit(GenerateRequest::new(model, vec![1, 294, 488]).params(p.validate(engine.config().vocab_size)?))
         })
         .collect::<multilora::Result<Vec<_>>>()?;
     for s in streams {

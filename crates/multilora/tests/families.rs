@@ -48,7 +48,9 @@ fn gemma3_served_with_a_sliding_pool_follows_transformers() -> Result<()> {
             let mut params = SamplingParams::greedy(16);
             params.ignore_eos = true;
             let model = c["adapter"].as_str().expect("fixture: an adapter name");
-            streams.push(engine.submit(GenerateRequest::new(model, ids(&c["prompt_ids"])).params(params))?);
+            streams.push(engine.submit(
+                GenerateRequest::new(model, ids(&c["prompt_ids"])).params(params.validate(engine.config().vocab_size)?),
+            )?);
         }
         let mut compared = 0;
         for (c, stream) in cases.iter().zip(streams) {

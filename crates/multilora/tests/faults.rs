@@ -7,12 +7,14 @@ mod common;
 
 use anyhow::Result;
 use common::*;
-use multilora::{Event, GenerateRequest, SamplingParams};
+use multilora::{Event, GenerateRequest, SamplingParams, ValidParams};
 
-fn greedy(n: usize) -> SamplingParams {
+/// Greedy decoding of `n` tokens past EOS: parameters that name no token, so valid for any
+/// vocabulary (`submit` checks token ids against the engine's own).
+fn greedy(n: usize) -> ValidParams {
     let mut p = SamplingParams::greedy(n);
     p.ignore_eos = true;
-    p
+    p.validate(usize::MAX).expect("greedy parameters are valid")
 }
 
 #[test]
@@ -28,14 +30,24 @@ fn unknown_model_and_bad_params_fail_alone() -> Result<()> {
     assert_eq!(ok1.collect_blocking()?.token_ids.len(), 4);
     assert_eq!(ok2.collect_blocking()?.token_ids.len(), 4);
 
-    let mut p = greedy(4);
+    // Invalid parameters are refused once, by `validate`, before any request is built.
+    let vocab = engine.config().vocab_size;
+    let mut p = greedy(4).into_params();
     p.top_p = 0.0;
-    let err = engine.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p)).unwrap_err();
+    let err = p.validate(vocab).unwrap_err();
     assert_eq!(err.kind(), "invalid_request");
     assert!(err.to_string().contains("top_p"), "{err}");
-    let mut p = greedy(4);
+    let mut p = greedy(4).into_params();
     p.n = 2;
-    assert_eq!(engine.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p)).unwrap_err().kind(), "invalid_request");
+    assert_eq!(p.validate(vocab).unwrap_err().kind(), "invalid_request");
+    // Token ids are checked against the engine's vocabulary at submit too, whatever vocabulary
+    // the parameters were validated for.
+    let mut p = greedy(4).into_params();
+    p.stop_token_ids = vec![vocab as u32];
+    assert!(p.clone().validate(vocab).unwrap_err().to_string().contains("outside the vocabulary"));
+    let err = engine.submit(GenerateRequest::new(BASE, vec![1, 2]).params(p.validate(usize::MAX)?)).unwrap_err();
+    assert_eq!(err.kind(), "invalid_request");
+    assert!(err.to_string().contains(&format!("token id {vocab} is outside the vocabulary of {vocab}")), "{err}");
     let long = vec![5u32; 600];
     let err = engine.submit(GenerateRequest::new(BASE, long).params(greedy(4))).unwrap_err();
     assert_eq!(err.kind(), "prompt_too_long");

@@ -5,7 +5,6 @@
 mod common;
 
 use anyhow::{Result, ensure};
-use candle_core::Device;
 use common::*;
 use multilora::{Engine, GenerateRequest, RequestStream, SamplingParams};
 use serde_json::Value;
@@ -37,14 +36,15 @@ fn submit_all(engine: &Engine, batches: &Value, generation: &Value) -> Result<(V
     let mut rows = Vec::new();
     for b in batches.as_array().unwrap_or_else(|| panic!("fixture: batches is not a list: {batches}")) {
         let file = fixtures().join(b["expected"].as_str().expect("fixture: a batch without \"expected\""));
-        let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?;
         for r in list(b, "rows") {
             let tensor = r["tensor"].as_str().expect("fixture: a row without \"tensor\"");
-            let expected = tensors[tensor].to_vec2::<f32>()?;
+            let expected = f32_rows(&file, tensor)?;
             let ids = ids(&r["input_ids"]);
             let mut params = SamplingParams::greedy(1);
             params.prompt_logprobs = Some(0);
-            let stream = engine.submit(GenerateRequest::new(model_of(r), ids.clone()).params(params))?;
+            let stream = engine.submit(
+                GenerateRequest::new(model_of(r), ids.clone()).params(params.validate(engine.config().vocab_size)?),
+            )?;
             rows.push(RowCheck { label: format!("{} {tensor}", b["name"]), ids, expected, stream });
         }
     }
@@ -54,7 +54,10 @@ fn submit_all(engine: &Engine, batches: &Value, generation: &Value) -> Result<(V
     {
         let mut params = SamplingParams::greedy(16);
         params.ignore_eos = true;
-        let stream = engine.submit(GenerateRequest::new(model_of(g), ids(&g["input_ids"])).params(params))?;
+        let stream = engine.submit(
+            GenerateRequest::new(model_of(g), ids(&g["input_ids"]))
+                .params(params.validate(engine.config().vocab_size)?),
+        )?;
         gens.push(GenCheck {
             label: format!("generation {i} ({})", g["adapter"]),
             output: ids(&g["output_ids"]),

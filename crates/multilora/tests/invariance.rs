@@ -5,7 +5,7 @@ mod common;
 
 use anyhow::Result;
 use common::*;
-use multilora::{DType, Engine, GenerateRequest, SamplingParams};
+use multilora::{DType, Engine, GenerateRequest, SamplingParams, ValidParams};
 
 #[test]
 fn greedy_cases_are_batch_invariant() -> Result<()> {
@@ -38,6 +38,7 @@ fn invariant_cases(engine: &Engine) -> Result<f64> {
     let cases = cases()?;
     let mut p = SamplingParams::greedy(16);
     p.ignore_eos = true;
+    let p = p.validate(engine.config().vocab_size)?;
     let gens: Vec<_> = list(&cases, "generation").iter().chain(list(&cases, "extra_generation")).collect();
     let mut alone = Vec::new();
     for g in &gens {
@@ -78,18 +79,18 @@ fn seeded_sampled_requests_are_batch_invariant() -> Result<()> {
     let engine = builder(8).build()?;
     let settings =
         [(1.0, 0, 1.0, 0.0, None), (0.8, 40, 1.0, 0.0, None), (0.7, 0, 0.9, 0.0, None), (0.8, 40, 0.95, 0.05, Some(3))];
-    let params: Vec<SamplingParams> = settings
+    let params: Vec<ValidParams> = settings
         .iter()
         .enumerate()
         .map(|(i, &(t, k, top_p, min_p, logprobs))| {
             let mut p = SamplingParams::default();
             (p.temperature, p.top_k, p.top_p, p.min_p, p.logprobs) = (t, k, top_p, min_p, logprobs);
             (p.seed, p.max_tokens, p.ignore_eos) = (Some(100 + i as u64), Some(24), true);
-            p
+            p.validate(engine.config().vocab_size)
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     let names = ["qv_r8", "all_r16", "rslora_r4", "pattern_r8"];
-    let request = |i: usize, p: &SamplingParams| {
+    let request = |i: usize, p: &ValidParams| {
         GenerateRequest::new(names[i % 4], vec![1, 450, 496, 7 + i as u32]).params(p.clone())
     };
     let mut alone = Vec::new();
@@ -98,6 +99,7 @@ fn seeded_sampled_requests_are_batch_invariant() -> Result<()> {
     }
     let mut unseeded = SamplingParams::default();
     (unseeded.max_tokens, unseeded.ignore_eos) = (Some(24), true);
+    let unseeded = unseeded.validate(engine.config().vocab_size)?;
     let others: Vec<_> = (0..64usize)
         .map(|i| {
             let prompt: Vec<u32> = (0..5 + i % 23).map(|k| ((i * 37 + k * 13) % 509 + 3) as u32).collect();

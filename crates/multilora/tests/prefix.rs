@@ -10,7 +10,10 @@ use multilora::{Engine, GenerateRequest, SamplingParams};
 fn hits(engine: &Engine, model: &str, prompt: &[u32]) -> Result<u64> {
     let before = engine.metrics().prefix_cache_hit_tokens;
     engine
-        .submit(GenerateRequest::new(model, prompt.to_vec()).params(SamplingParams::greedy(2)))?
+        .submit(
+            GenerateRequest::new(model, prompt.to_vec())
+                .params(SamplingParams::greedy(2).validate(engine.config().vocab_size)?),
+        )?
         .collect_blocking()?;
     Ok(engine.metrics().prefix_cache_hit_tokens - before)
 }

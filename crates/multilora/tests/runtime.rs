@@ -15,7 +15,9 @@ fn run(engine: &Engine, model: &str, prompt: &[u32]) -> Result<(Vec<u32>, u64)> 
     let before = engine.metrics().prefix_cache_hit_tokens;
     let mut p = SamplingParams::greedy(8);
     p.ignore_eos = true;
-    let out = engine.submit(GenerateRequest::new(model, prompt.to_vec()).params(p))?.collect_blocking()?;
+    let out = engine
+        .submit(GenerateRequest::new(model, prompt.to_vec()).params(p.validate(engine.config().vocab_size)?))?
+        .collect_blocking()?;
     Ok((out.token_ids, engine.metrics().prefix_cache_hit_tokens - before))
 }
 
@@ -114,8 +116,9 @@ fn an_accepted_request_finishes_on_its_generation_after_an_unload_or_a_reload() 
     let blockers = hold(&engine, BASE, 8)?;
     let mut p = SamplingParams::greedy(8);
     p.ignore_eos = true;
-    let x = engine.submit(GenerateRequest::new("x", prompt.clone()).params(p.clone()))?;
-    let y = engine.submit(GenerateRequest::new("y", prompt.clone()).params(p))?;
+    let x = engine
+        .submit(GenerateRequest::new("x", prompt.clone()).params(p.clone().validate(engine.config().vocab_size)?))?;
+    let y = engine.submit(GenerateRequest::new("y", prompt.clone()).params(p.validate(engine.config().vocab_size)?))?;
     assert!(x.adapter_ready() && y.adapter_ready());
     until(&engine, "both wait behind the blockers", |m| m.waiting == 7 + 2);
     h.unload_adapter("x")?;
@@ -166,7 +169,7 @@ fn loads_into_a_pinned_cpu_tier_wait_for_room_and_serve_once_it_frees() -> Resul
     assert!(!h.reload_adapter("c", &path("adapters/pattern_r8"))?, "the new version waits in its place");
     let mut p = SamplingParams::greedy(want.len());
     p.ignore_eos = true;
-    let c = engine.submit(GenerateRequest::new("c", prompt).params(p))?;
+    let c = engine.submit(GenerateRequest::new("c", prompt).params(p.validate(engine.config().vocab_size)?))?;
     assert!(!c.adapter_ready(), "it waits for its adapter's entry");
     let m = engine.metrics();
     assert_eq!((m.adapter_loads_waiting, m.running), (1, 2), "{m:?}");

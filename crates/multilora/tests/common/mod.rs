@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use multilora::{Engine, EngineBuilder, GenerateRequest, MetricsSnapshot, RequestStream, SamplingParams};
+use safetensors::{Dtype, tensor::TensorView};
 use serde_json::Value;
 
 /// The served base model's name in these tests.
@@ -74,13 +75,24 @@ pub fn bf16_checkpoint(src: &std::path::Path, dst: &std::path::Path) -> Result<(
         let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         match file.as_str() {
             "model.safetensors" => {
-                let mut tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)?;
-                for t in tensors.values_mut() {
-                    if t.dtype().is_float() {
-                        *t = t.to_dtype(candle_core::DType::BF16)?;
-                    }
+                let bytes = std::fs::read(&path)?;
+                let file_in = safetensors::SafeTensors::deserialize(&bytes)?;
+                let mut out = Vec::new();
+                for (name, view) in file_in.tensors() {
+                    let data = match view.dtype() {
+                        Dtype::F32 => to_bf16(view.data(), 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                        Dtype::F16 => to_bf16(view.data(), 2, |b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                        _ => (view.data().to_vec(), view.dtype()),
+                    };
+                    out.push((name, view.shape().to_vec(), data));
                 }
-                candle_core::safetensors::save(&tensors, dst.join(&file))?;
+                let views = out
+                    .iter()
+                    .map(|(name, shape, (data, dtype))| {
+                        Ok((name.as_str(), TensorView::new(*dtype, shape.clone(), data)?))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                std::fs::write(dst.join(&file), safetensors::serialize(views, None)?)?;
             }
             "config.json" => {
                 let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
@@ -97,6 +109,25 @@ pub fn bf16_checkpoint(src: &std::path::Path, dst: &std::path::Path) -> Result<(
     Ok(())
 }
 
+/// Little-endian floats of `width` bytes each, rounded to bf16 (to nearest, ties to even).
+fn to_bf16(data: &[u8], width: usize, read: impl Fn(&[u8]) -> f32) -> (Vec<u8>, Dtype) {
+    let bytes = data.chunks_exact(width).flat_map(|b| half::bf16::from_f32(read(b)).to_le_bytes()).collect();
+    (bytes, Dtype::BF16)
+}
+
+/// The f32 matrix `name` of the safetensors file `file`, by rows.
+pub fn f32_rows(file: &std::path::Path, name: &str) -> Result<Vec<Vec<f32>>> {
+    let bytes = std::fs::read(file)?;
+    let tensors = safetensors::SafeTensors::deserialize(&bytes)?;
+    let view = tensors.tensor(name)?;
+    let (&[rows, cols], Dtype::F32) = (view.shape(), view.dtype()) else {
+        anyhow::bail!("{}: {name} is not an f32 matrix", file.display());
+    };
+    let values: Vec<f32> = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    anyhow::ensure!(values.len() == rows * cols, "{}: {name} holds {} values", file.display(), values.len());
+    Ok(values.chunks(cols.max(1)).map(<[f32]>::to_vec).collect())
+}
+
 /// `n` requests of `model` that each run to the fixture's longest sequence (512 positions),
 /// submitted one behind another: with `max_num_seqs(1)` they keep the engine busy for about
 /// `n` × 500 steps, until dropped. One such request lasts ~50 ms on the tiny base, a window that
@@ -105,6 +136,7 @@ pub fn bf16_checkpoint(src: &std::path::Path, dst: &std::path::Path) -> Result<(
 pub fn hold(engine: &Engine, model: &str, n: usize) -> Result<Vec<RequestStream>> {
     let mut long = SamplingParams::greedy(500);
     long.ignore_eos = true;
+    let long = long.validate(engine.config().vocab_size)?;
     let streams = (0..n)
         .map(|_| engine.submit(GenerateRequest::new(model, vec![1, 2, 3]).params(long.clone())))
         .collect::<multilora::Result<Vec<_>>>()?;
