@@ -18,17 +18,23 @@
 #        why they could not);
 #     2. the sections, each in its own process under its own timeout (budgets below), kernels
 #        first, the PEFT bench and the engine last; a section that failed (not one that only
-#        missed a speed target, nor one that timed out) is rerun once with
-#        CUDA_LAUNCH_BLOCKING=1, and both results are reported;
-#     3. one summary table (section, status, time / budget, key figures as measured / floor)
-#        and $OUT/device-check.json; each section's output is in $OUT/SECTION.log.
+#        missed a speed target) is rerun once with CUDA_LAUNCH_BLOCKING=1, and one that timed
+#        out once with a longer budget when the sections after it keep theirs; both results
+#        are reported;
+#     3. one summary table (section, status, time / budget, key figures as measured / floor),
+#        $OUT/summary.txt and $OUT/device-check.json, and every file of the run (the preflight,
+#        each section's log, key and report) in one archive beside them, $OUT/device-check.tar.gz:
+#        fetch those three.
 #   Exit status: 0 all passed; 1 a section failed, timed out or could not run; 2 no CUDA device
 #   (before any section); 3 only speed targets missed.
 #
 # Send the folder to the GPU machine as an ignored path that travels with the tree
 # (`carry: ["target/device-check"]`) and run `bash target/device-check/device-check.sh run`.
 # Here, without a GPU, `run` is a dry run: it prints the preflight and the sections, gets as far
-# as "no CUDA device" and exits 2.
+# as "no CUDA device", writes the summary, the JSON and the archive, and exits 2. The preflight
+# searches the loader's path (LD_LIBRARY_PATH), /usr/local/nvidia, the toolkit's, PyTorch's and
+# the system's folders for each library, lists every folder it searched, and asks the loader and
+# the driver themselves (`cuInit`): a driver the loader opens counts wherever it is.
 #
 # For the script's own tests (crates/multilora-device-check/tests/script.rs), without a GPU:
 #   DEVICE_CHECK_STUB=CMD          every section, and the device probe, runs
@@ -106,6 +112,14 @@ lib_dirs() {
         echo "$CUDA_HOME/lib"
         echo "$CUDA_HOME/lib64"
     fi
+    # The loader's own path first, as it searches it: container and VM images often mount the
+    # driver there (or under /usr/local/nvidia, below) and nowhere else.
+    local d
+    local IFS=':'
+    for d in ${LD_LIBRARY_PATH:-}; do
+        if [ -n "$d" ] && [ -d "$d" ]; then echo "$d"; fi
+    done
+    unset IFS
     python3 - <<'PY' 2>/dev/null || true
 import glob, os, site, sys
 roots = set(site.getsitepackages() + [site.getusersitepackages()])
@@ -119,8 +133,9 @@ for r in sorted(roots):
     for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib")) + glob.glob(os.path.join(r, "nvidia", "cu*", "lib"))):
         print(d)
 PY
-    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-*/lib64 \
-        /usr/local/cuda-*/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib; do
+    for d in /usr/local/nvidia/lib /usr/local/nvidia/lib64 /usr/local/cuda/lib64 \
+        /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-*/lib64 /usr/local/cuda-*/targets/x86_64-linux/lib \
+        /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib; do
         if [ -d "$d" ]; then echo "$d"; fi
     done
     ldconfig -p 2>/dev/null | sed -n 's/.* => \(.*\)\/[^/]*$/\1/p' | sort -u
@@ -164,22 +179,34 @@ status_of() {
     esac
 }
 
-# Whether a run with exit status $1 is rerun with CUDA_LAUNCH_BLOCKING=1: a failure or a crash
-# is; a pass, a missed speed target, a missing device and a timeout (it would spend its budget
-# again to say the same; its log shows how far it got) are not.
-rerun_wanted() {
+# How a run with exit status $1 is rerun: `blocking` (a failure or a crash: once more with
+# CUDA_LAUNCH_BLOCKING=1, which names the launch that failed), `longer` (a timeout: once more with
+# a longer budget when the sections after it keep theirs, the driver's compile of the kernels
+# then cached), or `none` (a pass, a missed speed target, a missing device).
+rerun_kind() {
     case "$1" in
-        0 | 2 | 3 | 124 | 137) return 1 ;;
-        *) return 0 ;;
+        0 | 2 | 3) echo none ;;
+        124 | 137) echo longer ;;
+        *) echo blocking ;;
     esac
 }
 
-# One run of section $1 (budget $2 s) before the deadline $3 (ms), blocking launches when $4 is 1
-# (the rerun: its own log and output folder): prints its line and sets A_ST (its status, or "not
-# run: no time" when less than MIN_START seconds are left), and A_RC / A_TIME (empty when it did
-# not run).
+# Seconds the sections after $1 are budgeted in all.
+budgets_after() {
+    local after=0 sum=0 entry
+    for entry in "${SECTIONS[@]}"; do
+        if [ "$after" = 1 ]; then sum=$((sum + $(budget_of "${entry%%:*}"))); fi
+        if [ "${entry%%:*}" = "$1" ]; then after=1; fi
+    done
+    echo "$sum"
+}
+
+# One run of section $1 (budget $2 s) before the deadline $3 (ms): the first (`first` in $4) or a
+# rerun (`blocking`: blocking launches; `longer`: the budget given; either with its own log and
+# output folder): prints its line and sets A_ST (its status, or "not run: no time" when less than
+# MIN_START seconds are left), and A_RC / A_TIME (empty when it did not run).
 attempt() {
-    local name="$1" budget="$2" deadline="$3" blocking="$4" left limit suffix="" label=""
+    local name="$1" budget="$2" deadline="$3" kind="$4" left limit suffix="" label="" blocking=0
     A_RC="" A_TIME=""
     left=$(((deadline - $(now_ms)) / 1000))
     if [ "$left" -lt "$MIN_START" ]; then
@@ -187,9 +214,10 @@ attempt() {
         return
     fi
     limit=$((budget < left ? budget : left))
-    if [ "$blocking" = 1 ]; then
-        suffix=".rerun" label="rerun, CUDA_LAUNCH_BLOCKING=1: "
-    fi
+    case "$kind" in
+        blocking) suffix=".rerun" label="rerun, CUDA_LAUNCH_BLOCKING=1: " blocking=1 ;;
+        longer) suffix=".rerun" label="rerun, a longer budget: " ;;
+    esac
     printf '  %-8s (≤ %3d s) %s' "$name" "$limit" "$label"
     run_section "$name" "$limit" "$blocking" "$OUT_DIR/$name$suffix.log" "$OUT_DIR/$name$suffix"
     A_ST="$(status_of "$RC")" A_RC="$RC" A_TIME="$(fmt_s "$TOOK_MS")"
@@ -318,6 +346,25 @@ preflight() {
         printf '%s\n' "$dirs" | sed 's/^/  searched: /' >>"$pre"
     fi
     export LD_LIBRARY_PATH="$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # The loader and the driver asked themselves, whatever the folders above found: the loader
+    # opens libcuda.so.1 by its own rules (its cache, LD_LIBRARY_PATH, the system folders), and
+    # `cuInit` says whether the driver sees a device (0) or not (100: no device). A driver the
+    # loader opens counts, even in a folder no list above names.
+    PF_LOADER="not asked (stub run)"
+    if [ -z "$STUB" ]; then
+        PF_LOADER="$(python3 - <<'PY' 2>&1 || echo "not asked: python3 failed"
+import ctypes
+try:
+    lib = ctypes.CDLL("libcuda.so.1")
+except OSError as e:
+    print(f"cannot load libcuda.so.1: {e}")
+else:
+    print(f"loaded libcuda.so.1, cuInit(0) = {lib.cuInit(0)}")
+PY
+)"
+        case "$PF_LOADER" in loaded*) DRIVER=1 ;; esac
+    fi
+    printf '  %-20s %s\n' "loader, driver" "$PF_LOADER" | tee -a "$pre"
     # The dynamic loader's own view, with the directories above on its path.
     PF_LDD=""
     if [ -z "$STUB" ] && [ -f "$BIN" ] && command -v ldd >/dev/null; then
@@ -372,7 +419,7 @@ write_json() {
             printf '%s%s' "$sep" "$(json_str "$d")"
             sep=", "
         done
-        printf '],\n    "ldd_not_found": %s\n  },\n' "$(json_str "$PF_LDD")"
+        printf '],\n    "ldd_not_found": %s,\n    "loader": %s\n  },\n' "$(json_str "$PF_LDD")" "$(json_str "${PF_LOADER:-}")"
         printf '  "probe": {"rc": %s, "log": "probe.log"},\n  "sections": [' "${PROBE_RC:-null}"
         sep=""
         for entry in "${SECTIONS[@]}"; do
@@ -382,7 +429,10 @@ write_json() {
                 "$sep" "$(json_str "$name")" "$(budget_of "$name")" "$(json_str "${ST[$name]}")" \
                 "${SRC[$name]:-null}" "${STIME[$name]:-null}" "$(json_str "$name.log")" "$(json_file "$OUT_DIR/$name.json")"
             if [ -n "${RST[$name]:-}" ]; then
-                printf '\n     "rerun": {"env": "CUDA_LAUNCH_BLOCKING=1", "status": %s, "rc": %s, "time_s": %s, "log": %s, "report": %s}}' \
+                local env=null
+                if [ "${RKIND[$name]}" = blocking ]; then env='"CUDA_LAUNCH_BLOCKING=1"'; fi
+                printf '\n     "rerun": {"kind": %s, "env": %s, "budget_s": %s, "status": %s, "rc": %s, "time_s": %s, "log": %s, "report": %s}}' \
+                    "$(json_str "${RKIND[$name]}")" "$env" "${RBUDGET[$name]}" \
                     "$(json_str "${RST[$name]}")" "${RRC[$name]:-null}" "${RTIME[$name]:-null}" \
                     "$(json_str "$name.rerun.log")" "$(json_file "$OUT_DIR/$name.rerun.json")"
             else
@@ -394,20 +444,37 @@ write_json() {
     } >"$OUT_DIR/device-check.json"
 }
 
+# The end of a run, with exit status $1: device-check.json and summary.txt, and everything the run
+# wrote (the preflight, the probe, each section's log, key and report) in one archive beside them,
+# device-check.tar.gz: a device machine sends back a few files, and these three are the ones.
+finish() {
+    local code="$1" tmp
+    write_json "$code"
+    summary "$code" | tee "$OUT_DIR/summary.txt"
+    tmp="$(mktemp)"
+    if tar -czf "$tmp" -C "$OUT_DIR" --exclude=./device-check.tar.gz . && mv "$tmp" "$OUT_DIR/device-check.tar.gz"; then
+        echo "== $OUT_DIR: summary.txt, device-check.json and device-check.tar.gz ($(($(stat -c %s "$OUT_DIR/device-check.tar.gz") / 1024)) KiB: every file of the run)"
+    else
+        rm -f "$tmp"
+        echo "warning: the archive could not be written; the files are in $OUT_DIR" >&2
+    fi
+    exit "$code"
+}
+
 # The one-screen table: a row per section, its key figures (the binary's PREFIX.key, or the
 # last lines of its log when it left none) on the rows below.
 summary() {
     local exit_code="$1" entry name status time keys
     echo
     echo "== summary: $(fmt_s $(($(now_ms) - T0))) s of the ${TOTAL} s budget; exit $exit_code; logs and device-check.json in $OUT_DIR"
-    printf '%-8s %-24s %-15s %s\n' section status "time / budget" "key figures (measured / floor at 4.8 TB/s)"
+    printf '%-8s %-24s %-15s %s\n' section status "time / budget" "key figures (measured / floor at the device's bandwidth)"
     for entry in "${SECTIONS[@]}"; do
         name="${entry%%:*}"
         status="${ST[$name]:-not reached}"
         time="${STIME[$name]:--} / $(budget_of "$name") s"
         if [ -n "${RST[$name]:-}" ]; then
             status="$status; rerun ${RST[$name]}"
-            time="${STIME[$name]:--}+${RTIME[$name]:--} / $(budget_of "$name") s"
+            time="${STIME[$name]:--}+${RTIME[$name]:--} / $(budget_of "$name")+${RBUDGET[$name]} s"
         fi
         keys=""
         if [ -n "${SRC[$name]:-}" ]; then
@@ -447,7 +514,7 @@ run() {
     # cache (256 MiB by default) is made big enough to keep all of it, so that each section's
     # process after the first loads them compiled.
     export CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-4294967296}"
-    declare -gA ST=() SRC=() STIME=() RST=() RRC=() RTIME=()
+    declare -gA ST=() SRC=() STIME=() RST=() RRC=() RTIME=() RKIND=() RBUDGET=()
     mkdir -p "$OUT_DIR"
     # A previous run's files in the same folder would be read as this run's (the engine takes
     # the PEFT bench's JSON from there): removed, by name, nothing else.
@@ -455,20 +522,18 @@ run() {
     for name in probe "${SECTIONS[@]%%:*}"; do
         rm -f "$OUT_DIR/$name".{json,key,log} "$OUT_DIR/$name.rerun".{json,key,log}
     done
-    rm -f "$OUT_DIR/device-check.json" "$OUT_DIR/preflight.txt"
+    rm -f "$OUT_DIR/device-check.json" "$OUT_DIR/preflight.txt" "$OUT_DIR/summary.txt" "$OUT_DIR/device-check.tar.gz"
     if [ -z "$STUB" ]; then unpack; fi
     preflight
     plan
     if [ -z "$STUB" ]; then
         if [ "$DRIVER" = 0 ]; then
-            echo "error: no CUDA device here: no NVIDIA driver (libcuda.so.1) on this machine" >&2
-            write_json 2
-            exit 2
+            echo "error: no CUDA device here: no NVIDIA driver (libcuda.so.1) in the $(printf '%s\n' "$PF_DIRS" | awk 'NF' | wc -l) folders searched (preflight.txt), and the loader cannot open one" >&2
+            finish 2
         fi
         if [ ! -x "$BIN" ]; then
             echo "error: $BIN is missing: run scripts/device-check.sh build first" >&2
-            write_json 1
-            exit 1
+            finish 1
         fi
     fi
 
@@ -485,8 +550,7 @@ run() {
         2)
             sed 's/^/  /' "$OUT_DIR/probe.log" >&2
             echo "error: no CUDA device: no section can run" >&2
-            write_json 2
-            exit 2
+            finish 2
             ;;
         *)
             BINARY_OK=0
@@ -495,8 +559,8 @@ run() {
             ;;
     esac
 
-    echo "== sections (a failed one is rerun at once with CUDA_LAUNCH_BLOCKING=1)"
-    local budget
+    echo "== sections (a failed one is rerun at once with CUDA_LAUNCH_BLOCKING=1, one that timed out with a longer budget)"
+    local budget kind spare
     for entry in "${SECTIONS[@]}"; do
         name="${entry%%:*}"
         budget="$(budget_of "$name")"
@@ -505,14 +569,23 @@ run() {
         elif [ "$name" != peft ] && [ "$BINARY_OK" = 0 ]; then
             ST[$name]="not run: no binary"
         else
-            attempt "$name" "$budget" "$deadline" 0
+            attempt "$name" "$budget" "$deadline" first
             ST[$name]="$A_ST"
             if [ -n "$A_RC" ]; then
                 SRC[$name]="$A_RC"
                 STIME[$name]="$A_TIME"
             fi
-            if [ -n "$A_RC" ] && rerun_wanted "$A_RC"; then
-                attempt "$name" "$budget" "$deadline" 1
+            kind="$(rerun_kind "${A_RC:-0}")"
+            if [ "$kind" = longer ]; then
+                # Twice the budget, out of what the sections after it leave: none when that is
+                # no longer than the first.
+                spare=$(((deadline - $(now_ms)) / 1000 - $(budgets_after "$name")))
+                budget=$((2 * budget < spare ? 2 * budget : spare))
+                if [ "$budget" -le "$(budget_of "$name")" ]; then kind=none; fi
+            fi
+            if [ "$kind" != none ]; then
+                RKIND[$name]="$kind" RBUDGET[$name]="$budget"
+                attempt "$name" "$budget" "$deadline" "$kind"
                 RST[$name]="$A_ST"
                 if [ -n "$A_RC" ]; then
                     RRC[$name]="$A_RC"
@@ -533,9 +606,7 @@ run() {
             *) exit_code=1 ;;
         esac
     done
-    write_json "$exit_code"
-    summary "$exit_code"
-    exit "$exit_code"
+    finish "$exit_code"
 }
 
 case "${1:-}" in

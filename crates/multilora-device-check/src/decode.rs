@@ -1,7 +1,7 @@
 //! `decode`: the decode step of a random Llama-3-8B-shaped model in bf16 with 8 rank-16 adapters
 //! on all seven projections, at batch 1, 16 and 64 (context 512): base rows and LoRA rows, each
 //! step's device time (CUDA events over back-to-back steps) against its floor (the weights, the
-//! contexts' keys and values and the used adapters read once at 4.8 TB/s), beside the host's time
+//! contexts' keys and values and the used adapters read once at the device's bandwidth), beside the host's time
 //! per step; and LoRA against base at batch 64 (a speed target: ≤ 1.10).
 
 use std::collections::{BTreeMap, HashMap};

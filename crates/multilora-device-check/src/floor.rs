@@ -1,5 +1,6 @@
 //! What each timed kernel must move at the device check's decode shapes, and the time that takes
-//! at an H200's memory bandwidth: the floor every kernel time is printed against.
+//! at the device's memory bandwidth ([`crate::bandwidth`]; an H200's 4.8 TB/s in the tests and
+//! the computed tables): the floor every kernel time is printed against.
 //!
 //! A floor counts each byte a kernel cannot avoid once: its inputs read once, its outputs written
 //! once (read too where it accumulates). Anything a kernel reads twice, or an index it reads
@@ -7,12 +8,9 @@
 //! `docs/BENCHMARKS.md` ("GPU", its floors paragraph) come from these functions at
 //! [`DECODE`]'s shapes; the tests below hold the two together.
 
-/// An H200 SXM's HBM3e bandwidth in bytes per second (NVIDIA's datasheet: 4.8 TB/s).
-pub(crate) const H200_BYTES_PER_SEC: f64 = 4.8e12;
-
-/// The time `bytes` take at [`H200_BYTES_PER_SEC`].
+/// The time `bytes` take at the floors' bandwidth ([`crate::bandwidth::bytes_per_sec`]).
 pub(crate) fn floor_secs(bytes: u64) -> f64 {
-    bytes as f64 / H200_BYTES_PER_SEC
+    bytes as f64 / crate::bandwidth::bytes_per_sec()
 }
 
 /// A decode step's LoRA shape: rows (one new token each), adapters among them, their rank, and

@@ -7,7 +7,7 @@
 //! - `kernels`: every CUDA kernel against its slow tensor-op reference (Llama-3-8B shapes, 1…4096
 //!   tokens, 1…16 adapters of ranks 4…64 in rank-64 slots, base-model rows, f32 / bf16 / f16);
 //! - `timing`: each kernel of a decode step by CUDA events over back-to-back launches (shrink,
-//!   expand, base GEMM, KV write, attention), as measured / floor (bytes at 4.8 TB/s), beside the
+//!   expand, base GEMM, KV write, attention), as measured / floor (bytes at the device's bandwidth: its datasheet figure by its name, else a timed copy's), beside the
 //!   host's enqueue time;
 //! - `golden`: the PEFT fixtures through the engine on CUDA, f32 and bf16;
 //! - `decode`: a Llama-3-8B-shaped bf16 decode step, LoRA / base at batch 1, 16, 64, against
@@ -21,6 +21,7 @@
 //! target was missed. `--report PREFIX` writes `PREFIX.json` (every line) and `PREFIX.key` (the
 //! key figures and every failed line, for the script's summary).
 
+mod bandwidth;
 mod clock;
 mod decode;
 mod engine;
@@ -97,6 +98,14 @@ fn main() -> ExitCode {
     };
     let wants = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
     let mut report = Report::default();
+    // The floors' bandwidth: the device's datasheet figure by its name, else a timed copy's.
+    #[cfg(feature = "cuda")]
+    let probed = bandwidth::probe(&dev).map_err(|e| report.info("device", "bandwidth probe", format!("{e:#}"))).ok();
+    #[cfg(not(feature = "cuda"))]
+    let probed: Option<(String, f64)> = None;
+    let bw = bandwidth::choose(probed.as_ref().map(|p| p.0.as_str()), probed.as_ref().map(|p| p.1));
+    report.info("device", "bandwidth", format!("{:.2} TB/s for the floors ({})", bw.bytes_per_sec / 1e12, bw.basis));
+    bandwidth::set(bw);
     match multilora_models::device_memory(&dev) {
         Ok(Some(m)) => report.info("device", "memory", format!("{:.1} GiB, {:.1} GiB free", gib(m.total), gib(m.free))),
         Ok(None) => {}

@@ -89,7 +89,7 @@ impl Report {
         self.push(section, name.into(), value, String::new(), Verdict::Info);
     }
 
-    /// A timed operation that must move `bytes`: device time against the H200 floor, beside the
+    /// A timed operation that must move `bytes`: device time against its floor (its bytes at the device's bandwidth), beside the
     /// host's enqueue time. Returns the line's value, for a key figure.
     pub(crate) fn timed(&mut self, section: &str, name: impl Into<String>, t: Timed, bytes: u64) -> String {
         let floor = floor_secs(bytes);

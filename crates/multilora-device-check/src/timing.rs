@@ -1,6 +1,6 @@
 //! `timing`: each kernel of a decode step on its own, timed by CUDA events over back-to-back
 //! launches (`clock.rs`) at Llama-3-8B's decode shapes in bf16 (64 rows over 8 rank-16 adapters,
-//! `floor::DECODE`), each printed as measured / floor (the bytes it must move at 4.8 TB/s) beside
+//! `floor::DECODE`), each printed as measured / floor (the bytes it must move at the device's bandwidth) beside
 //! the host's enqueue time per call:
 //! - the decode-shaped LoRA kernels (`lora_bgmv_shrink`, `lora_bgmv_expand`: what `lora_apply`
 //!   runs at decode) on each of a decoder layer's four adapted layers, and beside them the
