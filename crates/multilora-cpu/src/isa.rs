@@ -17,13 +17,15 @@
 //! intrinsics: `FloatSimd` (f32 vectors: load, widen bf16/f16, FMA, horizontal sum) for the float
 //! products and the LoRA kernel, `DotSimd` (weight bytes × activation bytes into i32 lanes, then
 //! f32) for the quantized tiles; both are implemented on the marker types below, so "the AVX-512
-//! code" of either family is the `impl` for [`Avx512`]. A kernel whose best form differs in shape
-//! between sets (attention rows, activation quantization: other shuffles, other widths) is
-//! written per set as free `#[target_feature]` functions beside a portable one, in the kernel's
-//! own file. A kernel the compiler vectorises well from plain Rust (exp, softmax, norm rows,
-//! logits passes) is written once in portable Rust and compiled per set by the `dispatched!`
-//! macro of [`crate::float`]. Every set gives the same bits: the portable code does the same
-//! IEEE operations in the same order.
+//! code" of either family is the `impl` for the `Avx512` marker. A kernel whose best form differs
+//! in shape between sets (attention rows, activation quantization: other shuffles, other widths)
+//! is written per set as free `#[target_feature]` functions beside a portable one, in the
+//! kernel's own file. A kernel the compiler vectorises well from plain Rust (exp, softmax, norm
+//! rows, logits passes) is written once in portable Rust and compiled per set by the
+//! `dispatched!` macro of [`crate::float`]. The quantized products and the passes written once
+//! give the same bits on every set (the same IEEE operations in the same order); the float
+//! products sum in their set's lane width, so two sets agree to rounding, and a row's result
+//! never depends on the other rows of its batch.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
