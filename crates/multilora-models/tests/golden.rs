@@ -200,6 +200,19 @@ fn decode_steps_in_a_pool_of(threads: usize) -> Result<Vec<Tensor>> {
             }
             steps.push(logits);
         }
+        // A refused sequence of a step cut into row groups (planned in group order) is named by
+        // its place in the batch, whichever it is.
+        for bad in 0..rows.len() {
+            let seqs = rows.iter().enumerate().map(|(i, r)| {
+                let token = if i == bad { u32::MAX } else { next[i] };
+                SeqInput::new(vec![token], prompts[i].len() + 3, tables[i].clone(), slot_of(&slots, &r.adapter))
+            });
+            let batch = Batch::new(seqs.collect());
+            match model.forward(&batch, &mut kv) {
+                Err(multilora_models::Error::InvalidBatch { seq, .. }) => assert_eq!(seq, bad, "{threads} threads"),
+                other => panic!("sequence {bad}'s token out of the vocabulary: {other:?}"),
+            }
+        }
         Ok(steps)
     })
 }

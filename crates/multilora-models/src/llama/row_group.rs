@@ -299,8 +299,14 @@ pub(super) fn side_by_side(
 ) -> Result<Option<(Tensor, LoraMapping)>> {
     let lim = model.limits(cache);
     let ordered = Batch::new(order.iter().map(|&i| batch.seqs[i].clone()).collect());
-    // Planned (and checked) once; each group's plan cut from it.
-    let plan = StepPlan::new(&ordered, lim, &model.device, &model.upload)?;
+    // Planned (and checked) once; each group's plan cut from it. A refused sequence is named by
+    // its place in `batch`, not in the group order.
+    let plan = StepPlan::new(&ordered, lim, &model.device, &model.upload).map_err(|e| match e {
+        Error::InvalidBatch { seq, reason } => {
+            Error::InvalidBatch { seq: order.get(seq).copied().unwrap_or(seq), reason }
+        }
+        other => other,
+    })?;
     let plans = cuts.into_iter().map(|r| plan.cut(&ordered, r, lim.max_loras)).collect::<Result<Vec<_>>>()?;
     // Each group embedded and through the first layer's q/k/v on its own thread.
     let mut parts: Vec<&StepPlan> = plans.iter().collect();
