@@ -47,7 +47,7 @@ impl Drop for Done {
 /// a futex, with nobody keeping the workers awake (measured: 55 against 43 ms for the 16-row LoRA
 /// step of docs/BENCHMARKS.md's GGUF bench). In a pool of one thread it just runs `f`.
 pub fn with_hot_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if SOLO.get() {
+    if WIDTH.get() == 1 {
         return f();
     }
     let Some(me) = rayon::current_thread_index() else {
@@ -116,51 +116,68 @@ pub fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
 }
 
 thread_local! {
-    /// Whether this thread runs its regions alone ([`solo`]).
-    static SOLO: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// How many threads the regions opened on this thread run on: 0 for the pool's all, else a
+    /// share of them ([`with_width`]; 1 in [`solo`]).
+    static WIDTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Runs `f` with every parallel region it opens on this thread run on this thread alone (and
-/// products planned for one thread): for work that is itself one of several run side by side,
-/// e.g. one group of a step's rows while another thread runs the other group.
-pub fn solo<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
+/// Runs `f` with every parallel region it opens on this thread run on at most `width` threads
+/// (and products planned for that many): for work that is itself one of several run side by
+/// side, e.g. one group of a step's rows while other threads run the other groups.
+pub fn with_width<R>(width: usize, f: impl FnOnce() -> R) -> R {
+    struct Restore(usize);
     impl Drop for Restore {
         fn drop(&mut self) {
-            SOLO.set(self.0);
+            WIDTH.set(self.0);
         }
     }
-    let _restore = Restore(SOLO.replace(true));
+    let _restore = Restore(WIDTH.replace(width.max(1)));
     f()
 }
 
-/// Runs `f` on each of `items` side by side, each a task of one parallel region that runs alone
-/// on its thread ([`solo`]): e.g. a step's row groups, each taken through a layer by one thread. The results in the items' order; a panic in one is passed on once the others end.
+/// [`with_width`] 1: every region `f` opens runs on this thread alone.
+pub fn solo<R>(f: impl FnOnce() -> R) -> R {
+    with_width(1, f)
+}
+
+/// Runs `f` on each of `items` side by side, each a task of one parallel region whose own regions
+/// run on its share of the threads ([`with_width`]: ⌈threads / items⌉; alone, [`solo`], when
+/// there are no more threads than items): e.g. a step's row groups, each taken through a layer
+/// by its own thread and helped by the threads left over. The results in the items' order; a
+/// panic in one is passed on once the others end.
 pub fn side_by_side<T: Send, R: Send>(items: &mut [T], f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
+    let width = threads().div_ceil(items.len().max(1));
     let out: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
     for_each_part(items.iter_mut().collect(), |i, item| {
-        let r = solo(|| f(item));
+        let r = with_width(width, || f(item));
         *out[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
     });
     out.into_iter().map(|m| taken(m).expect("side_by_side: every item ran")).collect()
 }
 
-/// Most row groups [`row_groups`] cuts a step into: each group's thread streams every weight, so
-/// past two a step of a model's decode rows turns from compute- to memory-bound (SmolLM2 and
-/// Llama-3.2-1B shapes on the 2-core reference machine, docs/BENCHMARKS.md).
+/// Most row groups [`row_groups`] cuts a step into: each group streams every weight, so each group
+/// more reads the weights once more, and a decode step's products, compute-bound at two groups,
+/// turn memory-bound past them. Two is what has been measured (SmolLM2's 16-row step on the
+/// 2-core machines); on more threads each group's regions run on its share of them.
 pub const MAX_ROW_GROUPS: usize = 2;
 
 /// How many row groups a step of `rows` rows is cut into in the current pool, each group taken
-/// through every layer by one thread alone ([`side_by_side`]): as many as the pool's threads, the
-/// rows (at least `min_rows` a group) and [`MAX_ROW_GROUPS`] allow; 1 (the step as one group,
-/// each op's regions on every thread) inside [`solo`] or on one thread.
+/// through every layer by its own thread, its regions on its share of the threads
+/// ([`side_by_side`]): as many as the pool's threads, the rows (at least `min_rows` a group) and
+/// [`MAX_ROW_GROUPS`] allow; 1 (the step as one group, each op's regions on every thread) inside
+/// [`solo`] or on one thread.
 pub fn row_groups(rows: usize, min_rows: usize) -> usize {
     threads().min(MAX_ROW_GROUPS).min(rows / min_rows.max(1)).max(1)
 }
 
-/// The threads a region opened here runs on: 1 inside [`solo`], else the current rayon pool's.
+/// The threads a region opened here runs on: the current rayon pool's, or at most the share
+/// [`with_width`] gives (1 inside [`solo`]).
 pub fn threads() -> usize {
-    if SOLO.get() { 1 } else { rayon::current_num_threads() }
+    let all = rayon::current_num_threads();
+    match WIDTH.get() {
+        0 => all,
+        w => w.min(all),
+    }
 }
 
 /// Returns once `ready()` holds, spinning for it ([`MAX_SPIN`] at most, then also yielding the
@@ -319,11 +336,11 @@ mod tests {
     }
 
     /// Items side by side: each runs once, its result in its place, every region it opens run
-    /// on its own thread alone (one thread seen inside, the tasks in order); the flag is back
-    /// off after, also after a panic.
+    /// on its own thread alone when there are no more threads than items (one thread seen
+    /// inside, the tasks in order); the width is back after, also after a panic.
     #[test]
     fn items_side_by_side_run_their_regions_alone() {
-        for n in [1, 2, 3] {
+        for n in [1, 2, 3, 5] {
             pool(n).install(|| {
                 let mut items: Vec<usize> = (0..5).collect();
                 let out = side_by_side(&mut items, |v| {
@@ -345,7 +362,28 @@ mod tests {
         }
         let failed = catch_unwind(|| solo(|| panic!("fails inside")));
         assert!(failed.is_err());
-        assert!(!SOLO.get(), "solo is off again after a panic");
+        assert_eq!(WIDTH.get(), 0, "solo is off again after a panic");
+    }
+
+    /// More threads than items: each item's regions run on its share of them (⌈threads /
+    /// items⌉), helped by the threads left over, and every task runs once.
+    #[test]
+    fn items_side_by_side_share_the_threads_left_over() {
+        for (n, items, width) in [(4, 2, 2), (3, 2, 2), (5, 2, 3)] {
+            pool(n).install(|| {
+                let mut ids: Vec<usize> = (0..items).collect();
+                let out = side_by_side(&mut ids, |v| {
+                    assert_eq!(threads(), width, "{n} threads, {items} items");
+                    let total = AtomicUsize::new(0);
+                    for_each_index(100, |j| {
+                        total.fetch_add(j, Ordering::Relaxed);
+                    });
+                    total.load(Ordering::Relaxed) + *v
+                });
+                assert_eq!(out, (0..items).map(|v| 4950 + v).collect::<Vec<_>>());
+                assert_eq!(threads(), n, "after the items");
+            });
+        }
     }
 
     /// A task's panic reaches the caller once the other tasks end; the pool goes on.

@@ -77,9 +77,10 @@ pub struct QuantMatrix {
     k: usize,
     /// The segments in output-column order, each shared with the weights it was stacked from.
     segs: Arc<Vec<Arc<Segment>>>,
-    /// The last plan made on several threads ([`QuantMatrix::plan`]), for the next product of as
-    /// many rows on as many threads: a decode step's products repeat their shapes step after step.
-    last_plan: Arc<Mutex<Option<Arc<Plan>>>>,
+    /// The last two plans made on several threads ([`QuantMatrix::plan`]), the newer first, for
+    /// the next product of as many rows on as many threads: a decode step's products repeat their
+    /// shapes step after step, and a step's two row groups may differ by a row.
+    last_plans: Arc<Mutex<[Option<Arc<Plan>>; 2]>>,
     /// The plans on one thread of `1..=DECODE_ROWS` rows, each made once: a step's row groups (each
     /// thread its own rows through every layer) read them side by side without a lock.
     solo_plans: Arc<[OnceLock<Arc<Plan>>; DECODE_ROWS]>,
@@ -112,7 +113,7 @@ impl QuantMatrix {
             n,
             k,
             segs: Arc::new(segs),
-            last_plan: Arc::default(),
+            last_plans: Arc::default(),
             solo_plans: Arc::new(std::array::from_fn(|_| OnceLock::new())),
         }
     }
@@ -278,17 +279,20 @@ impl QuantMatrix {
             .collect()
     }
 
-    /// [`QuantMatrix::plan`]: on one thread the one kept for `m` rows, else the last one made
-    /// when it was for the same rows and threads.
+    /// [`QuantMatrix::plan`]: on one thread the one kept for `m` rows, else one of the last two
+    /// made when it was for the same rows and threads (a new one takes the older's place).
     fn plan_for(&self, m: usize, threads: usize) -> Arc<Plan> {
         if let Some(solo) = self.solo_plans.get(m.wrapping_sub(1)).filter(|_| threads == 1) {
             return Arc::clone(solo.get_or_init(|| Arc::new(self.plan(m, 1))));
         }
-        let mut last = self.last_plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match &*last {
-            Some(p) if p.m == m && p.threads == threads => Arc::clone(p),
-            _ => Arc::clone(last.insert(Arc::new(self.plan(m, threads)))),
+        let mut last = self.last_plans.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(p) = last.iter().flatten().find(|p| p.m == m && p.threads == threads) {
+            return Arc::clone(p);
         }
+        let plan = Arc::new(self.plan(m, threads));
+        last.swap(0, 1);
+        last[0] = Some(Arc::clone(&plan));
+        plan
     }
 
     /// How a product of `m` rows is cut: blocks of rows (all of them for a decode step), and in
@@ -331,13 +335,18 @@ impl QuantMatrix {
 mod tests {
     use super::*;
 
-    /// The kept plan is the one for the rows and threads asked for: reused while they repeat,
-    /// made anew when they change, shared by the weight's clones.
+    /// The kept plans are the ones for the rows and threads asked for: reused while they repeat
+    /// (two shapes at a time), made anew when they change, shared by the weight's clones.
     #[test]
     fn the_kept_plan_follows_the_shape() -> anyhow::Result<()> {
         let w = QuantMatrix::from_bytes(QuantType::Q8_0, 40, 64, &vec![0u8; 40 * 2 * QuantType::Q8_0.block_bytes()])?;
         let a = w.plan_for(16, 2);
         anyhow::ensure!(Arc::ptr_eq(&a, &w.clone().plan_for(16, 2)), "reused, also by a clone");
+        // Two shapes alternating (a step's two row groups, a row apart) both stay kept.
+        let b = w.plan_for(17, 2);
+        anyhow::ensure!(Arc::ptr_eq(&a, &w.plan_for(16, 2)) && Arc::ptr_eq(&b, &w.plan_for(17, 2)), "both kept");
+        w.plan_for(18, 2);
+        anyhow::ensure!(!Arc::ptr_eq(&a, &w.plan_for(16, 2)), "the older one gave way to a third");
         for (m, threads) in [(17, 2), (16, 1), (16, 2), (300, 3)] {
             let (got, want) = (w.plan_for(m, threads), w.plan(m, threads));
             anyhow::ensure!((got.m, got.threads) == (m, threads), "{m} rows, {threads} threads");

@@ -6,8 +6,9 @@
 //! A step is one row group, its phases one after the other, each op's parallel regions on every
 //! thread. A decode step of enough rows runs as several groups side by side instead, as many as
 //! the pool says ([`multilora_cpu::pool::row_groups`]; [`groups`], [`side_by_side`]): each
-//! group's thread takes its rows through every layer alone, with no parallel region of its own,
-//! and the groups meet only between phases — every group's cache writes before any group reads
+//! group's thread takes its rows through every layer, its parallel regions on its share of the
+//! pool's threads (none of its own on two threads: each group alone), and the groups meet only
+//! between phases — every group's cache writes before any group reads
 //! that layer, every group's reads before any group writes the next (the cache is one buffer
 //! behind one lock, and a group's attention holds it for reading). The step is planned once, in
 //! group order, and each group's plan is cut from it ([`StepPlan::cut`]). Each thread then
