@@ -52,7 +52,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
 const PURE: &[&str] =
     &["multilora-types", "multilora-prefix-cache", "multilora-scheduler", "multilora-kernels", "multilora-cpu"];
 
-/// The one sentence of docs/ARCHITECTURE.md on where `unsafe` lives, which [`check_unsafe`] keeps true.
+/// The one sentence of docs/ARCHITECTURE.md on where `unsafe` lives, kept true by [`check_unsafe_rule`]
+/// and [`unsafe_allowances`].
 const UNSAFE_RULE: &str = "All CPU `unsafe` lives in `multilora-cpu`";
 
 /// The crates whose code may allow `unsafe`: the CPU kernels, and the CUDA side's.
@@ -101,7 +102,7 @@ pub(crate) fn run() -> Result<()> {
     let mut problems = Vec::new();
     let names = vocabulary_names(&root)?;
     check_files(&root, &names, &mut problems)?;
-    check_unsafe(&root, &mut problems)?;
+    check_unsafe_rule(&root, &mut problems)?;
     let users = check_dependencies(&root, &mut problems)?;
     if problems.is_empty() {
         println!("tidy: {TYPES} (depends on none of ours) is used by {}", users.join(", "));
@@ -210,6 +211,7 @@ fn check_files(root: &Path, names: &[String], problems: &mut Vec<String>) -> Res
         if lines > MAX_LINES {
             problems.push(format!("{rel}: {lines} lines, over {MAX_LINES}: split it"));
         }
+        unsafe_allowances(&rel, &text, problems);
         let shipped = rel.contains("/src/") && !rel.contains("/tests/");
         if !rel.starts_with("crates/multilora-types/") && !rel.starts_with("xtask/") {
             relayed_vocabulary(&rel, &text, names, problems);
@@ -236,33 +238,28 @@ fn check_files(root: &Path, names: &[String], problems: &mut Vec<String>) -> Res
     Ok(())
 }
 
-/// ARCHITECTURE.md states [`UNSAFE_RULE`], and it holds: outside [`UNSAFE_CRATES`] only the
-/// [`CUDA_GLUE`] files allow `unsafe`.
-fn check_unsafe(root: &Path, problems: &mut Vec<String>) -> Result<()> {
+/// ARCHITECTURE.md states [`UNSAFE_RULE`].
+fn check_unsafe_rule(root: &Path, problems: &mut Vec<String>) -> Result<()> {
     let arch = std::fs::read_to_string(root.join("docs/ARCHITECTURE.md")).context("read docs/ARCHITECTURE.md")?;
     if !arch.contains(UNSAFE_RULE) {
         problems.push(format!("docs/ARCHITECTURE.md: does not say \"{UNSAFE_RULE}\""));
     }
-    let mut files = Vec::new();
-    for dir in ["crates", "xtask", "benches", "tests"] {
-        collect_rs(&root.join(dir), &mut files)?;
-    }
+    Ok(())
+}
+
+/// [`UNSAFE_RULE`] holds in the file `rel`: outside [`UNSAFE_CRATES`] only the [`CUDA_GLUE`]
+/// files allow `unsafe`.
+fn unsafe_allowances(rel: &str, text: &str, problems: &mut Vec<String>) {
     // Spelled in pieces so that this file does not flag itself.
     let allow = concat!("allow(unsafe", "_code)");
-    for file in files {
-        let rel = file.strip_prefix(root).unwrap_or(&file).display().to_string();
-        if UNSAFE_CRATES.iter().any(|c| rel.starts_with(c)) {
-            continue;
-        }
-        let text = std::fs::read_to_string(&file).with_context(|| format!("read {}", file.display()))?;
-        for (n, line) in text.lines().enumerate() {
-            if line.split("//").next().unwrap_or("").contains(allow) && !CUDA_GLUE.contains(&rel.as_str()) {
-                problems
-                    .push(format!("{rel}:{}: `unsafe` outside multilora-cpu and the CUDA glue ({UNSAFE_RULE})", n + 1));
-            }
+    if UNSAFE_CRATES.iter().any(|c| rel.starts_with(c)) || CUDA_GLUE.contains(&rel) {
+        return;
+    }
+    for (n, line) in text.lines().enumerate() {
+        if line.split("//").next().unwrap_or("").contains(allow) {
+            problems.push(format!("{rel}:{}: `unsafe` outside multilora-cpu and the CUDA glue ({UNSAFE_RULE})", n + 1));
         }
     }
-    Ok(())
 }
 
 fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {

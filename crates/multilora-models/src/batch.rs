@@ -411,9 +411,14 @@ impl StepPlan {
         let device = self.ids.device();
         let logits: Vec<u32> = (0..seqs.len() as u32).filter(|&i| seqs[i as usize].num_logit_rows() > 0).collect();
         let logit_slots: Vec<Option<SlotId>> = logits.iter().map(|&i| slots[i as usize]).collect();
-        let logit_rows = match logits.len() == seqs.len() {
-            true => None,
-            false => Some(Tensor::from_vec(logits.clone(), logits.len(), device)?),
+        let token_mapping = LoraMapping::new(&slots, max_loras, device)?;
+        // Every row giving its logits (a decode step's usual case): the same mapping, shared.
+        let (logit_rows, logit_mapping) = match logits.len() == seqs.len() {
+            true => (None, token_mapping.clone()),
+            false => {
+                let n = logits.len();
+                (Some(Tensor::from_vec(logits, n, device)?), LoraMapping::new(&logit_slots, max_loras, device)?)
+            }
         };
         let cut_decode = |g: &Option<DecodeGroup>| g.as_ref().map(|g| g.cut(&rows)).transpose();
         Ok(StepPlan {
@@ -432,8 +437,8 @@ impl StepPlan {
             },
             unpermute: None,
             logit_rows,
-            token_mapping: LoraMapping::new(&slots, max_loras, device)?,
-            logit_mapping: LoraMapping::new(&logit_slots, max_loras, device)?,
+            token_mapping,
+            logit_mapping,
         })
     }
 }

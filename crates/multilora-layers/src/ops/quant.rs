@@ -11,30 +11,28 @@ use multilora_cpu::quant::{QuantMatrix, QuantType};
 
 use crate::error::{Error, Result};
 
-/// Each [`QuantType`] beside its GGML dtype.
-const GGML: [(QuantType, GgmlDType); 10] = [
-    (QuantType::Q4_0, GgmlDType::Q4_0),
-    (QuantType::Q4_1, GgmlDType::Q4_1),
-    (QuantType::Q5_0, GgmlDType::Q5_0),
-    (QuantType::Q5_1, GgmlDType::Q5_1),
-    (QuantType::Q8_0, GgmlDType::Q8_0),
-    (QuantType::Q2K, GgmlDType::Q2K),
-    (QuantType::Q3K, GgmlDType::Q3K),
-    (QuantType::Q4K, GgmlDType::Q4K),
-    (QuantType::Q5K, GgmlDType::Q5K),
-    (QuantType::Q6K, GgmlDType::Q6K),
-];
+/// [`quant_type`] and [`ggml_dtype`] from one list of pairs, each an exhaustive match.
+macro_rules! ggml_pairs {
+    ($($q:ident => $g:ident),* $(,)?) => {
+        /// The type of a GGML dtype; `None` for the float types and for `Q8_1` / `Q8_K`, which
+        /// GGUF files use only for activations.
+        pub fn quant_type(t: GgmlDType) -> Option<QuantType> {
+            match t {
+                $(GgmlDType::$g => Some(QuantType::$q),)*
+                _ => None,
+            }
+        }
 
-/// The type of a GGML dtype; `None` for the float types and for `Q8_1` / `Q8_K`, which GGUF
-/// files use only for activations.
-pub fn quant_type(t: GgmlDType) -> Option<QuantType> {
-    GGML.iter().find(|(_, g)| *g == t).map(|(q, _)| *q)
+        /// The GGML dtype of a [`QuantType`].
+        pub fn ggml_dtype(t: QuantType) -> GgmlDType {
+            match t {
+                $(QuantType::$q => GgmlDType::$g,)*
+            }
+        }
+    };
 }
 
-/// The GGML dtype of a [`QuantType`].
-pub fn ggml_dtype(t: QuantType) -> GgmlDType {
-    GGML.iter().find(|(q, _)| *q == t).map_or(GgmlDType::F32, |(_, g)| *g)
-}
+ggml_pairs!(Q4_0 => Q4_0, Q4_1 => Q4_1, Q5_0 => Q5_0, Q5_1 => Q5_1, Q8_0 => Q8_0, Q2K => Q2K, Q3K => Q3K, Q4K => Q4K, Q5K => Q5K, Q6K => Q6K);
 
 /// A GGML-quantized weight `W: [n, k]` (PyTorch's `[out, in]`), held in its blocks and multiplied
 /// by [`QuantWeight::forward`] without dequantizing. Several weights of the same `k` and any types
