@@ -1,5 +1,6 @@
 //! The CPU kernel library's error type: quantized weights whose bytes or shape do not fit their
-//! type, and kernels asked for an instruction set this CPU lacks.
+//! type, attention operands that do not fit, and kernels asked for an instruction set this CPU
+//! lacks.
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -51,6 +52,12 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// Attention operands that do not fit together (shapes, context, cache rows).
+    #[error("attention: {reason}")]
+    Attention {
+        /// What is wrong.
+        reason: String,
+    },
     /// A kernel was asked for an instruction set this CPU lacks.
     #[error("{op}: this cpu cannot run {isa}")]
     IsaUnavailable {
@@ -69,6 +76,7 @@ impl Error {
             Error::QuantShape { .. } => "quant_shape",
             Error::QuantRowOutOfRange { .. } => "quant_row_out_of_range",
             Error::QuantStack { .. } => "quant_stack",
+            Error::Attention { .. } => "attention",
             Error::IsaUnavailable { .. } => "isa_unavailable",
         }
     }

@@ -41,7 +41,7 @@ impl ReadAhead {
     /// its sequences.
     pub fn push_listed_rows(&mut self, tensors: &[HostRows], lists: &[Vec<u32>]) {
         for list in lists {
-            for (_, first, n) in crate::ops::attention::cpu::runs(list) {
+            for (_, first, n) in multilora_cpu::float::runs(list) {
                 for t in tensors {
                     self.push_rows(t, first, n);
                 }

@@ -67,7 +67,7 @@ pub use embedding::LoraEmbedding;
 pub use error::{Error, Result};
 pub use linear::{LinearWeight, LoraLinear};
 pub use mapping::{LoraMapping, PendingMapping, Segment};
-pub use ops::attention::cpu::decode_attention_rows;
+pub use ops::attention::cpu::{CausalSpan, decode_attention_rows, prefill_attention_rows};
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::bgmv::{lora_bgmv_expand, lora_bgmv_shrink};
 #[cfg(feature = "cuda")]

@@ -5,14 +5,20 @@
 //! The `heads / kv_heads` query heads that share a KV head are stacked into one matrix
 //! (`[kv_heads, group · len, d]`), so GQA needs no copy of K or V.
 //!
-//! A prefill sequence attends in tiles of query rows ([`query_tile`]), each over the keys its
-//! rows can see (up to its last row's position, from its first row's window start): the scores
-//! and probabilities of a step stay within [`SCORES_BYTES`] whatever the prompt's length, the
-//! causal mask is made per tile, and the keys no row of a tile sees are never multiplied.
+//! On the CPU (f32 queries) a prefill sequence streams: `multilora_layers::prefill_attention_rows`
+//! reads its keys and values from the cache rows in place, tiles of queries × blocks of keys with
+//! an online softmax, a workspace of a few hundred KiB a thread whatever the prompt's length.
+//! Elsewhere (CUDA) it attends with candle ops in tiles of query rows ([`query_tile`]), each over
+//! the keys its rows can see (up to its last row's position, from its first row's window start):
+//! the scores and probabilities of a step stay within [`SCORES_BYTES`], the causal mask is made
+//! per tile, and the keys no row of a tile sees are never multiplied. That path with one tile is
+//! the materialising oracle of the tests.
 
 use candle_core::{DType, Tensor};
 
-use multilora_layers::{decode_attention_rows, paged_decode_attention, paged_kv_write, write_kv_rows};
+use multilora_layers::{
+    CausalSpan, decode_attention_rows, paged_decode_attention, paged_kv_write, prefill_attention_rows, write_kv_rows,
+};
 
 use crate::batch::{DecodeGroup, DecodeReads, KvWrites, SeqPlan, StepPlan};
 use crate::error::Result;
@@ -82,7 +88,12 @@ pub(crate) fn paged_attention(
         }
     }
     for s in seqs {
-        outs.push(prefill_attention(s, q, cache_k, cache_v, d, SCORES_BYTES)?);
+        let span = CausalSpan { start: s.start, lo: s.lo, window: s.window };
+        let qs = q.narrow(0, s.offset, s.len)?;
+        match prefill_attention_rows(&qs, cache_k, cache_v, &s.host_rows, span, d)? {
+            Some(o) => outs.push(o),
+            None => outs.push(prefill_attention(s, q, cache_k, cache_v, d, SCORES_BYTES)?),
+        }
     }
     let out = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(&outs, 0)? };
     Ok(match &plan.unpermute {
@@ -193,8 +204,8 @@ mod tests {
         Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
     }
 
-    /// Tiles of 1, 2, 3 and 7 query rows give what one tile over the whole context gives (the
-    /// materialising oracle) within 1e-5: grouped query heads, a cached prefix of 5 (the new rows
+    /// Tiles of 1, 2, 3 and 7 query rows, and the CPU's streaming kernel, give what one tile over
+    /// the whole context gives (the materialising oracle) within 1e-5: grouped query heads, a cached prefix of 5 (the new rows
     /// start mid-block), 11 new rows (odd), with and without a sliding window of 3.
     #[test]
     fn query_tiles_equal_one_tile() -> Result<()> {
@@ -227,6 +238,12 @@ mod tests {
                 let diff = (&tiled - &oracle)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
                 assert!(diff <= 1e-5, "window {window:?}, tiles of {rows}: {diff}");
             }
+            // The CPU's streaming kernel, reading the cache rows in place.
+            let span = CausalSpan { start: s.start, lo: s.lo, window: s.window };
+            let streamed =
+                prefill_attention_rows(&q, &cache_k, &cache_v, &s.host_rows, span, d)?.expect("f32 on the cpu");
+            let diff = (&streamed - &oracle)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(diff <= 1e-5, "window {window:?}, streamed: {diff}");
         }
         Ok(())
     }

@@ -121,6 +121,9 @@ pub(crate) struct SeqPlan<R = Tensor> {
     pub(crate) lo: usize,
     /// The sliding window its keys are seen through, if any.
     pub(crate) window: Option<usize>,
+    /// `ctx_rows` on the host (the CPU attention reads the cache through them in place); empty
+    /// until the plan is on the device ([`SeqPlan::with_rows`]).
+    pub(crate) host_rows: Vec<u32>,
 }
 
 impl<R> SeqPlan<R> {
@@ -128,11 +131,13 @@ impl<R> SeqPlan<R> {
     pub(crate) fn first(&self, q: usize) -> usize {
         self.window.map_or(0, |w| (q + 1).saturating_sub(w))
     }
+}
 
-    /// The same plan over `rows`.
+impl SeqPlan<Vec<u32>> {
+    /// The same plan over `rows` (its rows on the device), its host rows kept.
     fn with_rows<S>(self, rows: S) -> SeqPlan<S> {
-        let SeqPlan { offset, len, ctx_rows: _, start, lo, window } = self;
-        SeqPlan { offset, len, ctx_rows: rows, start, lo, window }
+        let SeqPlan { offset, len, ctx_rows, start, lo, window, host_rows: _ } = self;
+        SeqPlan { offset, len, ctx_rows: rows, start, lo, window, host_rows: ctx_rows }
     }
 }
 
@@ -320,6 +325,7 @@ impl StepPlan {
                 start: s.start_pos,
                 lo,
                 window,
+                host_rows: Vec::new(),
             };
             let main = plan(main_window, context(s.start_pos, len, main_window, row));
             match len {
@@ -351,9 +357,9 @@ impl StepPlan {
             }
             meta.push(inv)
         });
-        let seq_parts: Vec<MetaPart> = prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.ctx_rows))).collect();
+        let seq_parts: Vec<MetaPart> = prefill.iter().map(|p| meta.push(p.ctx_rows.iter().copied())).collect();
         let decode = decode_group(decode, lim.paged_decode, device, &mut meta)?;
-        let w_parts: Vec<MetaPart> = w_prefill.iter_mut().map(|p| meta.push(std::mem::take(&mut p.ctx_rows))).collect();
+        let w_parts: Vec<MetaPart> = w_prefill.iter().map(|p| meta.push(p.ctx_rows.iter().copied())).collect();
         let w_decode = decode_group(w_decode, false, device, &mut meta)?;
         let logit_part = (logit_rows.len() != total).then(|| meta.push(logit_rows));
         let token_mapping = token_mapping(batch, &token_slots, lim.max_loras, device, &mut meta)?;

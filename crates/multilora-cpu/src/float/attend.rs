@@ -52,16 +52,19 @@ pub fn supports(isa: Isa, group: usize, hd: usize) -> bool {
     isa.float() == Isa::Avx512 && (1..=MAX_GROUP).contains(&group) && hd > 0 && hd.is_multiple_of(16)
 }
 
-/// `out` (`[group, hd]`) `= softmax(q · Kᵀ) · V` over the head's context, through `scratch`.
+/// `out` (`[group, hd]`) `= softmax(q · Kᵀ) · V` over the head's context, through `scratch`;
+/// each query head's softmax maximum and sum in `stats[r]` (`(max, Σ exp(s − max))`: what merges
+/// the outputs of a context attended in parts).
 ///
 /// # Panics
-/// When [`supports`] does not hold, `q` or `out` is not `group · hd` long, the context is empty,
-/// or a row's head reaches past the caches.
-pub fn attend<E: Elem>(isa: Isa, h: Head<'_, E>, out: &mut [f32], scratch: &mut Vec<f32>) {
+/// When [`supports`] does not hold, `q` or `out` is not `group · hd` long, `stats` is shorter
+/// than the group, the context is empty, or a row's head reaches past the caches.
+pub fn attend<E: Elem>(isa: Isa, h: Head<'_, E>, out: &mut [f32], scratch: &mut Vec<f32>, stats: &mut [(f32, f32)]) {
     let group = h.q.len() / h.hd.max(1);
     let fits = supports(isa, group, h.hd)
         && h.q.len() == group * h.hd
         && out.len() == h.q.len()
+        && stats.len() >= group
         && !h.rows.is_empty()
         && h.col + h.hd <= h.width
         && h.rows.iter().all(|&r| (r as usize + 1) * h.width <= h.k.len().min(h.v.len()));
@@ -71,7 +74,7 @@ pub fn attend<E: Elem>(isa: Isa, h: Head<'_, E>, out: &mut [f32], scratch: &mut 
     // SAFETY: AVX-512F was detected (`supports`); every row's head is inside both caches, `q`
     // and `out` hold `group · hd` values and the scratch `group` rows of scores.
     unsafe {
-        attend_avx512(h, group, out, scratch)
+        attend_avx512(h, group, out, scratch, stats)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("attend: AVX-512 on a non-x86 target");
@@ -81,14 +84,20 @@ pub fn attend<E: Elem>(isa: Isa, h: Head<'_, E>, out: &mut [f32], scratch: &mut 
 /// As [`attend`] checked, with AVX-512F available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_avx512<E: Elem>(h: Head<'_, E>, group: usize, out: &mut [f32], scores: &mut [f32]) {
+unsafe fn attend_avx512<E: Elem>(
+    h: Head<'_, E>,
+    group: usize,
+    out: &mut [f32],
+    scores: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match group {
-            1 => attend_group::<E, 1, 8>(h, out, scores),
-            2 => attend_group::<E, 2, 8>(h, out, scores),
-            3 => attend_group::<E, 3, 8>(h, out, scores),
-            _ => attend_group::<E, 4, 4>(h, out, scores),
+            1 => attend_group::<E, 1, 8>(h, out, scores, stats),
+            2 => attend_group::<E, 2, 8>(h, out, scores, stats),
+            3 => attend_group::<E, 3, 8>(h, out, scores, stats),
+            _ => attend_group::<E, 4, 4>(h, out, scores, stats),
         }
     }
 }
@@ -99,7 +108,12 @@ unsafe fn attend_avx512<E: Elem>(h: Head<'_, E>, group: usize, out: &mut [f32], 
 /// As for [`attend_avx512`], with `G` the group.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn attend_group<E: Elem, const G: usize, const KB: usize>(h: Head<'_, E>, out: &mut [f32], scores: &mut [f32]) {
+unsafe fn attend_group<E: Elem, const G: usize, const KB: usize>(
+    h: Head<'_, E>,
+    out: &mut [f32],
+    scores: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
     let (ctx, hd) = (h.rows.len(), h.hd);
     // SAFETY: forwarded from the caller.
     unsafe {
@@ -129,7 +143,9 @@ unsafe fn attend_group<E: Elem, const G: usize, const KB: usize>(h: Head<'_, E>,
                 _mm512_mask_storeu_ps(scores.as_mut_ptr().add(r * ctx + b), kept, *s);
             }
         }
-        scores.chunks_exact_mut(ctx).take(G).for_each(|row| super::softmax(Isa::Avx512, row));
+        for (row, st) in scores.chunks_exact_mut(ctx).take(G).zip(stats.iter_mut()) {
+            *st = super::softmax_stats(Isa::Avx512, row);
+        }
         let (p, o) = (scores.as_ptr(), out.as_mut_ptr());
         let mut d = 0;
         while d + 64 <= hd {

@@ -26,9 +26,16 @@ pub fn exp_sum(isa: Isa, s: &mut [f32], max: f32) -> f32 {
 /// no `exp(s − max)`), `exp(s - max)` ([`exp_sum`]), one scale by the sum's inverse; the same bits
 /// on each instruction set.
 pub fn softmax(isa: Isa, row: &mut [f32]) {
+    softmax_stats(isa, row);
+}
+
+/// [`softmax`], returning the row's maximum and `Σ exp(s − max)`.
+pub fn softmax_stats(isa: Isa, row: &mut [f32]) -> (f32, f32) {
     let max = super::logits::row_max(isa, row);
-    let inv = 1.0 / exp_sum(isa, row, max);
+    let sum = exp_sum(isa, row, max);
+    let inv = 1.0 / sum;
     row.iter_mut().for_each(|p| *p *= inv);
+    (max, sum)
 }
 
 /// `out[j] = silu(g[j]) · u[j]` (`silu(g) = g / (1 + e⁻ᵍ)`, through `e^-|g|` only, which cannot

@@ -20,7 +20,7 @@ const HEIGHTS: [usize; 6] = [12, 8, 6, 4, 2, 1];
 
 /// The tallest tile height for `rows` rows that the instruction set has registers for.
 #[inline(always)]
-fn height<S: FloatSimd>(rows: usize) -> usize {
+pub(crate) fn height<S: FloatSimd>(rows: usize) -> usize {
     HEIGHTS.into_iter().find(|&h| h <= rows && h <= S::PACKED_RM).unwrap_or(1)
 }
 
@@ -30,7 +30,7 @@ fn height<S: FloatSimd>(rows: usize) -> usize {
 /// As for [`packed_tile`] with `h` rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_h<S: FloatSimd, E: Elem, const PF: bool>(
+pub(crate) unsafe fn tile_h<S: FloatSimd, E: Elem, const PF: bool, const XT: bool>(
     h: usize,
     x: *const f32,
     ldx: usize,
@@ -44,12 +44,12 @@ unsafe fn tile_h<S: FloatSimd, E: Elem, const PF: bool>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match h {
-            12 => packed_tile::<S, E, 12, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            8 => packed_tile::<S, E, 8, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            6 => packed_tile::<S, E, 6, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            4 => packed_tile::<S, E, 4, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            2 => packed_tile::<S, E, 2, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
-            _ => packed_tile::<S, E, 1, PF>(x, ldx, wp, ldp, k, y, ldy, acc),
+            12 => packed_tile::<S, E, 12, PF, XT>(x, ldx, wp, ldp, k, y, ldy, acc),
+            8 => packed_tile::<S, E, 8, PF, XT>(x, ldx, wp, ldp, k, y, ldy, acc),
+            6 => packed_tile::<S, E, 6, PF, XT>(x, ldx, wp, ldp, k, y, ldy, acc),
+            4 => packed_tile::<S, E, 4, PF, XT>(x, ldx, wp, ldp, k, y, ldy, acc),
+            2 => packed_tile::<S, E, 2, PF, XT>(x, ldx, wp, ldp, k, y, ldy, acc),
+            _ => packed_tile::<S, E, 1, PF, XT>(x, ldx, wp, ldp, k, y, ldy, acc),
         }
     }
 }
@@ -97,7 +97,7 @@ unsafe fn panel_rows<S: FloatSimd, E: Elem>(
                 // all inside what the caller vouched for.
                 unsafe {
                     let (xp, wc, yp) = (x.add(i * ldx + p0), wp.add(p0 * PANEL + c), y.add(i * ldy + c));
-                    tile_h::<S, E, true>(h, xp, ldx, wc, PANEL, kc, yp, ldy, acc);
+                    tile_h::<S, E, true, false>(h, xp, ldx, wc, PANEL, kc, yp, ldy, acc);
                 }
             }
             i += h;
@@ -266,36 +266,43 @@ pub(crate) fn outer<E: Elem>(
         // SAFETY: AVX2, FMA and F16C were detected; bounds as above.
         Isa::Avx2 => unsafe { outer_avx2(args) },
         // SAFETY: no instruction set needed; bounds as above.
-        _ => unsafe { outer_rows::<Portable, E>(args) },
+        _ => unsafe { outer_rows::<Portable, E, false>(args) },
     }
 }
 
 /// The operands of [`outer`] as checked pointers.
 /// The last one: whether the products are added into `y` rather than written.
-type OuterArgs<E> = (*const f32, usize, *const E, usize, (usize, usize, usize), *mut f32, usize, bool);
+pub(crate) type OuterArgs<E> = (*const f32, usize, *const E, usize, (usize, usize, usize), *mut f32, usize, bool);
 
 /// # Safety
-/// As [`outer`] checks, and `S`'s instruction set available.
+/// As [`outer`] checks, and `S`'s instruction set available; with `XT`, `x` is stored `k`-major
+/// (row `i`'s value at step `p` is `x[p·ldx + i]`, [`packed_tile`]'s `XT`) and holds `k` rows of
+/// `m`.
 #[inline(always)]
-unsafe fn outer_rows<S: FloatSimd, E: Elem>((x, ldx, wt, ldw, (m, n, k), y, ldy, add): OuterArgs<E>) {
+pub(crate) unsafe fn outer_rows<S: FloatSimd, E: Elem, const XT: bool>(
+    (x, ldx, wt, ldw, (m, n, k), y, ldy, add): OuterArgs<E>,
+) {
     let nr = 2 * S::LANES;
     let full = n / nr * nr;
+    let at = |i: usize, p: usize| if XT { p * ldx + i } else { i * ldx + p };
     let mut i = 0;
     while i < m {
         let h = height::<S>(m - i);
         for c in (0..full).step_by(nr) {
-            // SAFETY: rows `i..i + h <= m`, columns `c..c + nr <= n`, checked by `outer`.
-            unsafe { tile_h::<S, E, false>(h, x.add(i * ldx), ldx, wt.add(c), ldw, k, y.add(i * ldy + c), ldy, add) };
+            // SAFETY: rows `i..i + h <= m`, columns `c..c + nr <= n`, checked by the caller.
+            unsafe {
+                tile_h::<S, E, false, XT>(h, x.add(at(i, 0)), ldx, wt.add(c), ldw, k, y.add(i * ldy + c), ldy, add)
+            };
         }
         i += h;
     }
     for i in 0..m {
         for j in full..n {
-            // SAFETY: `i < m`, `j < n`, checked by `outer`.
+            // SAFETY: `i < m`, `j < n`, checked by the caller.
             let mut acc = if add { unsafe { *y.add(i * ldy + j) } } else { 0f32 };
             for p in 0..k {
-                // SAFETY: `i < m`, `p < k`, `j < n`, checked by `outer`.
-                acc += unsafe { *x.add(i * ldx + p) * (*wt.add(p * ldw + j)).to_f32() };
+                // SAFETY: `i < m`, `p < k`, `j < n`, checked by the caller.
+                acc += unsafe { *x.add(at(i, p)) * (*wt.add(p * ldw + j)).to_f32() };
             }
             // SAFETY: as above.
             unsafe { *y.add(i * ldy + j) = acc };
@@ -309,7 +316,7 @@ unsafe fn outer_rows<S: FloatSimd, E: Elem>((x, ldx, wt, ldw, (m, n, k), y, ldy,
 #[target_feature(enable = "avx512f")]
 unsafe fn outer_avx512<E: Elem>(args: OuterArgs<E>) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { outer_rows::<Avx512F, E>(args) }
+    unsafe { outer_rows::<Avx512F, E, false>(args) }
 }
 
 /// # Safety
@@ -318,5 +325,5 @@ unsafe fn outer_avx512<E: Elem>(args: OuterArgs<E>) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn outer_avx2<E: Elem>(args: OuterArgs<E>) {
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { outer_rows::<Avx2, E>(args) }
+    unsafe { outer_rows::<Avx2, E, false>(args) }
 }

@@ -1,6 +1,7 @@
 //! The crate's tests: each kernel family against its definition, on every instruction set this
 //! CPU has (`Isa::available_of`), and the pool's hot step.
 
+mod attention;
 mod float;
 mod pool;
 

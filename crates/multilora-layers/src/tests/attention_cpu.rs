@@ -11,27 +11,35 @@ use crate::{PagedDecodeDims, decode_attention_rows, paged_decode_attention_slow}
 
 /// GQA groups of 1 to 4, head sizes with and without a vector tail (and past one pass of the
 /// one-pass kernel's 64 columns), blocks of 16 and 5 tokens, contexts from 1 to past four blocks
-/// through shuffled block tables; f32, bf16 and f16 caches; on every instruction set this CPU has
+/// through shuffled block tables, and contexts of up to 2,600 keys (attended in parts, merged);
+/// f32, bf16 and f16 caches; on every instruction set this CPU has
 /// (AVX-512 takes the one-pass kernel where the shape allows). Each row is then run alone and
 /// must give the same bits as in the batch.
 #[test]
 fn decode_rows_match_the_oracle_and_are_batch_invariant() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let mut rng = Rng::new(7);
+    // The last two: contexts past two parts of `DECODE_PART` keys, attended in parts and merged.
     let cases = [
-        (5, 9, 3, 64, 16, DType::F32),
-        (3, 4, 4, 40, 5, DType::F32),
-        (4, 8, 2, 64, 16, DType::BF16),
-        (2, 4, 1, 24, 16, DType::F16),
-        (6, 2, 2, 128, 5, DType::F32),
-        (4, 9, 3, 64, 16, DType::F16),
-        (3, 6, 3, 80, 16, DType::F16),
-        (3, 10, 2, 96, 4, DType::BF16),
+        (5, 9, 3, 64, 16, DType::F32, 70usize),
+        (3, 4, 4, 40, 5, DType::F32, 70),
+        (4, 8, 2, 64, 16, DType::BF16, 70),
+        (2, 4, 1, 24, 16, DType::F16, 70),
+        (6, 2, 2, 128, 5, DType::F32, 70),
+        (4, 9, 3, 64, 16, DType::F16, 70),
+        (3, 6, 3, 80, 16, DType::F16, 70),
+        (3, 10, 2, 96, 4, DType::BF16, 70),
+        (3, 9, 3, 64, 16, DType::F16, 2600),
+        (3, 6, 3, 40, 16, DType::F32, 2600),
     ];
-    for (n, heads, kv_heads, hd, bs, dtype) in cases {
+    for (n, heads, kv_heads, hd, bs, dtype, max_len) in cases {
         let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: bs };
-        let num_blocks = 24;
-        let (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, 70);
+        let num_blocks = max_len.div_ceil(bs).max(20) + 4;
+        let (mut lens, mut tables, mut max_blocks) = rng.paged_contexts(n, bs, num_blocks, max_len);
+        // A long case draws again until one context takes three parts.
+        while max_len > 70 && lens.iter().all(|&l| l <= 2048) {
+            (lens, tables, max_blocks) = rng.paged_contexts(n, bs, num_blocks, max_len);
+        }
         let rows: Vec<Vec<u32>> = lens
             .iter()
             .enumerate()
