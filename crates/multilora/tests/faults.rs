@@ -485,6 +485,9 @@ fn a_waiting_request_keeps_its_place_when_another_adapter_needs_its_cpu_entry() 
         .build()?;
     let blockers = hold(&engine, BASE, 8)?;
     let first = engine.submit(GenerateRequest::new("sql", vec![1, 294, 488]).params(greedy(4)))?;
+    // Admitted (and so holding sql's cpu entry) before all_r16's load starts: a submission not
+    // yet taken in by the loop holds no entry, and the loader could evict sql's first.
+    until(&engine, "sql is admitted and waits", |m| m.waiting_adapters.iter().any(|a| a == "sql"));
     let mut second = engine.submit(GenerateRequest::new("all_r16", vec![1, 294, 488]).params(greedy(4)))?;
     until(&engine, "all_r16's load waits for the one cpu entry", |m| m.adapter_loads_waiting == 1);
     drop(blockers);
