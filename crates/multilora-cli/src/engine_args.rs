@@ -52,6 +52,10 @@ pub(crate) struct EngineArgs {
     /// Context length (default: the model's).
     #[arg(long)]
     pub(crate) max_model_len: Option<usize>,
+    /// What one step's activations may take on the CPU (default 1 GiB): a step's tokens are capped
+    /// to what fits, so no request takes the server past weights + KV + slots + this.
+    #[arg(long)]
+    pub(crate) step_memory_bytes: Option<u64>,
     /// Bytes for the KV cache and the adapter slots together (default on the CPU: one
     /// full-length sequence, at least 256 MiB and at most 4 GiB, `--max-model-len` capped to
     /// what that holds when it is not given; on a GPU what `--gpu-memory-utilization` leaves).
@@ -212,6 +216,9 @@ impl EngineArgs {
         }
         if let Some(bytes) = self.kv_cache_bytes {
             b = b.kv_cache_bytes(bytes);
+        }
+        if let Some(bytes) = self.step_memory_bytes {
+            b = b.step_memory_bytes(bytes);
         }
         b = b.generation_config(self.generation_config == "auto");
         b = b.enable_prefix_caching(!self.no_enable_prefix_caching);

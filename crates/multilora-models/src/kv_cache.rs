@@ -119,20 +119,37 @@ pub fn device_memory(device: &Device) -> Result<Option<DeviceMemory>> {
     }
 }
 
-/// An upper estimate of the device memory one step's activations take beyond the weights, the
-/// slots and the KV cache, for steps of up to `tokens` new tokens over contexts of up to
-/// `max_model_len` positions: the hidden states, the fused projections' outputs, one prefill
-/// sequence's attention (a query tile's scores and probabilities, at most
-/// [`SCORES_BYTES`](crate::attention::SCORES_BYTES), and its gathered K and V), and f32 logits for
-/// every token; plus a quarter for the allocator's slack. The KV
-/// budget on a GPU is what `gpu_memory_utilization` leaves after this.
-pub fn step_activation_bytes(cfg: &ModelConfig, dtype: DType, tokens: usize, max_model_len: usize) -> u64 {
+/// An upper estimate of the memory one step's activations take beyond the weights, the slots and
+/// the KV cache, for steps of up to `tokens` new tokens, `logit_rows` of them giving logits, over
+/// contexts of up to `max_model_len` positions: the hidden states, the fused projections' outputs
+/// and the MLP's; the attention's working memory; f32 logits (and their copy in the model's dtype)
+/// for the logit rows; plus a quarter for the allocator's slack. The attention's: on the CPU
+/// (`cpu_threads`), the streaming kernel's workspace on each thread
+/// ([`multilora_cpu::float::causal_workspace_bytes`]), whatever the context; elsewhere one
+/// prefill sequence's gathered K and V and a query tile's scores and probabilities, at most
+/// [`SCORES_BYTES`](crate::attention::SCORES_BYTES). The KV budget on a GPU is what
+/// `gpu_memory_utilization` leaves after this; on the CPU the engine caps its step's tokens to
+/// keep this under its step budget.
+pub fn step_activation_bytes(
+    cfg: &ModelConfig,
+    dtype: DType,
+    tokens: usize,
+    logit_rows: usize,
+    max_model_len: usize,
+    cpu_threads: Option<usize>,
+) -> u64 {
     let (t, ctx, dt) = (tokens as u64, max_model_len.max(tokens) as u64, dtype.size_in_bytes() as u64);
     let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
     let (q, kv, heads) = (cfg.q_size() as u64, cfg.kv_size() as u64, cfg.num_heads as u64);
     let hidden = t * dt * (4 * h + 2 * (q + 2 * kv) + 2 * q + 4 * i);
-    let attention = (heads * t * ctx * 12).min(crate::attention::SCORES_BYTES as u64) + 4 * ctx * kv * dt;
-    let logits = t * cfg.vocab_size as u64 * (4 + dt);
+    let attention = match cpu_threads {
+        Some(threads) => {
+            let group = cfg.num_heads / cfg.num_kv_heads.max(1);
+            (threads * multilora_cpu::float::causal_workspace_bytes(group, cfg.head_dim)) as u64
+        }
+        None => (heads * t * ctx * 12).min(crate::attention::SCORES_BYTES as u64) + 4 * ctx * kv * dt,
+    };
+    let logits = logit_rows.min(tokens) as u64 * cfg.vocab_size as u64 * (4 + dt);
     (hidden + attention + logits) * 5 / 4
 }
 

@@ -33,6 +33,10 @@ pub const DEFAULT_KV_CACHE_BYTES: u64 = 256 << 20;
 /// to what the budget holds unless `max_model_len` is given.
 pub const MAX_DEFAULT_KV_CACHE_BYTES: u64 = 4 << 30;
 
+/// The CPU's default step budget ([`EngineBuilder::step_memory_bytes`]): a step of a 1B model
+/// carries up to ~4,000 tokens within it, one of SmolLM2-135M its full 8,192.
+pub const DEFAULT_STEP_MEMORY_BYTES: u64 = 1 << 30;
+
 /// vLLM's `gpu_memory_utilization` default: the share of the GPU's memory the engine may use for
 /// weights, slots, activations and KV together.
 pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
@@ -58,6 +62,7 @@ impl Engine {
 /// | `lora_dtype`, `kv_cache_dtype` | the model dtype; f16 for a GGUF model kept quantized on the CPU | the model dtype | llama.cpp's defaults for GGUF (an f16 KV cache, f16 LoRA files): half the bytes a step reads and the cache holds |
 /// | `max_num_seqs` | 256 | 256 | |
 /// | `max_num_batched_tokens` | 8192 | 2048–8192 | a hard cap; the step-time budget bounds steps that carry decodes |
+/// | `step_memory_bytes` | CPU: 1 GiB | — | no legal request takes the process past weights + KV + slots + this: a step's tokens are capped to what its activations take within it |
 /// | `step_time` | auto: 2.5× the step's decode rows alone | a token budget only | streams never stall behind arriving prompts |
 /// | `block_size` | 16 | 16 | |
 /// | `enable_prefix_caching` | on | on | |
@@ -78,6 +83,7 @@ pub struct EngineBuilder {
     max_model_len: Option<usize>,
     max_num_seqs: usize,
     max_num_batched_tokens: usize,
+    step_memory_bytes: u64,
     step_time: StepTime,
     block_size: usize,
     kv_cache_bytes: Option<u64>,
@@ -129,6 +135,7 @@ impl EngineBuilder {
             max_model_len: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
+            step_memory_bytes: DEFAULT_STEP_MEMORY_BYTES,
             step_time: StepTime::Auto { factor: DEFAULT_STEP_FACTOR },
             block_size: 16,
             kv_cache_bytes: None,
@@ -174,6 +181,12 @@ impl EngineBuilder {
         max_num_seqs: usize => max_num_seqs = |v| v);
     setter!(/// Most tokens per step (default 8192).
         max_num_batched_tokens: usize => max_num_batched_tokens = |v| v);
+    setter!(/// What one step's activations may take on the CPU beside the weights, the KV cache and
+        /// the slots (default 1 GiB): the tokens a step carries are capped to what fits
+        /// ([`multilora_models::step_activation_bytes`], logged at start), so no legal request
+        /// takes the process past weights + KV budget + slots + this. Not applied on a GPU,
+        /// whose KV budget leaves room for a full step.
+        step_memory_bytes: u64 => step_memory_bytes = |v| v);
     setter!(/// How long a step that carries decode rows may take, so running streams never stall
         /// behind arriving prompts (default `Auto { factor: 2.5 }`: 2.5 times the step's decode
         /// rows alone, by the engine's own measured costs; `Max` for a fixed time; `Unbounded`
@@ -315,10 +328,12 @@ impl EngineBuilder {
 
         let slot_bytes = model.lora_slot_bytes();
         let (kv_budget, budget_from, max_model_len) = self.kv_budget(&model, slot_bytes, model_limit)?;
-        let kv_cfg = self.kv_cache_config(model.config(), kv_cache_dtype, kv_budget, max_model_len);
-        let scheduler = self.build_scheduler(&lora, max_model_len, kv_cfg, model.config()).map_err(|e| {
-            BuildError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
-        })?;
+        let step = self.step_tokens(&model, max_model_len)?;
+        let kv_cfg = self.kv_cache_config(model.config(), kv_cache_dtype, kv_budget, max_model_len, step.tokens);
+        let scheduler =
+            self.build_scheduler(&lora, max_model_len, kv_cfg, model.config(), step.tokens).map_err(|e| {
+                BuildError::Scheduler { kv_bytes: kv_budget, budget_from: budget_from.clone(), source: Arc::new(e) }
+            })?;
         let kv = model.new_kv_cache(kv_cfg).map_err(BuildError::model)?;
         tracing::info!(
             model = %self.model,
@@ -331,6 +346,9 @@ impl EngineBuilder {
             decode_attention = model.decode_attention(),
             kernels = %model.kernels(),
             kv_budget = %budget_from,
+            step_tokens = step.tokens,
+            step_bytes = step.bytes,
+            step_budget = %step.from,
             max_loras = lora.max_loras(),
             max_lora_rank = lora.max_lora_rank(),
             lora_slot_bytes = slot_bytes,
@@ -354,7 +372,8 @@ impl EngineBuilder {
             kernels: model.kernels(),
             max_model_len,
             max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_batched_tokens: step.tokens,
+            step_memory_bytes: step.bytes,
             step_time: self.step_time,
             block_size: self.block_size,
             num_kv_blocks: kv_cfg.num_blocks,
@@ -459,11 +478,12 @@ impl EngineBuilder {
         dtype: candle_core::DType,
         budget: u64,
         max_model_len: usize,
+        step_tokens: usize,
     ) -> KvCacheConfig {
         let bs = self.block_size;
         match cfg.sliding_window.filter(|_| cfg.mixed_windows()) {
             Some(window) => {
-                let chunk = self.max_num_batched_tokens.min(max_model_len);
+                let chunk = step_tokens.min(max_model_len);
                 let cap = SlidingKv::pool_blocks(window, bs, chunk, max_model_len, self.max_num_seqs);
                 KvCacheConfig::for_budget_sliding(cfg, dtype, bs, budget, cap)
             }
@@ -478,12 +498,13 @@ impl EngineBuilder {
         max_model_len: usize,
         kv: KvCacheConfig,
         cfg: &ModelConfig,
+        step_tokens: usize,
     ) -> std::result::Result<Scheduler, multilora_scheduler::Error> {
         let sliding =
             kv.sliding_blocks.zip(cfg.sliding_window).map(|(num_blocks, window)| SlidingKv { window, num_blocks });
         let cfg = SchedulerConfig::default()
             .max_num_seqs(self.max_num_seqs)
-            .max_num_batched_tokens(self.max_num_batched_tokens)
+            .max_num_batched_tokens(step_tokens)
             .step_time(self.step_time)
             .max_model_len(max_model_len)
             .max_loras(lora.max_loras())
@@ -512,6 +533,37 @@ impl EngineBuilder {
         }
     }
 
+    /// The rows of a step that may give logits: every running sequence's, and the prompt rows of
+    /// `prompt_logprobs`.
+    fn logit_rows(&self, cfg: &ModelConfig) -> usize {
+        self.max_num_seqs + prompt_logprob_rows(cfg.vocab_size)
+    }
+
+    /// The tokens a step carries (`max_num_batched_tokens`, on the CPU capped so that its
+    /// activations stay within `step_memory_bytes`), what they take, and why.
+    fn step_tokens(&self, model: &Model, max_model_len: usize) -> Result<StepBudget> {
+        let (cfg, rows) = (model.config(), self.logit_rows(model.config()));
+        let threads = model.device().is_cpu().then(rayon::current_num_threads);
+        let bytes =
+            |t: usize| multilora_models::step_activation_bytes(cfg, model.dtype(), t, rows, max_model_len, threads);
+        let most = self.max_num_batched_tokens;
+        if threads.is_none() || bytes(most) <= self.step_memory_bytes {
+            let from = format!("max_num_batched_tokens {most}");
+            return Ok(StepBudget { tokens: most, bytes: bytes(most), from });
+        }
+        if bytes(1) > self.step_memory_bytes {
+            return Err(BuildError::StepMemory { budget: self.step_memory_bytes, one_token: bytes(1) });
+        }
+        // The largest count within the budget (the bytes grow with the tokens).
+        let (mut lo, mut hi) = (1, most);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if bytes(mid) <= self.step_memory_bytes { lo = mid } else { hi = mid - 1 }
+        }
+        let from = format!("step_memory_bytes {} caps max_num_batched_tokens {most}", self.step_memory_bytes);
+        Ok(StepBudget { tokens: lo, bytes: bytes(lo), from })
+    }
+
     /// Bytes for the KV cache, where the figure came from (for the log and errors), and the
     /// context length served. The budget is the given `kv_cache_bytes` minus the slots; on a GPU
     /// without one, `gpu_memory_utilization` of the device minus what the weights and slots
@@ -533,7 +585,9 @@ impl EngineBuilder {
                 model.config(),
                 model.dtype(),
                 self.max_num_batched_tokens,
+                self.logit_rows(model.config()),
                 limit,
+                None,
             );
             let allowed = (mem.total as f64 * self.gpu_memory_utilization) as u64;
             let budget = allowed.saturating_sub(used).saturating_sub(activations);
@@ -617,6 +671,13 @@ const PROMPT_LOGITS_BYTES: usize = 256 << 20;
 /// Prompt tokens a step computes of a request that wants prompt logprobs, so that its logit rows
 /// stay within [`PROMPT_LOGITS_BYTES`] (85 rows for Gemma 3's 262,144-entry vocabulary, 455 for
 /// SmolLM2's 49,152), at least one.
+/// A step's tokens and the bytes its activations take ([`EngineBuilder::step_tokens`]).
+struct StepBudget {
+    tokens: usize,
+    bytes: u64,
+    from: String,
+}
+
 fn prompt_logprob_rows(vocab_size: usize) -> usize {
     (PROMPT_LOGITS_BYTES / (12 * vocab_size.max(1))).max(1)
 }

@@ -49,8 +49,12 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Most running requests.
     pub max_num_seqs: usize,
-    /// Most tokens per step.
+    /// Most tokens per step: `max_num_batched_tokens`, on the CPU capped to what the step budget
+    /// holds.
     pub max_num_batched_tokens: usize,
+    /// What a step of that many tokens takes beside the weights, the KV cache and the slots, at
+    /// most (an estimate; logged at start).
+    pub step_memory_bytes: u64,
     /// How long a step carrying decode rows may take.
     pub step_time: StepTime,
     /// Tokens per KV block.

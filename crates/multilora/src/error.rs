@@ -172,6 +172,16 @@ pub enum BuildError {
         /// The value given.
         value: f64,
     },
+    /// `step_memory_bytes` holds no step: one token's activations already take more.
+    #[error(
+        "invalid engine config: step_memory_bytes {budget} holds no step: one token's activations take {one_token}"
+    )]
+    StepMemory {
+        /// The budget given.
+        budget: u64,
+        /// What a one-token step takes.
+        one_token: u64,
+    },
     /// `max_model_len` is 0 or beyond what the model's config allows.
     #[error(
         "invalid engine config: max_model_len {requested} must be between 1 and the model's limit {limit} \
@@ -253,6 +263,7 @@ impl BuildError {
             BuildError::LoraOff { .. }
             | BuildError::MaxModelLen { .. }
             | BuildError::GpuMemoryUtilization { .. }
+            | BuildError::StepMemory { .. }
             | BuildError::Limits(_)
             | BuildError::Device { .. }
             | BuildError::Store { .. }

@@ -77,7 +77,10 @@ mod step_cost;
 mod stop;
 mod text;
 
-pub use builder::{DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineBuilder, MAX_DEFAULT_KV_CACHE_BYTES};
+pub use builder::{
+    DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, DEFAULT_STEP_MEMORY_BYTES, EngineBuilder,
+    MAX_DEFAULT_KV_CACHE_BYTES,
+};
 pub use config::EngineConfig;
 pub use error::{BuildError, EngineError, Result, SharedError};
 pub use handle::{Engine, EngineHandle, METRICS_WAIT, ModelInfo, RequestStream, Tier};

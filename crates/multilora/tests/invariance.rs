@@ -1,5 +1,6 @@
 //! Batch invariance: every greedy fixture case gives the same tokens alone and among 64 other
-//! requests of 8 adapters, in f32 and on a bf16 checkpoint served in its own dtype.
+//! requests of 8 adapters, in f32 and on a bf16 checkpoint served in its own dtype; a prompt cut
+//! into steps by a small step budget gives the tokens it gives in one step.
 
 mod common;
 
@@ -13,6 +14,34 @@ fn greedy_cases_are_batch_invariant() -> Result<()> {
     assert_eq!(engine.config().dtype, DType::F32);
     let agree = invariant_cases(&engine)?;
     assert_eq!(agree, 1.0, "f32 greedy tokens are the reference's");
+    Ok(())
+}
+
+/// A step budget caps the tokens of a step (logged as `max_num_batched_tokens`): a 200-token prompt
+/// is then served in steps of at most that many, with the tokens of one step, and a budget that
+/// holds no token is refused at build.
+#[test]
+fn a_step_budget_cuts_prompts_and_changes_no_token() -> Result<()> {
+    let prompt: Vec<u32> = (0..200).map(|i| (7 + i * 31) % 500).collect();
+    let run = |engine: &Engine| -> Result<Vec<u32>> {
+        let p = SamplingParams::greedy(8).validate(engine.config().vocab_size)?;
+        Ok(engine.submit(GenerateRequest::new("qv_r8", prompt.clone()).params(p))?.collect_blocking()?.token_ids)
+    };
+    let whole = builder(2).build()?;
+    let want = run(&whole)?;
+    assert_eq!(whole.metrics().prefill_tokens_per_step.count, 1, "200 tokens in one step by default");
+    // About what 50 tokens take (the bytes grow about linearly with the tokens).
+    let (bytes, tokens) = (whole.config().step_memory_bytes, whole.config().max_num_batched_tokens as u64);
+    let budget = bytes * 50 / tokens;
+    let cut = builder(2).step_memory_bytes(budget).build()?;
+    let cap = cut.config().max_num_batched_tokens;
+    assert!((1..200).contains(&cap), "{budget} bytes cap a step's tokens: {cap}");
+    assert!(cut.config().step_memory_bytes <= budget);
+    assert_eq!(run(&cut)?, want, "the same tokens from a prompt in steps of {cap}");
+    let steps = cut.metrics().prefill_tokens_per_step.count;
+    assert!(steps >= 200usize.div_ceil(cap) as u64, "{steps} prefill steps of at most {cap} tokens for 200");
+    let Err(err) = builder(2).step_memory_bytes(1).build() else { panic!("a budget of one byte holds no step") };
+    assert_eq!(err.kind(), "invalid_config", "{err}");
     Ok(())
 }
 

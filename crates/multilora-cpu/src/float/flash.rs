@@ -51,6 +51,14 @@ pub fn query_tile(group: usize, ctx: usize) -> usize {
     (TILE_COLS[usize::from(ctx > LONG_CONTEXT)] / group.max(1)).max(8)
 }
 
+/// The most bytes one thread's workspace takes for `group` query heads per KV head of `hd`,
+/// whatever the prompt's length: `Qᵀ` and `Oᵀ` (`hd` rows of the widest tile's columns), a block
+/// of scores, a block of keys and one of values, and the per-column vectors.
+pub fn causal_workspace_bytes(group: usize, hd: usize) -> usize {
+    let cols = (query_tile(group, usize::MAX) * group).next_multiple_of(COL_ALIGN);
+    4 * (2 * hd * cols + KEY_BLOCK * cols + 2 * KEY_BLOCK * hd) + 5 * 8 * cols
+}
+
 /// One prefill sequence's operands: `len` new queries at positions `start .. start + len` over
 /// the context positions `lo .. start + len`, whose cache rows are `rows`.
 #[derive(Clone, Copy, Debug)]
@@ -145,6 +153,16 @@ struct Work {
 
 thread_local! {
     static WORK: RefCell<Work> = RefCell::new(Work::default());
+}
+
+/// The bytes this thread's workspace holds now (its buffers' capacities).
+#[cfg(test)]
+pub(crate) fn workspace_bytes() -> usize {
+    WORK.with_borrow(|w| {
+        let floats =
+            [&w.qt, &w.kb, &w.vb, &w.st, &w.ot, &w.m, &w.l, &w.scale].map(|v| v.capacity()).iter().sum::<usize>();
+        4 * floats + 8 * (w.first.capacity() + w.last.capacity())
+    })
 }
 
 /// The output, shared by the tasks: each writes its own queries' columns of its own KV head.

@@ -79,7 +79,9 @@ pub use attend::{Head, MAX_GROUP, attend, supports as attend_supports};
 pub use decode::{DECODE_PART, decode_attention, runs};
 pub use elem::{Elem, ElemKind};
 pub use exp::{exp, exp_sum, gelu_tanh_mul, silu_mul, softmax, softmax_stats};
-pub use flash::{Causal, KEY_BLOCK, causal_attention, query_tile};
+#[cfg(test)]
+pub(crate) use flash::workspace_bytes;
+pub use flash::{Causal, KEY_BLOCK, causal_attention, causal_workspace_bytes, query_tile};
 pub use logits::{argmax, exp_weights, row_max};
 pub use norm::{ROWS as NORM_ROWS, rms_rows};
 use prepacked::{PANEL, fill_prepacked, outer, outer_rows};

@@ -2,12 +2,12 @@
 //! row, materialised): grouped query heads, odd lengths, key-block and query-tile boundaries,
 //! sliding windows, a cached prefix and scattered cache rows, f32 and bf16 caches, on every
 //! instruction set; a prompt chunked over several calls and any thread count give the same bits
-//! as one call; operands that do not fit are refused.
+//! as one call; the workspace is bounded whatever the prompt; operands that do not fit are refused.
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::{FromF32, Rng};
-use crate::float::{Causal, Elem, KEY_BLOCK, causal_attention, query_tile};
+use crate::float::{Causal, Elem, KEY_BLOCK, causal_attention, causal_workspace_bytes, query_tile};
 use crate::{Error, Isa};
 
 /// One case: caches of `cache_rows` rows, `ctx` context positions scattered over them.
@@ -177,6 +177,26 @@ fn chunks_and_threads_give_the_same_bits() {
             let got = pool.install(|| run(Isa::best(), case.causal(0, 300, 0, window)));
             assert!(got.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads differ");
         }
+    }
+}
+
+/// A thread's workspace after a prompt of 4,000 queries over 4,000 keys stays within
+/// `causal_workspace_bytes`, the bound a 100-query prompt has: independent of the length.
+#[test]
+fn the_workspace_is_bounded_whatever_the_prompt() {
+    for (heads, kv_heads, hd) in [(9, 3, 64), (8, 1, 32)] {
+        // A fresh thread for each shape: its workspace is this shape's alone.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");
+        let bound = causal_workspace_bytes(heads / kv_heads, hd);
+        for len in [100, 4000] {
+            let case = Case::<f16>::new(3, len, heads, kv_heads, hd);
+            let used = pool.install(|| {
+                run(Isa::best(), case.causal(0, len, 0, None));
+                crate::float::workspace_bytes()
+            });
+            assert!(used <= bound, "{heads}/{kv_heads}×{hd}, {len} queries: {used} bytes of workspace, over {bound}");
+        }
+        assert!(bound < 1 << 20, "{bound} bytes a thread");
     }
 }
 
