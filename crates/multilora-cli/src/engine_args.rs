@@ -52,13 +52,19 @@ pub(crate) struct EngineArgs {
     /// Context length (default: the model's).
     #[arg(long)]
     pub(crate) max_model_len: Option<usize>,
+    /// MiB of host memory for cached prefixes on the CPU, beside the running sequences' KV
+    /// (llama.cpp's `--cache-ram`; default an eighth of the machine's memory, at most 8192; 0 for
+    /// none): prompts resent after others find their prefix cached.
+    #[arg(long)]
+    pub(crate) cache_ram: Option<u64>,
     /// What one step's activations may take on the CPU (default 1 GiB): a step's tokens are capped
     /// to what fits, so no request takes the server past weights + KV + slots + this.
     #[arg(long)]
     pub(crate) step_memory_bytes: Option<u64>,
     /// Bytes for the KV cache and the adapter slots together (default on the CPU: one
     /// full-length sequence, at least 256 MiB and at most 4 GiB, `--max-model-len` capped to
-    /// what that holds when it is not given; on a GPU what `--gpu-memory-utilization` leaves).
+    /// what that holds when it is not given, plus `--cache-ram`; on a GPU what
+    /// `--gpu-memory-utilization` leaves).
     #[arg(long)]
     pub(crate) kv_cache_bytes: Option<u64>,
     /// Reuse the KV of a prompt's cached prefix (vLLM's flag; on by default).
@@ -216,6 +222,9 @@ impl EngineArgs {
         }
         if let Some(bytes) = self.kv_cache_bytes {
             b = b.kv_cache_bytes(bytes);
+        }
+        if let Some(mib) = self.cache_ram {
+            b = b.cache_ram_bytes(mib << 20);
         }
         if let Some(bytes) = self.step_memory_bytes {
             b = b.step_memory_bytes(bytes);

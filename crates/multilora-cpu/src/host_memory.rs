@@ -1,7 +1,8 @@
 //! Host memory a model keeps for its whole life: the advice that lets the system back a buffer
 //! with huge pages ([`advise_huge`], [`advise_huge_within`]), taken by the quantized weights'
 //! chunks ([`crate::quant`]'s arena) and by the layers' LoRA slots and CPU KV cache; and files
-//! mapped to be read in place ([`map_file`]: adapters' safetensors, GGUF weights).
+//! mapped to be read in place ([`map_file`]: adapters' safetensors, GGUF weights); and the
+//! machine's memory ([`physical_bytes`]), what the engine sizes its defaults from.
 //!
 //! A decode step streams its weights, its adapters' slots and its KV rows once each, tens of
 //! megabytes as short streams: on 4 KiB pages far more translations than the TLBs hold, on 2 MiB
@@ -45,4 +46,13 @@ pub fn map_file(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
     // SAFETY: see above: a read-only private map of a file its owner does not change while it
     // is read; a concurrent truncation is the caller's documented hazard.
     unsafe { memmap2::Mmap::map(file) }
+}
+
+/// The machine's physical memory in bytes (`MemTotal` of `/proc/meminfo`), `None` where it cannot
+/// be read (not Linux, no `/proc`).
+pub fn physical_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

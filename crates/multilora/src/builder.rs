@@ -33,6 +33,11 @@ pub const DEFAULT_KV_CACHE_BYTES: u64 = 256 << 20;
 /// to what the budget holds unless `max_model_len` is given.
 pub const MAX_DEFAULT_KV_CACHE_BYTES: u64 = 4 << 30;
 
+/// The most host memory the CPU's KV pool takes for cached prefixes by default
+/// ([`EngineBuilder::cache_ram_bytes`]: an eighth of the machine's memory up to this; llama.cpp's
+/// `--cache-ram` default).
+pub const MAX_DEFAULT_CACHE_RAM_BYTES: u64 = 8 << 30;
+
 /// The CPU's default step budget ([`EngineBuilder::step_memory_bytes`]): a step of a 1B model
 /// carries up to ~4,000 tokens within it, one of SmolLM2-135M its full 8,192.
 pub const DEFAULT_STEP_MEMORY_BYTES: u64 = 1 << 30;
@@ -62,6 +67,7 @@ impl Engine {
 /// | `lora_dtype`, `kv_cache_dtype` | the model dtype; f16 for a GGUF model kept quantized on the CPU | the model dtype | llama.cpp's defaults for GGUF (an f16 KV cache, f16 LoRA files): half the bytes a step reads and the cache holds |
 /// | `max_num_seqs` | 256 | 256 | |
 /// | `max_num_batched_tokens` | 8192 | 2048–8192 | a hard cap; the step-time budget bounds steps that carry decodes |
+/// | `cache_ram_bytes` | CPU: an eighth of the machine's memory, at most 8 GiB | — | llama.cpp's `--cache-ram`: resent conversations find their prefix cached |
 /// | `step_memory_bytes` | CPU: 1 GiB | — | no legal request takes the process past weights + KV + slots + this: a step's tokens are capped to what its activations take within it |
 /// | `step_time` | auto: 2.5× the step's decode rows alone | a token budget only | streams never stall behind arriving prompts |
 /// | `block_size` | 16 | 16 | |
@@ -87,6 +93,7 @@ pub struct EngineBuilder {
     step_time: StepTime,
     block_size: usize,
     kv_cache_bytes: Option<u64>,
+    cache_ram_bytes: Option<u64>,
     gpu_memory_utilization: f64,
     enable_prefix_caching: bool,
     generation_config: bool,
@@ -139,6 +146,7 @@ impl EngineBuilder {
             step_time: StepTime::Auto { factor: DEFAULT_STEP_FACTOR },
             block_size: 16,
             kv_cache_bytes: None,
+            cache_ram_bytes: None,
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             enable_prefix_caching: true,
             generation_config: true,
@@ -197,6 +205,13 @@ impl EngineBuilder {
     setter!(/// Bytes for KV and LoRA slots together (default: 256 MiB on the CPU; on a GPU what
         /// `gpu_memory_utilization` leaves after weights, slots and activations).
         kv_cache_bytes: u64 => kv_cache_bytes = Some);
+    setter!(/// Host memory for cached prefixes on the CPU, beside the running sequences' KV (llama.cpp's
+        /// `--cache-ram`; default an eighth of the machine's memory, at most 8 GiB; 0 for none):
+        /// the CPU KV pool is this much larger, so prompts resent after others (multi-turn chat,
+        /// agents) find their prefix cached instead of recomputing it. Evictable: cached blocks
+        /// are the first taken when running sequences need room. Ignored when `kv_cache_bytes`
+        /// is given, on a GPU, and without prefix caching.
+        cache_ram_bytes: u64 => cache_ram_bytes = Some);
     setter!(/// vLLM's `gpu_memory_utilization` (default 0.9): the share of the GPU's memory the engine
         /// sizes its KV cache to fill, after weights, slots and one step's activations. Ignored on
         /// the CPU and when `kv_cache_bytes` is given.
@@ -570,7 +585,7 @@ impl EngineBuilder {
     /// already hold and one step's activations; on the CPU without one, enough for one sequence
     /// of the model's full length, at least [`DEFAULT_KV_CACHE_BYTES`] and at most
     /// [`MAX_DEFAULT_KV_CACHE_BYTES`] (vLLM's CPU default), or exactly what an explicit
-    /// `max_model_len` needs. When the budget cannot hold one full-length sequence and no
+    /// `max_model_len` needs, plus the room for cached prefixes ([`EngineBuilder::cache_ram`]). When the budget cannot hold one full-length sequence and no
     /// `max_model_len` was given, the context length is capped to what it holds and the cap is
     /// logged; an explicit `max_model_len` the budget cannot hold stays an error (the scheduler's).
     fn kv_budget(&self, model: &Model, slot_bytes: u64, limit: usize) -> Result<(u64, String, usize)> {
@@ -612,7 +627,8 @@ impl EngineBuilder {
             } else {
                 format!("one sequence of {limit} tokens at {per_token} bytes a token")
             };
-            (budget, from)
+            let (tier, tier_from) = self.cache_ram();
+            (budget + tier, format!("{from}, plus cache_ram {tier} for cached prefixes ({tier_from})"))
         };
         let holds = (budget / per_token) as usize / self.block_size * self.block_size;
         if holds >= limit || self.max_model_len.is_some() || holds == 0 {
@@ -626,6 +642,25 @@ impl EngineBuilder {
              (give --max-model-len or --kv-cache-bytes to choose)"
         );
         Ok((budget, format!("{from}; max_model_len capped to the {holds} tokens it holds"), holds))
+    }
+
+    /// The CPU KV pool's room for cached prefixes, and where the figure came from: the given
+    /// `cache_ram_bytes`, else an eighth of the machine's memory up to
+    /// [`MAX_DEFAULT_CACHE_RAM_BYTES`]; none without prefix caching.
+    fn cache_ram(&self) -> (u64, String) {
+        if !self.enable_prefix_caching {
+            return (0, "prefix caching off".into());
+        }
+        if let Some(bytes) = self.cache_ram_bytes {
+            return (bytes, "given".into());
+        }
+        match multilora_cpu::host_memory::physical_bytes() {
+            Some(total) => {
+                let bytes = (total / 8).min(MAX_DEFAULT_CACHE_RAM_BYTES);
+                (bytes, format!("an eighth of the machine's {total} bytes, at most {MAX_DEFAULT_CACHE_RAM_BYTES}"))
+            }
+            None => (0, "the machine's memory unknown".into()),
+        }
     }
 
     /// Reads each startup adapter's config (no tensors): the largest rank and the modules

@@ -79,7 +79,7 @@ mod text;
 
 pub use builder::{
     DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, DEFAULT_STEP_MEMORY_BYTES, EngineBuilder,
-    MAX_DEFAULT_KV_CACHE_BYTES,
+    MAX_DEFAULT_CACHE_RAM_BYTES, MAX_DEFAULT_KV_CACHE_BYTES,
 };
 pub use config::EngineConfig;
 pub use error::{BuildError, EngineError, Result, SharedError};

@@ -1,5 +1,6 @@
 //! Prefix caching is per adapter generation: two adapters with the same system prompt never
-//! share cached blocks, and the same adapter does (the hit counters prove it).
+//! share cached blocks, and the same adapter does (the hit counters prove it). On the CPU the KV
+//! pool has `cache_ram` more room for cached prefixes, none without prefix caching.
 
 mod common;
 
@@ -28,5 +29,22 @@ fn adapters_never_share_blocks_and_the_same_adapter_does() -> Result<()> {
     assert_eq!(hits(&engine, BASE, &with(102))?, 0, "nor the base model");
     assert_eq!(hits(&engine, "qv_r8", &with(103))?, 48, "the same adapter reuses all 3 full blocks");
     assert_eq!(hits(&engine, "all_r16", &with(104))?, 48);
+    Ok(())
+}
+
+/// `cache_ram_bytes` adds its bytes' worth of blocks to the CPU's default KV pool (and nothing
+/// when prefix caching is off, or the pool's bytes are given).
+#[test]
+fn cache_ram_adds_room_for_cached_prefixes() -> Result<()> {
+    let base = || Engine::builder(path("base")).served_model_name(BASE).max_lora_rank(32);
+    let blocks = |b: multilora::EngineBuilder| -> Result<usize> { Ok(b.build()?.config().num_kv_blocks) };
+    // Blocks in 64 MiB, from two given pools.
+    let per_64 = blocks(base().kv_cache_bytes(80 << 20))? - blocks(base().kv_cache_bytes(16 << 20))?;
+    let none = blocks(base().cache_ram_bytes(0))?;
+    let more = blocks(base().cache_ram_bytes(64 << 20))?;
+    assert!((more - none).abs_diff(per_64) <= 1, "{} blocks more for 64 MiB, {per_64} in 64 MiB", more - none);
+    assert_eq!(blocks(base().cache_ram_bytes(64 << 20).enable_prefix_caching(false))?, none, "no room without caching");
+    let given = blocks(base().kv_cache_bytes(16 << 20).cache_ram_bytes(64 << 20))?;
+    assert_eq!(given, blocks(base().kv_cache_bytes(16 << 20))?, "kv_cache_bytes is the whole pool");
     Ok(())
 }
