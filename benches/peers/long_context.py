@@ -8,7 +8,10 @@ For each prompt size (in tokens; random token ids, a new prompt each time, so no
 - the server's peak resident memory so far (`VmHWM`).
 
 Then `--resend`: `--resend-count` prompts of the largest size one after the other, and the first
-of them again: the resent prompt's time to first token.
+of them again: the resent prompt's time to first token. And `--gaps S:N` (multilora only:
+llama-server would need `S + 1` slots, each with the whole context): `S` streams decoding while an `N`-token prompt arrives, each stream's largest gap between
+two tokens while the prompt is served, and whether every stream and the prompt finished (`S` 16
+and `N` the context length is the soak: the longest legal prompt among 16 streams).
 
     benches/peers/long_context.py --llamacpp DIR --multilora target/release/multilora \
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf --sizes 420,1600,4640,6950 --ctx 8192
@@ -24,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -75,8 +79,10 @@ class Server:
         return time.perf_counter() - t0
 
     def token_times(self, prompt, n):
+        """The arrival time of every streamed event that carries text, and the finish reason."""
         path, body = self.request(prompt, n, True)
         times, t0 = [], time.perf_counter()
+        self.finish = None
         with post(self.port, path, body) as r:
             for raw in r:
                 line = raw.decode().strip()
@@ -86,7 +92,46 @@ class Server:
                 token = bool(ev.get("choices")) if self.kind == "multilora" else not ev.get("stop", False)
                 if token:
                     times.append(time.perf_counter() - t0)
+                for choice in ev.get("choices") or []:
+                    self.finish = choice.get("finish_reason") or self.finish
         return times
+
+
+def gaps(server, prompt, streams, n):
+    """`streams` streams of 512 tokens; once each has its first token, an `n`-token prompt; each
+    stream's largest gap while the prompt is served."""
+    times = [None] * streams
+    ok = [False] * streams
+
+    def stream(i):
+        # Each thread its own handle on the server, so that its `finish` is its stream's.
+        s = Server.__new__(Server)
+        s.kind, s.port = server.kind, server.port
+        times[i] = s.token_times(prompt(16), 512)
+        ok[i] = s.finish == "length"
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    start = time.perf_counter() - t0
+    dt = server.first_token(prompt(n))
+    end = start + dt
+    for t in threads:
+        t.join()
+    worst = []
+    for i, ts in enumerate(times):
+        # A stream's arrival times, from its own start: shifted to the common clock by its start,
+        # which is within a few ms of t0 for all (their threads start together).
+        inside = [b - a for a, b in zip(ts, ts[1:]) if start <= b <= end + 0.5]
+        worst.append(max(inside) if inside else float("nan"))
+    row = {"gaps_streams": streams, "prompt_tokens": n, "prompt_s": dt, "largest_gap_s": max(worst),
+           "median_largest_gap_s": sorted(worst)[len(worst) // 2], "all_finished": all(ok)}
+    print(f"{server.kind:9} {streams} streams while a {n}-token prompt arrives ({dt:.1f} s): largest gap "
+          f"{max(worst) * 1000:.0f} ms (median of streams {row['median_largest_gap_s'] * 1000:.0f} ms), "
+          f"every stream finished: {all(ok)}", flush=True)
+    return row
 
 
 def main():
@@ -100,6 +145,8 @@ def main():
     ap.add_argument("--decode", type=int, default=129)
     ap.add_argument("--resend", action="store_true")
     ap.add_argument("--resend-count", type=int, default=3)
+    ap.add_argument("--gaps", action="append", default=[],
+                    help="S:N — S streams decoding while an N-token prompt arrives (may repeat)")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn from 100..vocab-100")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-repack", action="store_true")
@@ -139,6 +186,8 @@ def main():
                 rows.append({"resent_tokens": max(sizes), "after": a.resend_count - 1, "ttft_s": dt})
                 print(f"{kind:9} a {max(sizes)}-token prompt resent after {a.resend_count - 1} others: "
                       f"first token {dt:.2f} s", flush=True)
+            for g in a.gaps if kind == "multilora" else []:
+                rows.append(gaps(server, prompt, *map(int, g.split(":"))))
         finally:
             server.stop()
         results[kind] = rows

@@ -41,7 +41,7 @@ pub(crate) struct EngineArgs {
     /// Most running requests.
     #[arg(long)]
     pub(crate) max_num_seqs: Option<usize>,
-    /// Most tokens per step (a hard cap).
+    /// Most tokens per step (a hard cap; default 2048 on the CPU, 8192 on a GPU).
     #[arg(long)]
     pub(crate) max_num_batched_tokens: Option<usize>,
     /// How long a step that carries decode rows may take, so streams never stall behind arriving

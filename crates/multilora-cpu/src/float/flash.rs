@@ -33,7 +33,7 @@ use crate::isa::{Avx2, Avx512F};
 use crate::isa::{Isa, Portable};
 
 /// Positions in a block of keys.
-pub const KEY_BLOCK: usize = 64;
+pub const KEY_BLOCK: usize = 128;
 
 /// Columns of `Qᵀ` (a tile's queries times the group) a task aims for over a short context and
 /// over a long one (past [`LONG_CONTEXT`] positions). Each block of keys and values is gathered
