@@ -2,25 +2,30 @@
 //! in tiles of queries × blocks of keys with an online softmax, nothing of size `len × ctx`
 //! ever held (flash attention's scheme on the CPU).
 //!
-//! A task is one KV head and one tile of [`query_tile`] consecutive queries: the tile's `group`
-//! query heads of that KV head form one `[tile · group, hd]` matrix `Q` (query `t`, head `g` in row
-//! `t · group + g`). The keys the tile sees, from its first query's window start to its last query,
-//! are taken [`KEY_BLOCK`] positions at a time, each block read in place from the cache rows its
-//! positions name, widened to f32 (`Kᵀ` as `[hd, KEY_BLOCK]`, `V` as `[KEY_BLOCK, hd]`); then
-//! `S = Q · Kᵀ` and `O += P · V` are the products' outer-product kernel ([`super::matmul_into`]),
-//! and between them each row keeps a running maximum `m` and sum `l`: on a larger maximum the row's
-//! `O` and `l` are scaled by `exp(m_old − m_new)`, `P = exp(S − m_new)` over the keys the row
-//! sees ([`super::exp_sum`]) and 0 elsewhere, so the causal mask and the window are ranges of
-//! positions, never a matrix. At the end `O / l`. Everything accumulates in f32.
+//! A task is one KV head and one tile of [`query_tile`] consecutive queries. The tile's `group`
+//! query heads of that KV head are the columns of one matrix `Qᵀ` (`[hd, cols]`: query `t`, head
+//! `g` in column `t · group + g`, padded with zero columns to a multiple of 32), so every per-query
+//! step below runs along the columns, a vector of queries at a time. The keys the tile sees, from
+//! its first query's window start to its last query, are taken [`KEY_BLOCK`] positions at a time,
+//! each block's keys and values read from the cache rows its positions name and widened to f32
+//! (`K`, `V`: `[KEY_BLOCK, hd]`, as they lie). Per block:
+//! - `Sᵀ = K · Qᵀ` (`[KEY_BLOCK, cols]`), the outer-product tiles with `K`'s values broadcast;
+//! - the causal mask and the window, where the block has keys some query does not see: `−∞` by
+//!   comparing positions, never a stored mask;
+//! - each column's running maximum `m` and sum `l`: on a larger maximum the column's `l` and `Oᵀ`
+//!   are scaled by `2^(m_old − m_new)`; `P = 2^(Sᵀ − m_new)` (scores in base 2: `Qᵀ` is scaled by
+//!   `log₂ e` once, [`pow2`]), its column sums added to `l`;
+//! - `Oᵀ += Vᵀ · P` (`[hd, cols]`), the same tiles with `V` read `k`-major.
 //!
-//! Key blocks start at multiples of [`KEY_BLOCK`] in absolute positions, and a block a row does
-//! not see changes nothing of that row (no rescale; its `P` is 0), so a row's result is the same
-//! bits whichever tile, chunk or step it is computed in: prefill in one step, chunked over several
-//! and continued from a cached prefix agree exactly, as do all thread counts.
+//! At the end each query's output is its column of `Oᵀ` over `l`. Everything accumulates in f32.
+//! Key blocks start at multiples of [`KEY_BLOCK`] in absolute positions, and a block a query does
+//! not see changes nothing of its column (a scale of exactly 1, weights of exactly 0), so a query's
+//! result is the same bits whichever tile, chunk or step it is computed in: prefill in one step,
+//! chunked over several and continued from a cached prefix agree exactly, as do all thread counts.
 //!
-//! The workspace is per thread ([`Work`]: `Q`, `O`, `S`, the two key blocks, `m`, `l`), a few
-//! hundred KiB at most whatever the prompt's length. Tasks run on the pool ([`crate::pool`]),
-//! the tiles that see the most keys first.
+//! The workspace is per thread ([`Work`]), at most [`causal_workspace_bytes`] whatever the
+//! prompt's length. Tasks run on the pool ([`crate::pool`]), the tiles that see the most keys
+//! first; each writes its queries' columns of its KV head straight into the output.
 
 use std::cell::RefCell;
 use std::f32::consts::LOG2_E;
