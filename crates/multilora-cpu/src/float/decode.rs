@@ -39,7 +39,7 @@ fn parts(ctx: usize) -> impl Iterator<Item = Range<usize>> {
 /// `out` (`[n, heads · hd]`) `= softmax(q · Kᵀ) · V` for each decode row: `q` (`[n, heads · hd]`,
 /// already scaled) over the context whose cache rows `rows[i]` names, in the caches `k`, `v`
 /// (`[cache rows, kv_heads · hd]`); on `isa` (portable where the CPU lacks it). A task per row, KV
-/// head and part of its context ([`parts`]) on the pool, each into its own partial output; then
+/// head and part of its context (`parts`) on the pool, each into its own partial output; then
 /// each row's parts merged into `out`.
 ///
 /// # Errors

@@ -51,7 +51,7 @@ const TILE_COLS: [usize; 2] = [128, 256];
 const LONG_CONTEXT: usize = 2048;
 
 /// Queries in a task's tile for `group` query heads per KV head over a context of `ctx`
-/// positions: [`TILE_COLS`] columns of `Qᵀ`, at least 8 queries. The tile changes no result.
+/// positions: `TILE_COLS` columns of `Qᵀ`, at least 8 queries. The tile changes no result.
 pub fn query_tile(group: usize, ctx: usize) -> usize {
     (TILE_COLS[usize::from(ctx > LONG_CONTEXT)] / group.max(1)).max(8)
 }
