@@ -72,8 +72,12 @@ def wait_ready(port, proc, what):
 class Engine:
     """One server: how to address a request to `adapter` (None = base) and read its tokens."""
 
-    def __init__(self, kind, port, adapters):
-        self.kind, self.port, self.adapters = kind, port, adapters
+    def __init__(self, kind, port, adapters, cache_prompt=False):
+        """`cache_prompt`: llama-server may reuse a prompt's KV (as multilora's prefix cache does
+        unless it is started without it)."""
+        self.kind, self.port, self.adapters, self.cache_prompt = kind, port, adapters, cache_prompt
+        # The finish reason of the last streamed request (multilora).
+        self.finish = None
 
     def body(self, prompt, n, adapter, stream, sampling=None):
         """`sampling`: the OpenAI fields of the request (None: greedy); llama-server gets the same
@@ -89,7 +93,7 @@ class Engine:
             fields = {"temperature": sampling.get("temperature", 1.0), "top_k": sampling.get("top_k", 0),
                       "top_p": sampling.get("top_p", 1.0), "min_p": 0.0, "typical_p": 1.0,
                       "samplers": ["top_k", "top_p", "temperature"]}
-        return "/completion", {"prompt": prompt, "n_predict": n, "ignore_eos": True, "cache_prompt": False,
+        return "/completion", {"prompt": prompt, "n_predict": n, "ignore_eos": True, "cache_prompt": self.cache_prompt,
                                "lora": lora, "stream": stream, **fields}
 
     def run(self, prompt, n, adapter, sampling=None):
@@ -102,9 +106,10 @@ class Engine:
         return tokens, time.perf_counter() - t0
 
     def stream_times(self, prompt, n, adapter):
-        """The arrival time of every streamed event that carries a token."""
+        """The arrival time of every streamed event that carries a token; the finish reason in
+        `self.finish`."""
         path, body = self.body(prompt, n, adapter, True)
-        times = []
+        times, self.finish = [], None
         t0 = time.perf_counter()
         with post(self.port, path, body) as r:
             for raw in r:
@@ -117,6 +122,8 @@ class Engine:
                 token = bool(ev.get("choices")) if self.kind == "multilora" else not ev.get("stop", False)
                 if token:
                     times.append(time.perf_counter() - t0)
+                for choice in ev.get("choices") or []:
+                    self.finish = choice.get("finish_reason") or self.finish
         return times
 
 

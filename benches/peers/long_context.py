@@ -31,7 +31,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import post, wait_ready  # noqa: E402  (the peers' shared HTTP helpers)
+from compare import Engine, wait_ready  # noqa: E402  (the peers' shared clients)
 
 
 def peak_rss_gib(pid):
@@ -63,38 +63,17 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
-    def request(self, prompt, n, stream):
-        if self.kind == "llama.cpp":
-            return "/completion", {"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0,
-                                   "top_k": 1, "cache_prompt": True, "stream": stream}
-        return "/v1/completions", {"model": "base", "prompt": prompt, "max_tokens": n, "ignore_eos": True,
-                                   "temperature": 0, "stream": stream}
+    def engine(self):
+        """A client of this server (one per thread: it keeps its last stream's finish reason)."""
+        return Engine("multilora" if self.kind == "multilora" else "llamacpp", self.port, [], cache_prompt=True)
 
     def first_token(self, prompt):
         """Seconds to the answer of a one-token request."""
-        path, body = self.request(prompt, 1, False)
-        t0 = time.perf_counter()
-        with post(self.port, path, body) as r:
-            json.load(r)
-        return time.perf_counter() - t0
+        return self.engine().run(prompt, 1, None)[1]
 
     def token_times(self, prompt, n):
-        """The arrival time of every streamed event that carries text, and the finish reason."""
-        path, body = self.request(prompt, n, True)
-        times, t0 = [], time.perf_counter()
-        self.finish = None
-        with post(self.port, path, body) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[5:])
-                token = bool(ev.get("choices")) if self.kind == "multilora" else not ev.get("stop", False)
-                if token:
-                    times.append(time.perf_counter() - t0)
-                for choice in ev.get("choices") or []:
-                    self.finish = choice.get("finish_reason") or self.finish
-        return times
+        """The arrival time of every streamed event that carries text."""
+        return self.engine().stream_times(prompt, n, None)
 
 
 def gaps(server, prompt, streams, n):
@@ -104,11 +83,9 @@ def gaps(server, prompt, streams, n):
     ok = [False] * streams
 
     def stream(i):
-        # Each thread its own handle on the server, so that its `finish` is its stream's.
-        s = Server.__new__(Server)
-        s.kind, s.port = server.kind, server.port
-        times[i] = s.token_times(prompt(16), 512)
-        ok[i] = s.finish == "length"
+        client = server.engine()
+        times[i] = client.stream_times(prompt(16), 512, None)
+        ok[i] = client.finish == "length"
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]

@@ -205,8 +205,9 @@ mod tests {
     }
 
     /// Tiles of 1, 2, 3 and 7 query rows, and the CPU's streaming kernel, give what one tile over
-    /// the whole context gives (the materialising oracle) within 1e-5: grouped query heads, a cached prefix of 5 (the new rows
-    /// start mid-block), 11 new rows (odd), with and without a sliding window of 3.
+    /// the whole context gives (the materialising oracle) within 1e-5: grouped query heads, a
+    /// cached prefix of 5 (the new rows start mid-block), 11 new rows (odd), with and without a
+    /// sliding window of 3.
     #[test]
     fn query_tiles_equal_one_tile() -> Result<()> {
         let d = AttnDims { heads: 4, kv_heads: 2, head_dim: 8, block_size: 4 };

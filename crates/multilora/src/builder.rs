@@ -594,7 +594,8 @@ impl EngineBuilder {
     /// already hold and one step's activations; on the CPU without one, enough for one sequence
     /// of the model's full length, at least [`DEFAULT_KV_CACHE_BYTES`] and at most
     /// [`MAX_DEFAULT_KV_CACHE_BYTES`] (vLLM's CPU default), or exactly what an explicit
-    /// `max_model_len` needs, plus the room for cached prefixes ([`EngineBuilder::cache_ram`]). When the budget cannot hold one full-length sequence and no
+    /// `max_model_len` needs, plus the room for cached prefixes ([`EngineBuilder::cache_ram`]).
+    /// When the budget (without that room) cannot hold one full-length sequence and no
     /// `max_model_len` was given, the context length is capped to what it holds and the cap is
     /// logged; an explicit `max_model_len` the budget cannot hold stays an error (the scheduler's).
     fn kv_budget(&self, model: &Model, slot_bytes: u64, limit: usize) -> Result<(u64, String, usize)> {
@@ -636,10 +637,20 @@ impl EngineBuilder {
             } else {
                 format!("one sequence of {limit} tokens at {per_token} bytes a token")
             };
-            let (tier, tier_from) = self.cache_ram();
-            (budget + tier, format!("{from}, plus cache_ram {tier} for cached prefixes ({tier_from})"))
+            (budget, from)
+        };
+        // On the CPU without a pool given, the room for cached prefixes on top; `max_model_len`
+        // stays what the running budget holds.
+        let (tier, tier_from) = match self.kv_cache_bytes.is_none() && model.device().is_cpu() {
+            true => self.cache_ram(),
+            false => (0, String::new()),
+        };
+        let from = match tier {
+            0 => from,
+            _ => format!("{from}, plus cache_ram {tier} for cached prefixes ({tier_from})"),
         };
         let holds = (budget / per_token) as usize / self.block_size * self.block_size;
+        let budget = budget + tier;
         if holds >= limit || self.max_model_len.is_some() || holds == 0 {
             return Ok((budget, from, limit));
         }
@@ -647,8 +658,8 @@ impl EngineBuilder {
             model_limit = limit,
             max_model_len = holds,
             kv_budget = %from,
-            "the kv cache holds {holds} tokens, fewer than the model's {limit}: max_model_len is capped to {holds} \
-             (give --max-model-len or --kv-cache-bytes to choose)"
+            "the kv cache holds {holds} tokens for running sequences, fewer than the model's {limit}: \
+             max_model_len is capped to {holds} (give --max-model-len or --kv-cache-bytes to choose)"
         );
         Ok((budget, format!("{from}; max_model_len capped to the {holds} tokens it holds"), holds))
     }

@@ -39,8 +39,8 @@ fn parts(ctx: usize) -> impl Iterator<Item = Range<usize>> {
 /// `out` (`[n, heads · hd]`) `= softmax(q · Kᵀ) · V` for each decode row: `q` (`[n, heads · hd]`,
 /// already scaled) over the context whose cache rows `rows[i]` names, in the caches `k`, `v`
 /// (`[cache rows, kv_heads · hd]`); on `isa` (portable where the CPU lacks it). A task per row, KV
-/// head and part of its context (`parts`) on the pool, each into its own partial output; then
-/// each row's parts merged into `out`.
+/// head and part of its context (`parts`) on the pool; a context of one part writes its output in
+/// place, a longer one's parts are merged into it.
 ///
 /// # Errors
 /// [`Error::Attention`] when the heads do not group, the slices disagree with the shapes, or a
@@ -72,26 +72,38 @@ pub fn decode_attention<E: Elem>(
     if let Some((i, r)) = past {
         return bad(format!("row {i} attends over {} cache rows, of which one is past {cache_rows} or none", r.len()));
     }
-    let isa = if isa.available() { isa } else { Isa::best() };
     let d = Dims { heads, kv_heads, hd };
     let (k, v) = (&k[..cache_rows * width], &v[..cache_rows * width]);
-    let group = heads / kv_heads;
-    let per_head = group * hd;
-    let tasks: Vec<(usize, usize, Range<usize>)> =
-        (0..n).flat_map(|i| (0..kv_heads).flat_map(move |h| parts(rows[i].len()).map(move |p| (i, h, p)))).collect();
-    let mut partial = vec![0f32; tasks.len() * per_head];
-    let mut stats = vec![(0f32, 0f32); tasks.len() * group];
-    let work = partial.chunks_mut(per_head).zip(stats.chunks_mut(group)).zip(&tasks).collect();
-    crate::pool::for_each_part(work, |_, ((o, st), (i, h, p))| {
+    let (group, per_head) = (heads / kv_heads, heads / kv_heads * hd);
+    // Each (row, KV head) of one part writes its output in place; a split one's parts write into
+    // `partial` and are merged below.
+    let split = |i: usize| rows[i].len() > DECODE_PART;
+    let parted: usize = (0..n).filter(|&i| split(i)).map(|i| parts(rows[i].len()).count() * kv_heads).sum();
+    let mut partial = vec![0f32; parted * per_head];
+    let mut stats = vec![(0f32, 0f32); (parted + n * kv_heads) * group];
+    let (mut spare, mut st) = (partial.chunks_mut(per_head), stats.chunks_mut(group));
+    let (mut work, mut merges) = (Vec::new(), Vec::new());
+    for ((i, h), o) in (0..n).flat_map(|i| (0..kv_heads).map(move |h| (i, h))).zip(out.chunks_mut(per_head)) {
+        if !split(i) {
+            work.push((o, st.next().expect("sized above"), (i, h, 0..rows[i].len())));
+            continue;
+        }
+        let first = work.len();
+        for p in parts(rows[i].len()) {
+            work.push((spare.next().expect("sized above"), st.next().expect("sized above"), (i, h, p)));
+        }
+        merges.push((o, first..work.len()));
+    }
+    crate::pool::for_each_part(work, |_, (o, st, (i, h, p))| {
         let q = &q[(i * kv_heads + h) * per_head..][..per_head];
-        SCORES.with_borrow_mut(|scores| head(isa, q, k, v, &rows[*i][p.clone()], d, *h, o, scores, st))
+        SCORES.with_borrow_mut(|scores| head(isa, q, k, v, &rows[i][p], d, h, o, scores, st))
     });
-    let mut t = 0;
-    let contexts = rows.iter().flat_map(|r| std::iter::repeat_n(r.len(), kv_heads));
-    for (o, ctx) in out.chunks_mut(per_head).zip(contexts) {
-        let n = parts(ctx).count();
-        merge(&partial[t * per_head..(t + n) * per_head], &stats[t * group..(t + n) * group], hd, o);
-        t += n;
+    // The split heads' parts lie in `partial` one after the other, their stats at their tasks'.
+    let mut at = 0;
+    for (o, tasks) in merges {
+        let n = tasks.len();
+        merge(&partial[at * per_head..(at + n) * per_head], &stats[tasks.start * group..tasks.end * group], hd, o);
+        at += n;
     }
     Ok(())
 }
@@ -106,13 +118,9 @@ struct Dims {
 
 /// `o` (`[group, hd]`) from the outputs of a context's parts (`[parts, group, hd]`, each
 /// normalised by its own sum) and their `(max, sum)` per query head: each part weighs its sum
-/// times `exp(max − the largest max)`. One part is copied as it is.
+/// times `exp(max − the largest max)`.
 fn merge(partial: &[f32], stats: &[(f32, f32)], hd: usize, o: &mut [f32]) {
     let group = o.len() / hd;
-    if partial.len() == o.len() {
-        o.copy_from_slice(partial);
-        return;
-    }
     for (g, o) in o.chunks_exact_mut(hd).enumerate() {
         let at = |p: usize| stats[p * group + g];
         let parts = stats.len() / group;

@@ -288,10 +288,11 @@ unsafe fn task<S: FloatSimd, E: Elem>(c: &Causal<'_, E>, head: usize, rows: Rang
     reset(&mut w.ot, hd * cols, 0.0);
     reset(&mut w.m, cols, f32::NEG_INFINITY);
     reset(&mut w.l, cols, 0.0);
-    reset(&mut w.scale, cols, 0.0);
-    reset(&mut w.st, KEY_BLOCK * cols, 0.0);
-    reset(&mut w.kb, KEY_BLOCK * hd, 0.0);
-    reset(&mut w.vb, KEY_BLOCK * hd, 0.0);
+    // Written before they are read, block by block: sized, not cleared.
+    w.scale.resize(cols, 0.0);
+    w.st.resize(KEY_BLOCK * cols, 0.0);
+    w.kb.resize(KEY_BLOCK * hd, 0.0);
+    w.vb.resize(KEY_BLOCK * hd, 0.0);
     // Each column's query position (the padding's: the first query's) and its window start.
     w.last.clear();
     w.last.extend((0..cols).map(|i| if i < used { p0 + i / group } else { p0 }));

@@ -20,7 +20,7 @@ const HEIGHTS: [usize; 6] = [12, 8, 6, 4, 2, 1];
 
 /// The tallest tile height for `rows` rows that the instruction set has registers for.
 #[inline(always)]
-pub(crate) fn height<S: FloatSimd>(rows: usize) -> usize {
+fn height<S: FloatSimd>(rows: usize) -> usize {
     HEIGHTS.into_iter().find(|&h| h <= rows && h <= S::PACKED_RM).unwrap_or(1)
 }
 
@@ -30,7 +30,7 @@ pub(crate) fn height<S: FloatSimd>(rows: usize) -> usize {
 /// As for [`packed_tile`] with `h` rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tile_h<S: FloatSimd, E: Elem, const PF: bool, const XT: bool>(
+unsafe fn tile_h<S: FloatSimd, E: Elem, const PF: bool, const XT: bool>(
     h: usize,
     x: *const f32,
     ldx: usize,
