@@ -44,6 +44,14 @@ pub(crate) struct ServeArgs {
     /// Honour a chat request's own `chat_template` field (off: such a request is a 400).
     #[arg(long)]
     pub(crate) trust_request_chat_template: bool,
+    /// Serve `tool_choice: "auto"` (the default when a request has `tools`): the model's own
+    /// tool-call syntax is parsed by --tool-call-parser (off: such a request is a 400).
+    #[arg(long, requires = "tool_call_parser")]
+    pub(crate) enable_auto_tool_choice: bool,
+    /// The model's tool-call syntax: hermes (Qwen, SmolLM3, Hermes), llama3_json (Llama 3.x),
+    /// mistral.
+    #[arg(long, value_parser = multilora_server::ToolCallParser::NAMES)]
+    pub(crate) tool_call_parser: Option<String>,
     /// Requests waiting beyond --max-num-seqs before new ones get 429.
     #[arg(long, default_value_t = multilora_server::DEFAULT_MAX_WAITING_REQUESTS)]
     pub(crate) max_waiting_requests: usize,
@@ -184,6 +192,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
             "runtime lora updating is on but --allowed-lora-roots is empty: every local path will be refused"
         );
     }
+    let parser = a.tool_call_parser.as_deref().and_then(multilora_server::ToolCallParser::from_name);
     let roots = a.allowed_lora_roots.clone();
     let add_resolvers = resolvers(&a, updates)?;
     let engine = a.engine.build(|mut b| {
@@ -207,6 +216,9 @@ pub(crate) fn run(a: ServeArgs) -> Result<(), Failure> {
         .responses_store(a.responses_store);
     if let Some(key) = &a.api_key {
         config = config.api_key(key.clone());
+    }
+    if let (true, Some(parser)) = (a.enable_auto_tool_choice, parser) {
+        config = config.auto_tool_choice(parser);
     }
     if let Some(path) = &a.chat_template {
         let t = ChatTemplate::from_file(path, engine.config().chat_template.as_ref())

@@ -15,10 +15,10 @@ use real_models::smollm2;
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Serve, fixtures, get, post, serve_model};
+use common::{Serve, fixtures, get, post, python_has, serve_model};
 
 fn serve(extra: &[&str]) -> Serve {
     serve_with_env(extra, &[])
@@ -36,14 +36,7 @@ fn serve_with_env(extra: &[&str], env: &[(&str, &str)]) -> Serve {
 
 /// Whether the Python client can run here; fails when CI requires it.
 fn python_openai() -> bool {
-    let ok =
-        Command::new("python3").args(["-c", "import openai"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
-    if !ok {
-        let required = std::env::var("MULTILORA_REQUIRE_OPENAI").is_ok_and(|v| v == "1");
-        assert!(!required, "MULTILORA_REQUIRE_OPENAI=1 but `python3 -c 'import openai'` fails");
-        eprintln!("SKIPPED the openai client checks: `pip install openai` to run them (CI does)");
-    }
-    ok
+    python_has("openai")
 }
 
 fn run_client(url: &str, mode: &str) {
@@ -88,18 +81,7 @@ fn the_openai_python_client_works_and_sigterm_exits_zero() {
 #[test]
 fn the_agent_clients_speak_responses_and_messages() {
     let Some(gguf) = smollm2::gguf("the_agent_clients_speak_responses_and_messages") else { return };
-    if !python_openai() {
-        return;
-    }
-    let ok = Command::new("python3")
-        .args(["-c", "import anthropic"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        let required = std::env::var("MULTILORA_REQUIRE_OPENAI").is_ok_and(|v| v == "1");
-        assert!(!required, "MULTILORA_REQUIRE_OPENAI=1 but `python3 -c 'import anthropic'` fails");
-        eprintln!("SKIPPED the anthropic client checks: `pip install anthropic` to run them (CI does)");
+    if !python_has("openai, anthropic") {
         return;
     }
     let pirate = smollm2::fixtures().join("adapters/pirate");

@@ -30,12 +30,33 @@ pub struct SeqInput {
     pub slot: Option<SlotId>,
     /// Which new tokens want logits.
     pub logits: LogitsWanted,
+    /// The new tokens are a decode's (a sampled token and those a grammar forced after it): at
+    /// most [`MAX_DECODE_CHUNK`] of them attend as that many decode rows, each over its own
+    /// context, beside the step's other decode rows, rather than as a prefill chunk.
+    pub decode_rows: bool,
 }
+
+/// Most new tokens of a [`SeqInput::decode_rows`] sequence that attend as decode rows.
+pub const MAX_DECODE_CHUNK: usize = 16;
 
 impl SeqInput {
     /// A sequence with logits for its last token.
     pub fn new(tokens: Vec<u32>, start_pos: usize, block_table: Vec<u32>, slot: Option<SlotId>) -> SeqInput {
-        SeqInput { tokens, start_pos, block_table, sliding_table: Vec::new(), slot, logits: LogitsWanted::Last }
+        SeqInput {
+            tokens,
+            start_pos,
+            block_table,
+            sliding_table: Vec::new(),
+            slot,
+            logits: LogitsWanted::Last,
+            decode_rows: false,
+        }
+    }
+
+    /// Marks the new tokens as a decode's ([`SeqInput::decode_rows`]).
+    pub fn with_decode_rows(mut self, on: bool) -> SeqInput {
+        self.decode_rows = on;
+        self
     }
 
     /// Sets the sliding layers' block table.
@@ -327,17 +348,23 @@ impl StepPlan {
                 window,
                 host_rows: Vec::new(),
             };
-            let main = plan(main_window, context(s.start_pos, len, main_window, row));
-            match len {
-                1 => decode.push((offset, main.ctx_rows, table)),
-                _ => prefill.push(main),
-            }
-            if lim.mixed_windows {
-                let sliding = plan(lim.window, context(s.start_pos, len, lim.window, w_row));
-                match len {
-                    1 => w_decode.push((offset, sliding.ctx_rows, &w_table[..ctx.div_ceil(bs)])),
-                    _ => w_prefill.push(sliding),
+            if len == 1 || s.decode_rows && len <= MAX_DECODE_CHUNK {
+                // Each new token a decode row over its own context (the cache holds every new
+                // token's keys and values before any attends).
+                for j in 0..len {
+                    let p = s.start_pos + j;
+                    let blocks = (p + 1).div_ceil(bs);
+                    decode.push((offset + j, context(p, 1, main_window, row).1, &table[..blocks]));
+                    if lim.mixed_windows {
+                        let w_ctx = context(p, 1, lim.window, w_row).1;
+                        w_decode.push((offset + j, w_ctx, &w_table[..blocks]));
+                    }
                 }
+                continue;
+            }
+            prefill.push(plan(main_window, context(s.start_pos, len, main_window, row)));
+            if lim.mixed_windows {
+                w_prefill.push(plan(lim.window, context(s.start_pos, len, lim.window, w_row)));
             }
         }
         let mut order: Vec<u32> = decode.iter().map(|d| d.0 as u32).collect();

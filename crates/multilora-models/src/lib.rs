@@ -45,7 +45,7 @@ mod reader;
 mod rope;
 mod weights;
 
-pub use batch::{Batch, SeqInput};
+pub use batch::{Batch, MAX_DECODE_CHUNK, SeqInput};
 pub use config::{Architecture, ConfigError, GenerationConfig, HiddenAct, MAX_CONFIG_BYTES, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use gguf::{GgufFile, write_gguf_as_checkpoint};

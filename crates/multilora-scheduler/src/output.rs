@@ -64,12 +64,15 @@ impl SchedulerOutput {
 }
 
 /// What the engine reports for one request after a step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestResult {
     /// The request.
     pub id: RequestId,
     /// The sampled token, for a request scheduled with `sample`.
     pub token: Option<u32>,
+    /// Tokens appended after `token` without being sampled (those a request's grammar forces):
+    /// computed as one chunk in a later step, whose last position samples.
+    pub forced: Vec<u32>,
     /// A finish decided by the engine (stop string, `min_tokens`/`ignore_eos` handling, error).
     pub finish: Option<FinishReason>,
 }
@@ -77,12 +80,12 @@ pub struct RequestResult {
 impl RequestResult {
     /// A sampled token and no engine-reported finish.
     pub fn token(id: RequestId, token: u32) -> Self {
-        Self { id, token: Some(token), finish: None }
+        Self { id, token: Some(token), forced: Vec::new(), finish: None }
     }
 
     /// An engine-reported finish, with no token.
     pub fn finished(id: RequestId, reason: FinishReason) -> Self {
-        Self { id, token: None, finish: Some(reason) }
+        Self { id, token: None, forced: Vec::new(), finish: Some(reason) }
     }
 }
 

@@ -21,9 +21,10 @@ const TOMBSTONE: u32 = u32::MAX;
 enum Pass {
     /// All of them, in admission order (no step-time budget).
     All,
-    /// Those with one token to compute (decodes, and a prompt's last token).
+    /// Those with one token to compute (decodes, and a prompt's last token), and those past
+    /// their prompt with a few appended tokens (a grammar's forced tokens): each samples.
     Decodes,
-    /// Those with more (prefill chunks).
+    /// The others (prefill chunks).
     Prefills,
 }
 
@@ -318,15 +319,19 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
-            let (id, remaining, computed, scheduled, logit_rows) = {
+            let (id, remaining, computed, scheduled, logit_rows, decoding) = {
                 let req = self.req(slot);
                 let rows = req.prompt_rows(self.config.max_prompt_logprob_rows);
-                (req.id, req.num_tokens() - req.num_computed, req.num_computed, req.in_flight, rows)
+                // Past its prompt, a request's uncomputed tokens are its own output (a sampled
+                // token and those its grammar forced): a decode row, however many.
+                let decoding = req.num_computed >= req.num_prompt_tokens;
+                (req.id, req.num_tokens() - req.num_computed, req.num_computed, req.in_flight, rows, decoding)
             };
+            let decode = remaining == 1 || decoding;
             let wanted = match pass {
                 Pass::All => true,
-                Pass::Decodes => remaining == 1,
-                Pass::Prefills => remaining > 1,
+                Pass::Decodes => decode,
+                Pass::Prefills => !decode,
             };
             if remaining == 0 || scheduled || !wanted {
                 i += 1;
@@ -366,9 +371,7 @@ impl Scheduler {
             }
             self.emit(slot, num_new, out);
             *budget -= num_new;
-            if remaining > 1
-                && let Some(left) = prefill
-            {
+            if !decode && let Some(left) = prefill {
                 *left = left.saturating_sub(num_new);
             }
             i += 1;
@@ -410,6 +413,7 @@ impl Scheduler {
                 && !req.got_token
             {
                 req.tokens.push(token);
+                req.tokens.extend_from_slice(&r.forced);
                 req.got_token = true;
             }
             if let Some(reason) = r.finish {

@@ -72,7 +72,7 @@ fn stop_tokens_max_model_len_and_engine_finishes() -> anyhow::Result<()> {
         RequestResult::token(1, 4),
         RequestResult::token(2, 4),
         // A stop string the engine detected.
-        RequestResult { id: 3, token: Some(4), finish: Some(FinishReason::Stop) },
+        RequestResult { id: 3, token: Some(4), forced: Vec::new(), finish: Some(FinishReason::Stop) },
     ])?;
     assert_eq!(finished.len(), 1);
     assert_eq!((finished[0].id, finished[0].reason), (3, FinishReason::Stop));
@@ -214,5 +214,29 @@ fn blocks_filled_by_decodes_are_cached_too() -> anyhow::Result<()> {
     let second = out.scheduled.iter().find(|r| r.id == 2).expect("admitted");
     assert_eq!(second.num_computed_tokens, 4, "the block completed by a decode is a hit");
     assert_eq!(second.token_ids, vec![5, 6]);
+    Ok(())
+}
+
+/// Tokens a result forces after its sampled one are appended together and computed as one chunk
+/// in the next step, whose last position samples; they count toward `max_tokens`.
+#[test]
+fn forced_tokens_come_in_one_chunk_and_count() -> anyhow::Result<()> {
+    let mut s = Scheduler::new(small())?;
+    s.add_request(Request::new(1, vec![1, 2, 3], 6))?;
+    let out = s.schedule();
+    assert_eq!(out.scheduled[0].token_ids, vec![1, 2, 3]);
+    s.update(&[RequestResult { id: 1, token: Some(4), forced: vec![5, 6, 7], finish: None }])?;
+    let out = s.schedule();
+    let chunk = &out.scheduled[0];
+    assert_eq!((chunk.token_ids.clone(), chunk.num_computed_tokens, chunk.sample), (vec![4, 5, 6, 7], 3, true));
+    assert_eq!(chunk.logits, LogitsWanted::Last);
+    // Four of six generated: two more, then `length`.
+    s.update(&[RequestResult::token(1, 8)])?;
+    s.schedule();
+    let finished = s.update(&[RequestResult::token(1, 9)])?;
+    assert_eq!(
+        (finished[0].reason, finished[0].output_token_ids.clone()),
+        (FinishReason::Length, vec![4, 5, 6, 7, 8, 9])
+    );
     Ok(())
 }

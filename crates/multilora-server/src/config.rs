@@ -2,6 +2,7 @@
 
 use crate::drain::Drain;
 use crate::template::ChatTemplate;
+use crate::tool_parsers::ToolCallParser;
 
 use std::time::Duration;
 
@@ -49,6 +50,12 @@ pub struct ServerConfig {
     /// Responses of `/v1/responses` kept in memory for `previous_response_id` and `GET`, the
     /// oldest dropped first (`--responses-store`; 0, the default: stateless).
     pub responses_store: usize,
+    /// `tool_choice: "auto"` (the default with `tools`) is served: the model's own tool-call
+    /// syntax is parsed by `tool_call_parser` (vLLM's `--enable-auto-tool-choice`). Off, such a
+    /// request is a 400.
+    pub enable_auto_tool_choice: bool,
+    /// The model's tool-call syntax (vLLM's `--tool-call-parser`).
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 impl Default for ServerConfig {
@@ -65,11 +72,20 @@ impl Default for ServerConfig {
             trust_request_chat_template: false,
             drain: Drain::new(),
             responses_store: 0,
+            enable_auto_tool_choice: false,
+            tool_call_parser: None,
         }
     }
 }
 
 impl ServerConfig {
+    /// Serves `tool_choice: "auto"`, parsing the model's calls with `parser`.
+    pub fn auto_tool_choice(mut self, parser: ToolCallParser) -> ServerConfig {
+        self.enable_auto_tool_choice = true;
+        self.tool_call_parser = Some(parser);
+        self
+    }
+
     /// Keeps the last `n` responses of `/v1/responses` (0: none).
     pub fn responses_store(mut self, n: usize) -> ServerConfig {
         self.responses_store = n;

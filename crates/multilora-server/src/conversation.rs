@@ -11,16 +11,27 @@ use crate::error::{Error, Result};
 use crate::state::AppState;
 use crate::template::ChatTemplate;
 
-/// One message of a conversation, its content already text.
+/// One message of a conversation, its content already text, with the keys of a tool-using
+/// conversation beside (`tool_calls` of an assistant turn, `tool_call_id` and `name` of a tool's
+/// answer) as the template sees them.
 #[derive(Clone, Debug)]
 pub(crate) struct Turn {
     pub(crate) role: String,
     pub(crate) text: String,
+    pub(crate) extra: Map<String, Value>,
 }
 
 impl Turn {
     pub(crate) fn new(role: impl Into<String>, text: impl Into<String>) -> Turn {
-        Turn { role: role.into(), text: text.into() }
+        Turn { role: role.into(), text: text.into(), extra: Map::new() }
+    }
+
+    /// The message the template sees.
+    fn message(&self) -> Value {
+        let mut m = self.extra.clone();
+        m.insert("role".into(), json!(self.role));
+        m.insert("content".into(), json!(self.text));
+        Value::Object(m)
     }
 }
 
@@ -32,6 +43,18 @@ pub(crate) fn prompt_ids(
     own: Option<&str>,
     turns: &[Turn],
     add_generation_prompt: bool,
+    kwargs: &Map<String, Value>,
+) -> Result<Vec<u32>> {
+    prompt_ids_with_tools(state, own, turns, add_generation_prompt, None, kwargs)
+}
+
+/// [`prompt_ids`] with the request's `tools` in the template's context.
+pub(crate) fn prompt_ids_with_tools(
+    state: &AppState,
+    own: Option<&str>,
+    turns: &[Turn],
+    add_generation_prompt: bool,
+    tools: Option<&[Value]>,
     kwargs: &Map<String, Value>,
 ) -> Result<Vec<u32>> {
     let own = match own {
@@ -49,7 +72,7 @@ pub(crate) fn prompt_ids(
         .or(state.config.chat_template.as_ref())
         .or(state.chat_template.as_ref())
         .ok_or_else(|| Error::NoChatTemplate { model: state.engine.config().served_model_name.clone() })?;
-    let messages: Vec<Value> = turns.iter().map(|t| json!({"role": t.role, "content": t.text})).collect();
-    let text = template.render(&messages, add_generation_prompt, kwargs)?;
+    let messages: Vec<Value> = turns.iter().map(Turn::message).collect();
+    let text = template.render_with_tools(&messages, add_generation_prompt, tools, kwargs)?;
     Ok(state.engine.tokenize(&text, false)?)
 }

@@ -125,7 +125,8 @@ impl Error {
                 EngineError::InvalidRequest { .. }
                 | EngineError::PromptTooLong { .. }
                 | EngineError::Adapter { .. }
-                | EngineError::AdapterTargets { .. } => StatusCode::BAD_REQUEST,
+                | EngineError::AdapterTargets { .. }
+                | EngineError::Constraint { .. } => StatusCode::BAD_REQUEST,
                 EngineError::RuntimeUpdatesDisabled => StatusCode::FORBIDDEN,
                 EngineError::Shutdown | EngineError::EngineFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
                 EngineError::Step { .. } | EngineError::AdapterEvicted { .. } => StatusCode::INTERNAL_SERVER_ERROR,

@@ -1,6 +1,6 @@
 //! Fuzz target (bolero) for the request bodies of every endpoint: valid bodies mutated with the
 //! fuzzer's input, parsed and translated as the handlers do (prompts, `n`, sampling parameters,
-//! chat messages, logprobs, Messages' system and content blocks, Responses' input items,
+//! structured outputs' fields, tools and tool choices, chat messages, logprobs, Messages' system and content blocks, Responses' input items,
 //! `/tokenize` and `/detokenize`, the adapter endpoints' bodies). Each must give a 400 with a message
 //! or a value, never a panic. Under `cargo test` bolero's random engine runs it for 1 s;
 //! `BOLERO_RANDOM_TEST_TIME_MS=30000 cargo test -p multilora-server --lib fuzz -- --nocapture`
@@ -38,6 +38,14 @@ const SEEDS: &[&str] = &[
                   {"role": "assistant", "content": "ok"}], "store": true, "text": {"format": {"type": "text"}}}"#,
     r#"{"model": "sql", "prompt": "hi", "add_special_tokens": true, "tokens": [1, 2, 3],
         "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true}"#,
+    r#"{"model": "chat", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "2"}], "tools": [{"type": "function", "function":
+        {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": false}"#,
+    r#"{"model": "sql", "prompt": "x", "echo": true, "logprobs": 2, "prompt_logprobs": 1,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}},
+        "guided_regex": "[a-z]+", "guided_choice": ["a", "b"], "structured_outputs": {"json_object": true}}"#,
 ];
 
 /// Everything a handler does with a body before it reaches the engine.
@@ -47,6 +55,7 @@ fn translate(body: &[u8]) -> Result<(), Error> {
         let n = req.sampling.n()?;
         let params =
             req.sampling.params(SamplingParams::default(), req.sampling.max_tokens.or(Some(16)), req.logprobs)?;
+        req.constraints.constraint()?;
         // The fan-out is bounded by admission before it is built; here, by the cap.
         if prompts.len().saturating_mul(n) <= 256 {
             let _ = fan_out(&req.model, prompts, &params, n);
@@ -59,6 +68,8 @@ fn translate(body: &[u8]) -> Result<(), Error> {
         req.sampling.n()?;
         let logprobs = req.logprobs()?;
         req.sampling.params(SamplingParams::default(), req.max_completion_tokens, logprobs)?;
+        req.constraints.constraint()?;
+        req.tools.read(Some(crate::ToolCallParser::Hermes))?;
     }
     if let Ok(req) = MessagesRequest::parse(body) {
         let turns = req.turns()?;

@@ -16,9 +16,10 @@ use axum::Json;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
-use multilora::{EngineError, Event, FinishReason, Prompt, RequestStream, StopReason, Usage};
+use multilora::{EngineError, Event, FinishReason, Prompt, PromptLogprob, RequestStream, StopReason, Usage};
 use serde_json::{Value, json};
 
+use crate::completions::TokenNames;
 use crate::error::{Error, Result};
 use crate::protocol::FanOut;
 use crate::state::{Admission, AppState};
@@ -37,6 +38,8 @@ pub(crate) struct TokenOut {
 pub(crate) struct Output {
     pub(crate) text: String,
     pub(crate) tokens: Vec<TokenOut>,
+    /// Each prompt token's logprobs (`prompt_logprobs`; the first `None`).
+    pub(crate) prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
     pub(crate) finish_reason: FinishReason,
     pub(crate) stop_reason: Option<StopReason>,
     pub(crate) usage: Usage,
@@ -57,6 +60,23 @@ pub(crate) fn stop_reason_json(stop: &Option<StopReason>) -> Value {
         Some(StopReason::Token(id)) => json!(id),
         _ => Value::Null,
     }
+}
+
+/// vLLM's `prompt_logprobs`: per prompt position `null` (the first) or `{token_id: {logprob,
+/// rank, decoded_token}}` for the prompt token and the most likely alternatives.
+pub(crate) fn prompt_logprobs_json(names: &TokenNames, entries: &[Option<PromptLogprob>]) -> Value {
+    let entry = |e: &PromptLogprob| {
+        let mut m = serde_json::Map::new();
+        for (rank, &(id, lp)) in e.top_logprobs.iter().enumerate() {
+            m.insert(id.to_string(), json!({"logprob": lp, "rank": rank + 1, "decoded_token": names.name(id)}));
+        }
+        m.insert(
+            e.token.to_string(),
+            json!({"logprob": e.logprob, "rank": e.rank, "decoded_token": names.name(e.token)}),
+        );
+        Value::Object(m)
+    };
+    Value::Array(entries.iter().map(|e| e.as_ref().map_or(Value::Null, entry)).collect())
 }
 
 /// One choice: its stream and the event already read from it.
@@ -82,7 +102,12 @@ pub(crate) struct Started {
 /// dropped. For a request whose adapter was still loading, its first event is awaited, so that a
 /// failed load fails the HTTP request the same way.
 pub(crate) async fn start(state: &AppState, admission: Admission, requests: FanOut<'_>, n: usize) -> Result<Started> {
-    let params = requests.params.clone().validate(state.engine.config().vocab_size)?;
+    // A refused constraint's 400 names the field it came from.
+    let named = |e: EngineError| match (&e, requests.constraint_param) {
+        (EngineError::Constraint { .. }, Some(param)) => Error::bad(param, e.to_string()),
+        _ => Error::Engine(e),
+    };
+    let params = requests.params.clone().validate(state.engine.config().vocab_size).map_err(named)?;
     let mut streams = Vec::with_capacity(requests.len());
     for prompt in &requests.prompts {
         let prompt = match prompt {
@@ -90,7 +115,7 @@ pub(crate) async fn start(state: &AppState, admission: Admission, requests: FanO
             other => other.clone(),
         };
         for i in 0..requests.n {
-            streams.push(state.engine.submit(requests.request(prompt.clone(), &params, i))?);
+            streams.push(state.engine.submit(requests.request(prompt.clone(), &params, i)).map_err(named)?);
         }
     }
     let mut choices = Vec::with_capacity(streams.len());
@@ -135,6 +160,7 @@ impl Started {
             let mut out = Output {
                 text: String::new(),
                 tokens: Vec::new(),
+                prompt_logprobs: None,
                 finish_reason: FinishReason::Error,
                 stop_reason: None,
                 usage: Usage::default(),
@@ -159,6 +185,7 @@ impl Started {
                         out.usage = usage;
                         break;
                     }
+                    Event::PromptLogprobs(entries) => out.prompt_logprobs = Some(entries),
                     Event::Error(e) => return Err(Error::Engine(e)),
                     _ => {}
                 }
@@ -223,6 +250,11 @@ pub(crate) trait Render: Send + 'static {
     fn opening(&mut self, n_choices: usize) -> Vec<Value>;
     /// The events of a token of choice `index`.
     fn token(&mut self, index: usize, token: &TokenOut) -> Vec<Value>;
+    /// The events of choice `index`'s prompt logprobs (before its first token; only when the
+    /// request asked for them).
+    fn prompt_logprobs(&mut self, _index: usize, _entries: &[Option<PromptLogprob>]) -> Vec<Value> {
+        Vec::new()
+    }
     /// The events of choice `index`'s end.
     fn finish(&mut self, index: usize, end: &End) -> Vec<Value>;
     /// The events after every choice ended; `usage` (OpenAI's object) when the request asked
@@ -331,6 +363,9 @@ impl<R: Render> SseState<R> {
                 if !self.failed[i] {
                     self.pending.extend(self.render.finish(i, &End { reason, stop_reason, usage }));
                 }
+            }
+            Event::PromptLogprobs(entries) => {
+                self.pending.extend(self.render.prompt_logprobs(i, &entries));
             }
             Event::Error(e) => {
                 // Headers are sent: the failure travels as an error event, as vLLM sends it.

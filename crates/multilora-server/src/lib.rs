@@ -28,8 +28,10 @@
 //! - More than `max_num_seqs + max_waiting_requests` engine requests in flight get 429, counted
 //!   (prompts × `n`) before any is built; more than `max_choices_per_request` in one HTTP
 //!   request is a 400.
-//! - Fields that would change the output if honoured (tools, `response_format`, guided decoding,
-//!   beam search, …) are refused with a 400 naming them, not ignored.
+//! - Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) and
+//!   `tools` with every `tool_choice` are served: each row of a batch follows its own grammar.
+//!   Fields that would change the output if honoured and are not implemented (beam search,
+//!   logits processors, …) are refused with a 400 naming them, not ignored.
 //! - Hardening: every route shares one concurrency limit (503 beyond it), a panicking handler
 //!   answers 500 and the server goes on, the API key is compared in constant time, and
 //!   [`serve_with`] drops clients that do not send their request head within a timeout.
@@ -58,8 +60,11 @@ mod protocol;
 mod responses;
 mod serve;
 mod state;
+mod structured;
 mod template;
 mod tokenize;
+mod tool_parsers;
+mod tools;
 
 use std::any::Any;
 
@@ -83,6 +88,8 @@ pub use drain::Drain;
 pub use error::{Error, Result};
 pub use serve::{DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ServeOptions, serve, serve_with};
 pub use template::{ChatTemplate, MAX_REQUEST_TEMPLATE_BYTES};
+pub use tool_parsers::ToolCallParser;
+pub use tools::MAX_TOOLS;
 
 use crate::state::AppState;
 

@@ -367,6 +367,19 @@ impl Snapshot {
             &vec![],
             &m.step_adapters,
         )?;
+        histogram(
+            e,
+            "multilora_grammar_mask_seconds",
+            "Time to compute one constrained row's allowed-token mask (structured outputs), in seconds.",
+            &vec![],
+            &m.grammar_mask_duration,
+        )?;
+        counter(
+            e,
+            "multilora_grammar_forced_tokens",
+            "Tokens appended because a request's grammar forced them (not sampled).",
+            &[(vec![], m.grammar_forced_tokens)],
+        )?;
         let per = |f: fn(&multilora::AdapterUsage) -> u64| -> Vec<(Labels, u64)> {
             m.per_adapter.iter().map(|(name, u)| (one("adapter", name), f(u))).collect()
         };

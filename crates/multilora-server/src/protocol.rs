@@ -1,8 +1,9 @@
 //! Request bodies of the OpenAI endpoints (with vLLM's extra sampling fields) and their
 //! translation into engine requests. Bodies are parsed with `serde_path_to_error`, so a bad field
 //! is named in the 400. Unknown fields are ignored, as OpenAI's clients send some we do not use,
-//! except those that would change the output if honoured (tools, structured outputs, beam
-//! search, …): those are refused by name rather than silently dropped.
+//! except those that would change the output if honoured and are not implemented (beam search,
+//! logits processors, …): those are refused by name rather than silently dropped. Structured
+//! outputs' fields are read in `structured.rs`, tools in `tools.rs`.
 
 use std::collections::BTreeMap;
 
@@ -14,6 +15,8 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::structured::ConstraintFields;
+use crate::tools::ToolFields;
 
 /// Parses a JSON body, naming the field that failed.
 pub(crate) fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
@@ -40,13 +43,8 @@ pub(crate) fn from_value<'a, T: Deserialize<'a>>(v: &'a Value) -> Result<T> {
 }
 
 /// A request body with the sampling fields parsed on their own (no `serde(flatten)`, which
-/// would hide the failing field's name); the OpenAI endpoints' [`UNSUPPORTED`] fields refused.
-pub(crate) fn parse_with_sampling<T: DeserializeOwned>(body: &[u8]) -> Result<(T, Sampling)> {
-    let (_, req, sampling) = parse_with_sampling_under(body, UNSUPPORTED, &[], "")?;
-    Ok((req, sampling))
-}
-
-/// [`parse_with_sampling`] for an API of its own (Messages, Responses): `unsupported` refused
+/// would hide the failing field's name), for the OpenAI endpoints (`unsupported`: their
+/// [`UNSUPPORTED`]) and the APIs of their own (Messages, Responses): `unsupported` refused
 /// unless off, and `foreign`, sampling fields that API spells otherwise, refused whatever their
 /// value with `hint`. The body comes back too, for the API's own checks.
 pub(crate) fn parse_with_sampling_under<T: DeserializeOwned>(
@@ -68,23 +66,14 @@ pub(crate) fn parse_with_sampling_under<T: DeserializeOwned>(
 /// sets one (to anything but its "off" value) is refused with a 400 naming it, as silently
 /// ignoring it would return an output the client did not ask for.
 const UNSUPPORTED: &[&str] = &[
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
     "logits_processors",
     "allowed_token_ids",
     "bad_words",
     "use_beam_search",
     "include_stop_str_in_output",
     "truncate_prompt_tokens",
-    "prompt_logprobs",
     "prompt_embeds",
     "continue_final_message",
     "add_special_tokens",
@@ -164,6 +153,8 @@ pub(crate) struct Sampling {
     /// vLLM's switch: logprobs name tokens `token_id:<id>` instead of their text.
     #[serde(default)]
     pub(crate) return_tokens_as_token_ids: bool,
+    /// vLLM's prompt logprobs: each prompt token's, with this many alternatives.
+    pub(crate) prompt_logprobs: Option<usize>,
 }
 
 impl Sampling {
@@ -244,6 +235,7 @@ impl Sampling {
             return Err(Error::bad("logprobs", format!("at most {MAX_LOGPROBS} logprobs, got {n}")));
         }
         p.logprobs = logprobs;
+        p.prompt_logprobs = self.prompt_logprobs;
         Ok(p)
     }
 
@@ -283,20 +275,23 @@ pub(crate) struct CompletionRequest {
     pub(crate) echo: bool,
     pub(crate) suffix: Option<String>,
     pub(crate) best_of: Option<usize>,
+    #[serde(skip)]
+    pub(crate) constraints: ConstraintFields,
 }
 
 impl CompletionRequest {
     pub(crate) fn parse(body: &[u8]) -> Result<CompletionRequest> {
-        let (mut req, sampling): (CompletionRequest, Sampling) = parse_with_sampling(body)?;
+        let (v, mut req, sampling): (Value, CompletionRequest, Sampling) =
+            parse_with_sampling_under(body, UNSUPPORTED, &[], "")?;
+        // Tools are chat's: a completion cannot call one.
+        refuse_unsupported(&v, &["tools", "tool_choice"])?;
         req.sampling = sampling;
+        req.constraints = from_value(&v)?;
         Ok(req)
     }
 
     /// The prompts, refusing what this server does not do rather than ignoring it.
     pub(crate) fn prompts(&self) -> Result<Vec<Prompt>> {
-        if self.echo {
-            return Err(Error::bad("echo", "echo is not supported"));
-        }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(Error::bad("suffix", "suffix is not supported"));
         }
@@ -324,6 +319,11 @@ pub(crate) struct ChatMessage {
     pub(crate) role: String,
     #[serde(default)]
     pub(crate) content: Option<Value>,
+    /// An assistant turn's calls.
+    pub(crate) tool_calls: Option<Value>,
+    /// A tool's answer: the call it answers, and the tool's name.
+    pub(crate) tool_call_id: Option<String>,
+    pub(crate) name: Option<String>,
 }
 
 impl ChatMessage {
@@ -364,12 +364,20 @@ pub(crate) struct ChatRequest {
     pub(crate) chat_template_kwargs: serde_json::Map<String, Value>,
     /// vLLM's per-request template, honoured when the server trusts request templates.
     pub(crate) chat_template: Option<String>,
+    #[serde(skip)]
+    pub(crate) constraints: ConstraintFields,
+    /// `tools` and `tool_choice`, read on their own.
+    #[serde(skip)]
+    pub(crate) tools: ToolFields,
 }
 
 impl ChatRequest {
     pub(crate) fn parse(body: &[u8]) -> Result<ChatRequest> {
-        let (mut req, sampling): (ChatRequest, Sampling) = parse_with_sampling(body)?;
+        let (v, mut req, sampling): (Value, ChatRequest, Sampling) =
+            parse_with_sampling_under(body, UNSUPPORTED, &[], "")?;
         req.sampling = sampling;
+        req.constraints = from_value(&v)?;
+        req.tools = from_value(&v)?;
         Ok(req)
     }
 
@@ -407,14 +415,22 @@ pub(crate) struct FanOut<'a> {
     pub(crate) prompts: Vec<Prompt>,
     pub(crate) params: &'a SamplingParams,
     pub(crate) n: usize,
+    /// The field `params.constraint` came from, which a refused constraint's 400 names.
+    pub(crate) constraint_param: Option<&'static str>,
 }
 
 /// `n` engine requests per prompt of `model`, with `params`; nothing is copied yet.
 pub(crate) fn fan_out<'a>(model: &'a str, prompts: Vec<Prompt>, params: &'a SamplingParams, n: usize) -> FanOut<'a> {
-    FanOut { model, prompts, params, n }
+    FanOut { model, prompts, params, n, constraint_param: None }
 }
 
 impl FanOut<'_> {
+    /// Names the field the parameters' constraint came from.
+    pub(crate) fn constrained_by(mut self, param: Option<&'static str>) -> Self {
+        self.constraint_param = param;
+        self
+    }
+
     /// Engine requests in all (prompts × `n`).
     pub(crate) fn len(&self) -> usize {
         self.prompts.len().saturating_mul(self.n)
@@ -451,8 +467,8 @@ mod tests {
         }
         let req = CompletionRequest::parse(br#"{"model": "m", "prompt": [], "echo": false}"#).unwrap();
         assert!(req.prompts().is_err());
-        let req = CompletionRequest::parse(br#"{"model": "m", "prompt": "a", "echo": true}"#).unwrap();
-        assert!(matches!(req.prompts(), Err(Error::BadRequest { param: Some(p), .. }) if p == "echo"));
+        let req = CompletionRequest::parse(br#"{"model": "m", "prompt": "a", "suffix": "b"}"#).unwrap();
+        assert!(matches!(req.prompts(), Err(Error::BadRequest { param: Some(p), .. }) if p == "suffix"));
     }
 
     #[test]
@@ -477,15 +493,8 @@ mod tests {
 
     #[test]
     fn fields_that_would_change_the_output_are_refused_by_name() {
-        for field in [
-            r#""tools": [{"type": "function", "function": {"name": "f"}}]"#,
-            r#""tool_choice": "required""#,
-            r#""response_format": {"type": "json_object"}"#,
-            r#""guided_json": {"type": "object"}"#,
-            r#""guided_choice": ["a", "b"]"#,
-            r#""use_beam_search": true"#,
-            r#""logits_processors": ["x"]"#,
-        ] {
+        for field in [r#""functions": [{"name": "f"}]"#, r#""use_beam_search": true"#, r#""logits_processors": ["x"]"#]
+        {
             let name = field.split('"').nth(1).unwrap();
             let body = format!(r#"{{"model": "m", "messages": [], {field}}}"#);
             let err = ChatRequest::parse(body.as_bytes()).unwrap_err();

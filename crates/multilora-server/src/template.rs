@@ -78,10 +78,23 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, Value>,
     ) -> Result<String> {
+        self.render_with_tools(messages, add_generation_prompt, None, extra)
+    }
+
+    /// [`ChatTemplate::render`] with the request's `tools` (OpenAI's objects, as given) in the
+    /// template's context, as transformers passes them.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        tools: Option<&[Value]>,
+        extra: &serde_json::Map<String, Value>,
+    ) -> Result<String> {
         let tmpl = self.env.get_template(NAME).map_err(Error::Template)?;
         // The fixed names win over `chat_template_kwargs` of the same name.
         let ctx = context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,

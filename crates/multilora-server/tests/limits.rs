@@ -143,10 +143,10 @@ async fn a_path_outside_the_roots_gets_one_answer() -> Result<()> {
 async fn fields_that_would_change_the_output_are_refused() -> Result<()> {
     let server = Server::start(builder(), ServerConfig::default()).await?;
     for (field, value) in [
-        ("response_format", json!({"type": "json_object"})),
-        ("guided_regex", json!("[a-z]+")),
         ("tools", json!([{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+        ("tool_choice", json!("required")),
         ("use_beam_search", json!(true)),
+        ("logits_processors", json!(["x"])),
     ] {
         let mut body = json!({"model": BASE, "prompt": "hi", "max_tokens": 2});
         body[field] = value;
@@ -155,6 +155,9 @@ async fn fields_that_would_change_the_output_are_refused() -> Result<()> {
     }
     let body = json!({"model": BASE, "prompt": "hi", "max_tokens": 2, "response_format": {"type": "text"}});
     assert_eq!(server.post("/v1/completions", &body).await?.0, 200, "plain text is the off value");
+    let body = json!({"model": BASE, "prompt": "hi", "max_tokens": 2, "guided_choice": ["yes", "no"]});
+    let (status, resp) = server.post("/v1/completions", &body).await?;
+    assert_eq!(status, 200, "structured outputs are served: {resp}");
     server.stop().await
 }
 

@@ -9,6 +9,7 @@ use std::time::Instant;
 use multilora_store::{LoadEvent, Resolution};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::guided::Guide;
 use crate::metrics::MetricsSnapshot;
 use crate::request::{Event, SamplingParams};
 use crate::stop::StopStrings;
@@ -63,6 +64,8 @@ pub(crate) struct Submission {
     pub(crate) params: SamplingParams,
     /// `params.stop`, compiled.
     pub(crate) stops: Option<StopStrings>,
+    /// `params.constraint`, compiled.
+    pub(crate) guide: Option<Guide>,
     pub(crate) events: UnboundedSender<Event>,
     pub(crate) arrived: Instant,
 }

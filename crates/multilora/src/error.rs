@@ -37,6 +37,14 @@ pub enum EngineError {
         /// What is wrong.
         reason: String,
     },
+    /// A request's constraint (structured outputs) is too large, or does not compile.
+    #[error("invalid {kind} constraint: {reason}")]
+    Constraint {
+        /// Its kind, as vLLM's `structured_outputs` names it (`json`, `regex`, `choice`, …).
+        kind: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// The prompt leaves no room for a new token within `max_model_len`.
     #[error("prompt of {prompt_len} tokens leaves no room for a new token within max_model_len {max_model_len}")]
     PromptTooLong {
@@ -102,6 +110,7 @@ impl EngineError {
         match self {
             EngineError::ModelNotFound { .. } => "model_not_found",
             EngineError::InvalidRequest { .. } => "invalid_request",
+            EngineError::Constraint { .. } => "invalid_constraint",
             EngineError::PromptTooLong { .. } => "prompt_too_long",
             EngineError::Adapter { .. } | EngineError::AdapterTargets { .. } => "adapter_error",
             EngineError::RuntimeUpdatesDisabled => "runtime_updates_disabled",

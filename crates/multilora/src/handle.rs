@@ -19,6 +19,7 @@ use crate::command::{Command, EventCount, Submission};
 use crate::config::EngineConfig;
 use crate::engine_loop::EngineLoop;
 use crate::error::{BuildError, EngineError, Result};
+use crate::guided::Grammars;
 use crate::health::{EngineHealth, LoopState, Published};
 use crate::metrics::MetricsSnapshot;
 use crate::request::{Completion, Event, FinishReason, GenerateRequest, Prompt, TokenLogprob, Usage};
@@ -64,6 +65,8 @@ struct Shared {
     tx: Sender<Command>,
     store: Arc<Store>,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Structured outputs' compiler and cache, over `tokenizer`'s vocabulary.
+    grammars: Grammars,
     config: EngineConfig,
     next_id: AtomicU64,
     published: Arc<Published>,
@@ -119,7 +122,8 @@ impl Engine {
             .map_err(|e| BuildError::Spawn { what: "the engine thread", source: Arc::new(e) })?;
         #[cfg(feature = "failpoints")]
         crate::failpoints::from_env();
-        let shared = Shared { tx, store, tokenizer, config, next_id: AtomicU64::new(1), published };
+        let grammars = Grammars::new(tokenizer.clone(), config.vocab_size, config.eos_token_ids.clone());
+        let shared = Shared { tx, store, tokenizer, grammars, config, next_id: AtomicU64::new(1), published };
         Ok(Engine { handle: EngineHandle { shared: Arc::new(shared) }, thread: Some(thread) })
     }
 
@@ -204,12 +208,34 @@ impl EngineHandle {
         }
         let params = request.params.into_params();
         let stops = StopStrings::new(&params.stop)?;
+        // Compiled here, on the caller's thread, so a constraint that does not compile is refused
+        // before anything is queued; forced tokens carry no logprobs, so a request that asks for
+        // logprobs samples every token; a row without top-k, top-p or min-p tries a token before
+        // any mask.
+        let guide = match &params.constraint {
+            Some(c) => {
+                let p = &params;
+                let speculate = p.temperature == 0.0 || (p.top_k <= 0 && p.top_p >= 1.0 && p.min_p == 0.0);
+                let guide = self.shared.grammars.guide(c, p.logprobs.is_none(), speculate);
+                Some(guide.map_err(|reason| EngineError::Constraint { kind: c.kind(), reason })?)
+            }
+            None => None,
+        };
         let adapter = self.resolve(&request.model)?;
         let adapter_ready = !matches!(adapter, Some(Resolution::Loading(_)));
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = unbounded_channel();
-        let sub =
-            Submission { id, model: request.model, adapter, prompt, params, stops, events, arrived: Instant::now() };
+        let sub = Submission {
+            id,
+            model: request.model,
+            adapter,
+            prompt,
+            params,
+            stops,
+            guide,
+            events,
+            arrived: Instant::now(),
+        };
         self.shared.tx.send(Command::Submit(Box::new(sub))).map_err(|_| EngineError::Shutdown)?;
         Ok(RequestStream { id, rx, tx: self.shared.tx.clone(), done: false, adapter_ready })
     }

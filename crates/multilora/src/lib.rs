@@ -65,6 +65,7 @@ mod engine_loop;
 mod error;
 #[cfg(feature = "failpoints")]
 mod failpoints;
+mod guided;
 mod handle;
 mod health;
 mod knobs;
@@ -83,12 +84,13 @@ pub use builder::{
 };
 pub use config::EngineConfig;
 pub use error::{BuildError, EngineError, Result, SharedError};
+pub use guided::{CACHED_GRAMMARS, Constraint, MAX_CHOICES, MAX_CONSTRAINT_BYTES};
 pub use handle::{Engine, EngineHandle, METRICS_WAIT, ModelInfo, RequestStream, Tier};
 pub use health::{EngineHealth, LoopState};
 pub use knobs::{DType, Device};
 pub use metrics::{
-    AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS, STEP_BUCKETS_S,
-    STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
+    AdapterUsage, Histogram, ITL_BUCKETS_S, LATENCY_BUCKETS_S, MASK_BUCKETS_S, MetricsSnapshot, STEP_ADAPTER_BUCKETS,
+    STEP_BUCKETS_S, STEP_ROW_BUCKETS, STEP_TOKEN_BUCKETS, TierOccupancy,
 };
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, MAX_LOGPROBS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,

@@ -17,6 +17,9 @@ pub const STEP_BUCKETS_S: [f64; 14] =
 pub const STEP_TOKEN_BUCKETS: [f64; 14] =
     [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0];
 
+/// Bucket bounds (seconds) of a constrained row's allowed-token mask.
+pub const MASK_BUCKETS_S: [f64; 12] =
+    [0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1];
 /// Bucket bounds (sequences) of the rows of a step.
 pub const STEP_ROW_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 /// Bucket bounds (adapters) of the distinct adapters of a step (0: base-model rows only).
@@ -127,6 +130,10 @@ pub struct MetricsSnapshot {
     /// Distinct adapters per step (base-model rows count none): how many adapters share each
     /// forward pass.
     pub step_adapters: Histogram,
+    /// Time to compute one constrained row's allowed-token mask (structured outputs), seconds.
+    pub grammar_mask_duration: Histogram,
+    /// Tokens appended because a request's grammar forced them (not sampled).
+    pub grammar_forced_tokens: u64,
 }
 
 /// The counters the engine loop accumulates.
@@ -148,6 +155,8 @@ pub(crate) struct Counters {
     pub(crate) prefill_tokens: Histogram,
     pub(crate) step_rows: Histogram,
     pub(crate) step_adapters: Histogram,
+    pub(crate) mask_duration: Histogram,
+    pub(crate) forced_tokens: u64,
 }
 
 impl Default for Counters {
@@ -169,6 +178,8 @@ impl Default for Counters {
             prefill_tokens: Histogram::new(&STEP_TOKEN_BUCKETS),
             step_rows: Histogram::new(&STEP_ROW_BUCKETS),
             step_adapters: Histogram::new(&STEP_ADAPTER_BUCKETS),
+            mask_duration: Histogram::new(&MASK_BUCKETS_S),
+            forced_tokens: 0,
         }
     }
 }

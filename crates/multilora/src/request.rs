@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{EngineError, Result};
+use crate::guided::Constraint;
 pub use crate::stop::{MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS};
 
 /// One generation request.
@@ -100,6 +101,8 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<usize>,
     /// Whether special tokens are left out of the text (vLLM's default, true).
     pub skip_special_tokens: bool,
+    /// What the output must match (vLLM's `structured_outputs`), compiled at `submit`.
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -124,6 +127,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             skip_special_tokens: true,
+            constraint: None,
         }
     }
 }
@@ -208,6 +212,9 @@ impl SamplingParams {
                 self.stop_token_ids.len()
             ));
         }
+        if let Some(c) = &self.constraint {
+            c.check().map_err(|reason| EngineError::Constraint { kind: c.kind(), reason })?;
+        }
         Ok(ValidParams { params: self, max_token_id })
     }
 }
@@ -283,6 +290,9 @@ pub struct PromptLogprob {
     pub token: u32,
     /// Its log probability under the raw logits.
     pub logprob: f32,
+    /// Its rank at that position (1: the most likely; ties share the better rank), as vLLM
+    /// reports it.
+    pub rank: usize,
     /// The most likely tokens at that position, best first.
     pub top_logprobs: Vec<(u32, f32)>,
 }

@@ -25,11 +25,16 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// A sampler for `params` (checked as `submit` checks them, for any vocabulary), seeded with
+    /// A sampler for `params` (checked as `submit` checks them, for any vocabulary, and without
+    /// a `constraint`, which only the engine follows), seeded with
     /// `seed`, for a request whose prompt was `prompt` (the repetition penalty reads it) and whose
     /// end-of-sequence ids are `eos` (masked before `min_tokens`, unless `ignore_eos`).
     pub fn new(params: &SamplingParams, seed: u64, prompt: &[u32], eos: &[u32]) -> crate::Result<Sampler> {
         let params = params.clone().validate(usize::MAX)?.into_params();
+        if let Some(c) = &params.constraint {
+            let reason = "a Sampler has no grammar: constrained requests go through the engine".to_string();
+            return Err(crate::EngineError::Constraint { kind: c.kind(), reason });
+        }
         let mut stop = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop.extend_from_slice(eos);
@@ -41,7 +46,7 @@ impl Sampler {
     /// it returns), recorded for the penalties; with its log probability and the top
     /// alternatives under the raw logits when `params.logprobs` asks for them.
     pub fn sample(&mut self, logits: &mut [f32]) -> (u32, Option<TokenLogprob>) {
-        let picked = self.state.pick(logits, &self.params);
+        let picked = self.state.pick(logits, &self.params, None);
         self.state.push(picked.token);
         let lp = picked.logprob.map(|logprob| TokenLogprob {
             token: picked.token,

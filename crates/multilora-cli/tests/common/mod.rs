@@ -204,3 +204,19 @@ impl Stream {
         std::iter::from_fn(|| self.next_data()).collect()
     }
 }
+
+/// Whether `python3` can import `modules` (comma-separated) here; fails when CI requires the
+/// Python clients (`MULTILORA_REQUIRE_OPENAI=1`), else says the check is skipped.
+pub fn python_has(modules: &str) -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        let required = std::env::var("MULTILORA_REQUIRE_OPENAI").is_ok_and(|v| v == "1");
+        assert!(!required, "MULTILORA_REQUIRE_OPENAI=1 but `python3 -c 'import {modules}'` fails");
+        eprintln!("SKIPPED the Python client checks: `pip install {}` to run them (CI does)", modules.replace(',', ""));
+    }
+    ok
+}

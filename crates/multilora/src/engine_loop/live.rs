@@ -13,6 +13,7 @@ use tokenizers::Tokenizer;
 use super::hold::Hold;
 use crate::command::Submission;
 use crate::detokenize::Detokenizer;
+use crate::guided::{Accepted, Guide};
 use crate::metrics::Counters;
 use crate::request::{Event, FinishReason, PromptLogprob, SamplingParams, StopReason};
 use crate::sampling::{Picked, SamplerState, prompt_logprob};
@@ -26,6 +27,8 @@ pub(super) struct Live {
     /// cannot outlive it.
     pub(super) hold: Hold,
     pub(super) sampler: SamplerState,
+    /// Its constraint's grammar state (structured outputs).
+    pub(super) guide: Option<Guide>,
     pub(super) detok: Option<Detokenizer>,
     /// Where the scan of the generated text for stop strings stands.
     pub(super) stop_scan: Option<StopScan>,
@@ -41,12 +44,13 @@ pub(super) struct Live {
 
 impl Live {
     /// A request just submitted, holding what `submit` resolved its model to.
-    pub(super) fn new(sub: Submission, hold: Hold, seed: u64, eos: &[u32], detokenize: bool) -> Live {
+    pub(super) fn new(mut sub: Submission, hold: Hold, seed: u64, eos: &[u32], detokenize: bool) -> Live {
         let stop = stop_ids(&sub.params, eos);
         let detok = detokenize.then(|| Detokenizer::new(&sub.prompt, sub.params.skip_special_tokens));
         let stop_scan = sub.stops.as_ref().map(StopStrings::scanner);
         Live {
             sampler: SamplerState::new(seed, &sub.prompt, stop, &sub.params),
+            guide: sub.guide.take(),
             prompt_lp: sub.params.prompt_logprobs.map(|_| vec![None; sub.prompt.len()]),
             sub,
             hold,
@@ -80,8 +84,37 @@ impl Live {
         if s.sample
             && let Some(raw) = rows.last_mut()
         {
-            let picked = self.sampler.pick(raw, &self.sub.params);
+            let left = self.max_new.saturating_sub(self.sampler.num_generated);
+            let params = &self.sub.params;
+            let picked = match self.guide.as_mut() {
+                None => self.sampler.pick(raw, params, None),
+                Some(g) => match pick_guided(&mut self.sampler, g, raw, params, left) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        out.error = Some(e);
+                        return out;
+                    }
+                },
+            };
             self.sampler.push(picked.token);
+            if let Some(g) = self.guide.as_mut()
+                && !self.sampler.is_stop(picked.token)
+            {
+                let room = self.max_new.saturating_sub(self.sampler.num_generated);
+                match g.accept(picked.token, room) {
+                    Ok(mut accepted) => {
+                        // A forced stop token ends the request there.
+                        if let Some(at) = accepted.forced.iter().position(|&t| self.sampler.is_stop(t)) {
+                            accepted.forced.truncate(at + 1);
+                        }
+                        for &t in &accepted.forced {
+                            self.sampler.push(t);
+                        }
+                        out.accepted = accepted;
+                    }
+                    Err(e) => out.error = Some(e),
+                }
+            }
             out.picked = Some(picked);
         }
         out
@@ -108,26 +141,69 @@ impl Live {
             Some(t) => counters.itl.observe(now - t),
         }
         live.last_token = Some(now);
-        counters.generation_tokens += 1;
-        counters.adapter(&live.sub.model).generation_tokens += 1;
-        let mut delta = match (&mut live.detok, tokenizer) {
-            (Some(d), Some(t)) => d.push(t, token),
-            _ => String::new(),
-        };
+        let Accepted { mut forced, stopped } = computed.accepted;
+        // The sampled token, then those its grammar forced: each streamed as generated.
+        let count = 1 + forced.len();
+        let first_generated = live.sampler.num_generated + 1 - count;
         let mut finish = None;
-        live.stop_reason = live.sub.params.stop_token_ids.contains(&token).then_some(StopReason::Token(token));
-        if let Some(scan) = live.stop_scan.as_mut() {
-            let last = live.sampler.is_stop(token) || live.sampler.num_generated >= live.max_new;
-            let (sent, stopped) = scan.push(&delta, last);
-            if let Some(s) = stopped {
-                live.stop_reason = Some(StopReason::String(s.to_string()));
-                finish = Some(FinishReason::Stop);
+        let mut delivered = 0;
+        for (i, (id, logprob, top_logprobs)) in std::iter::once((token, logprob, top_logprobs))
+            .chain(forced.iter().map(|&t| (t, None, Vec::new())))
+            .enumerate()
+        {
+            counters.generation_tokens += 1;
+            counters.adapter(&live.sub.model).generation_tokens += 1;
+            let mut delta = match (&mut live.detok, tokenizer) {
+                (Some(d), Some(t)) => d.push(t, id),
+                _ => String::new(),
+            };
+            live.stop_reason = live.sub.params.stop_token_ids.contains(&id).then_some(StopReason::Token(id));
+            delivered = i + 1;
+            let last_one = i + 1 == count;
+            if let Some(scan) = live.stop_scan.as_mut() {
+                let last = live.sampler.is_stop(id) || first_generated + i >= live.max_new || (last_one && stopped);
+                let (sent, found) = scan.push(&delta, last);
+                if let Some(s) = found {
+                    live.stop_reason = Some(StopReason::String(s.to_string()));
+                    finish = Some(FinishReason::Stop);
+                }
+                delta = sent;
             }
-            delta = sent;
+            events.push((s.id, Event::Token { id, text_delta: delta, logprob, top_logprobs }));
+            if finish.is_some() {
+                break;
+            }
         }
-        events.push((s.id, Event::Token { id: token, text_delta: delta, logprob, top_logprobs }));
-        Some(RequestResult { id: s.id, token: Some(token), finish })
+        forced.truncate(delivered - 1);
+        if stopped && finish.is_none() {
+            // The grammar is complete and cannot go on: the request ends as if it sampled EOS.
+            finish = Some(FinishReason::Stop);
+        }
+        if live.guide.as_ref().is_some_and(Guide::closing) && (finish.is_some() || live.sampler.is_stop(token)) {
+            // Its budget, not the model, ended it: the grammar was closed for want of tokens.
+            finish = Some(FinishReason::Length);
+        }
+        Some(RequestResult { id: s.id, token: Some(token), forced, finish })
     }
+}
+
+/// A constrained row's token: the one drawn from its whole row when it may try first and the
+/// grammar allows it, else one drawn under the mask (see [`Guide`]).
+fn pick_guided(
+    sampler: &mut SamplerState,
+    guide: &mut Guide,
+    raw: &mut [f32],
+    params: &SamplingParams,
+    left: usize,
+) -> Result<Picked, String> {
+    if guide.tries_first(left) {
+        let first = sampler.pick(raw, params, None);
+        if guide.allows(first.token)? {
+            return Ok(first);
+        }
+    }
+    guide.prepare(left)?;
+    Ok(sampler.pick(raw, params, guide.mask()))
 }
 
 /// What [`Live::compute`] gave for one request in one step.
@@ -137,6 +213,10 @@ pub(super) struct Computed {
     prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
     /// The sampled token, when the request sampled this step.
     picked: Option<Picked>,
+    /// What its grammar made of it.
+    accepted: Accepted,
+    /// Its grammar failed (a mask past its bound): the request fails.
+    pub(super) error: Option<String>,
 }
 
 /// The tokens that end a request: its `stop_token_ids`, plus EOS unless `ignore_eos`.

@@ -68,6 +68,8 @@ impl EngineLoop {
             prefill_tokens_per_step: self.counters.prefill_tokens.clone(),
             step_rows: self.counters.step_rows.clone(),
             step_adapters: self.counters.step_adapters.clone(),
+            grammar_mask_duration: self.counters.mask_duration.clone(),
+            grammar_forced_tokens: self.counters.forced_tokens,
         }
     }
 }

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use super::EngineLoop;
 use super::live::{Computed, Live};
 use crate::error::{EngineError, SharedError};
+use crate::guided::Guide;
 
 /// Logit entries in a step from which its rows are sampled on the pool's threads (two rows of a
 /// 16k vocabulary): below it the work is a few µs, which waking the pool's other threads (tens
@@ -107,7 +108,10 @@ impl EngineLoop {
             seqs.push(
                 SeqInput::new(s.token_ids.clone(), s.num_computed_tokens, s.block_table.clone(), slot)
                     .with_sliding_table(s.sliding_table.clone())
-                    .with_logits(s.logits),
+                    .with_logits(s.logits)
+                    // Past the prompt, several new tokens are a sampled one and those its grammar
+                    // forced: they attend as decode rows.
+                    .with_decode_rows(s.num_computed_tokens >= s.num_prompt_tokens),
             );
             kept.push(s);
         }
@@ -115,7 +119,28 @@ impl EngineLoop {
             return true;
         }
         let batch = Batch::new(seqs);
-        let logits = self.model.forward(&batch, &mut self.kv).and_then(|t| self.model.logits_to_host(&t));
+        // The masks of the constrained rows that sample this step and will need one (see
+        // `Guide`) are computed on the pool's other thread while this one runs the forward pass
+        // (whose parallel regions it then takes alone for that long): a mask needs only the
+        // tokens fed so far.
+        let sampling: HashSet<u64> = kept.iter().filter(|s| s.sample).map(|s| s.id).collect();
+        let guides: Vec<(&mut Guide, usize)> = self
+            .live
+            .iter_mut()
+            .filter(|(id, _)| sampling.contains(id))
+            .filter_map(|(_, l)| {
+                let left = l.max_new.saturating_sub(l.sampler.num_generated);
+                l.guide.as_mut().filter(|g| g.mask_ahead()).map(|g| (g, left))
+            })
+            .collect();
+        let (model, kv) = (&self.model, &mut self.kv);
+        let logits = rayon::in_place_scope(|scope| {
+            if !guides.is_empty() {
+                // An error here comes back when the row samples (`Live::compute` prepares again).
+                scope.spawn(move |_| guides.into_iter().for_each(|(g, left)| drop(g.prepare(left))));
+            }
+            model.forward(&batch, kv).and_then(|t| model.logits_to_host(&t))
+        });
         let mut logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -126,14 +151,26 @@ impl EngineLoop {
         let computed = self.compute_rows(&kept, &batch, &mut logits);
         let mut results = Vec::new();
         let mut token_events = Vec::new();
+        let mut failed = Vec::new();
         for (s, c) in kept.iter().zip(computed) {
             let tokenizer = self.tokenizer.as_deref();
-            if let Some(r) = c.and_then(|c| {
-                let live = self.live.get_mut(&s.id)?;
-                live.deliver(s, c, tokenizer, &mut self.counters, &mut token_events)
-            }) {
+            let Some(live) = self.live.get_mut(&s.id) else { continue };
+            if let Some(t) = live.guide.as_mut().and_then(Guide::take_mask_time) {
+                self.counters.mask_duration.observe(t);
+            }
+            let Some(c) = c else { continue };
+            if let Some(reason) = c.error.clone() {
+                let kind = live.sub.params.constraint.as_ref().map_or("grammar", |c| c.kind());
+                failed.push((s.id, EngineError::Constraint { kind, reason }));
+                continue;
+            }
+            if let Some(r) = live.deliver(s, c, tokenizer, &mut self.counters, &mut token_events) {
+                self.counters.forced_tokens += r.forced.len() as u64;
                 results.push(r);
             }
+        }
+        for (id, e) in failed {
+            self.fail(id, e);
         }
         let finished = match self.scheduler.update(&results) {
             Ok(f) => f,
@@ -150,8 +187,12 @@ impl EngineLoop {
         for f in finished {
             self.finish(f.id, f.reason, f.output_token_ids.len());
         }
-        let decode_rows = batch.seqs.iter().filter(|s| s.tokens.len() == 1).count();
-        let prefill_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).filter(|&n| n > 1).sum();
+        // A row of one token or past its prompt is a decode row (the tokens a grammar forced
+        // beside its sampled one count as prefill tokens); every other row's tokens are prefill
+        // tokens.
+        let decoding = |s: &&&ScheduledRequest| s.token_ids.len() == 1 || s.num_computed_tokens >= s.num_prompt_tokens;
+        let decode_rows = kept.iter().filter(decoding).count();
+        let prefill_tokens: usize = kept.iter().map(|s| s.token_ids.len()).sum::<usize>() - decode_rows;
         let adapters = kept.iter().filter_map(|s| s.adapter).collect::<HashSet<_>>().len();
         let elapsed = started.elapsed();
         self.cost.observe(decode_rows, prefill_tokens, elapsed.as_secs_f64());

@@ -45,6 +45,8 @@ pub(crate) struct Scratch {
     /// The head's logits and weights, for one vector pass over them.
     vals: Vec<f32>,
     head_w: Vec<f32>,
+    /// A constrained row: its logits with every token its grammar disallows at -∞.
+    pub(super) masked: Vec<f32>,
 }
 
 /// The token drawn from `x` with uniform number `u` in [0, 1). A row whose largest logit is +∞

@@ -17,6 +17,8 @@ use std::collections::HashMap;
 
 use multilora_types::SplitMix64;
 
+use llguidance::toktrie::SimpleVob;
+
 use crate::request::{PromptLogprob, SamplingParams};
 pub(crate) use draw::Filters;
 use draw::{Scratch, draw, weigh_row};
@@ -50,8 +52,10 @@ fn row_max_f64(x: &[f32]) -> f64 {
 pub(crate) fn prompt_logprob(row: &[f32], token: u32, n: usize) -> PromptLogprob {
     SCRATCH.with_borrow_mut(|s| {
         let (lse, top_logprobs) = log_softmax_head(row, n, s);
-        let logprob = row.get(token as usize).map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32);
-        PromptLogprob { token, logprob, top_logprobs }
+        let x = row.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        let logprob = (x as f64 - lse) as f32;
+        let rank = 1 + row.iter().filter(|&&y| y > x).count();
+        PromptLogprob { token, logprob, rank, top_logprobs }
     })
 }
 
@@ -114,11 +118,15 @@ impl SamplerState {
     }
 
     /// Picks the next token from the raw `logits` (changed while it runs, raw again when it
-    /// returns), with its logprob and the top alternatives when `p.logprobs` asks for them.
-    pub(crate) fn pick(&mut self, logits: &mut [f32], p: &SamplingParams) -> Picked {
+    /// returns), with its logprob and the top alternatives when `p.logprobs` asks for them;
+    /// among the tokens `mask` allows, when the request is constrained.
+    pub(crate) fn pick(&mut self, logits: &mut [f32], p: &SamplingParams, mask: Option<&SimpleVob>) -> Picked {
         SCRATCH.with_borrow_mut(|s| {
             let lp = p.logprobs.map(|n| log_softmax_head(logits, n, s));
-            let token = self.sample_with(logits, p, s);
+            let token = match mask {
+                None => self.sample_with(logits, p, s),
+                Some(mask) => self.sample_masked(logits, p, mask, s),
+            };
             let (logprob, top_logprobs) = match lp {
                 Some((lse, top)) => (Some((logits[token as usize] as f64 - lse) as f32), top),
                 None => (None, Vec::new()),
@@ -148,6 +156,36 @@ impl SamplerState {
         }
         undo.clear();
         self.undo = undo;
+        token
+    }
+
+    /// [`SamplerState::sample_with`] over a copy of `logits` in which every token `mask`
+    /// disallows is -∞ (logprobs stay those of the raw row). When the processors leave no allowed
+    /// token a finite logit (`min_tokens` masking the end-of-sequence a finished grammar
+    /// allows alone), the grammar wins: its lowest allowed id.
+    fn sample_masked(&mut self, logits: &[f32], p: &SamplingParams, mask: &SimpleVob, s: &mut Scratch) -> u32 {
+        let mut masked = std::mem::take(&mut s.masked);
+        masked.clear();
+        masked.extend_from_slice(logits);
+        let words = mask.as_slice();
+        for (i, chunk) in masked.chunks_mut(32).enumerate() {
+            let word = words.get(i).copied().unwrap_or(0);
+            if word == u32::MAX {
+                continue;
+            }
+            for (bit, x) in chunk.iter_mut().enumerate() {
+                if word & (1 << bit) == 0 {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let mut token = self.sample_with(&mut masked, p, s);
+        if !mask.is_allowed(token) {
+            // `masked` is back to the raw row under the mask: its best allowed token.
+            let best = argmax(&masked);
+            token = if mask.is_allowed(best) { best } else { mask.first_bit_set().map_or(token, |t| t as u32) };
+        }
+        s.masked = masked;
         token
     }
 

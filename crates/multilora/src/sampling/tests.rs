@@ -136,7 +136,7 @@ fn logprobs_are_the_raw_log_softmax() {
     };
     let mut s = SamplerState::new(0, &[3, 4], vec![], &p);
     let mut row = x.clone();
-    let got = s.pick(&mut row, &p);
+    let got = s.pick(&mut row, &p, None);
     assert_eq!(got.token, 3, "the bias decides the token");
     assert_eq!(row, x);
     assert!((got.logprob.expect("asked") as f64 - lp(3)).abs() < 1e-5);
@@ -150,7 +150,7 @@ fn logprobs_are_the_raw_log_softmax() {
     assert!((entry.logprob as f64 - lp(42)).abs() < 1e-5);
     assert_eq!(entry.top_logprobs.iter().map(|t| t.0 as usize).collect::<Vec<_>>(), order[..2].to_vec());
     let none = SamplingParams { logprobs: None, ..p };
-    assert_eq!(s.pick(&mut row, &none).logprob, None);
+    assert_eq!(s.pick(&mut row, &none, None).logprob, None);
 }
 
 /// The processors follow vLLM: the repetition penalty divides positive and multiplies negative
