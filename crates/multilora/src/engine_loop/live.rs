@@ -153,8 +153,10 @@ impl Live {
         {
             counters.generation_tokens += 1;
             counters.adapter(&live.sub.model).generation_tokens += 1;
+            // A stop token that ends the request adds no text (as vLLM: an end-of-sequence
+            // token's text would reach the reply when special tokens are not skipped).
             let mut delta = match (&mut live.detok, tokenizer) {
-                (Some(d), Some(t)) => d.push(t, id),
+                (Some(d), Some(t)) if !live.sampler.is_stop(id) => d.push(t, id),
                 _ => String::new(),
             };
             live.stop_reason = live.sub.params.stop_token_ids.contains(&id).then_some(StopReason::Token(id));
@@ -179,7 +181,9 @@ impl Live {
             // The grammar is complete and cannot go on: the request ends as if it sampled EOS.
             finish = Some(FinishReason::Stop);
         }
-        if live.guide.as_ref().is_some_and(Guide::closing) && (finish.is_some() || live.sampler.is_stop(token)) {
+        let by_string = matches!(live.stop_reason, Some(StopReason::String(_)));
+        let ended = stopped || live.sampler.is_stop(token);
+        if live.guide.as_ref().is_some_and(Guide::closing) && ended && !by_string {
             // Its budget, not the model, ended it: the grammar was closed for want of tokens.
             finish = Some(FinishReason::Length);
         }

@@ -21,8 +21,8 @@ use super::guide::{CLOSERS, Guide};
 use super::vocab::Vocab;
 use super::{Constraint, guarded};
 
-/// Compiled grammars kept, by their constraint's content.
-pub const CACHED_GRAMMARS: usize = 256;
+/// Compiled grammars kept, by their constraint's content (a large schema's parser is megabytes).
+pub const CACHED_GRAMMARS: usize = 64;
 
 /// The limits every grammar compiles and runs under (llguidance's defaults but the grammar size,
 /// which [`super::MAX_CONSTRAINT_BYTES`] bounds first): the lexer fuel bounds the compile
@@ -49,7 +49,7 @@ pub(crate) struct Grammars {
     vocab_size: usize,
     eos: Vec<u32>,
     factory: OnceLock<Result<Factory, String>>,
-    cache: Mutex<LruCache<String, TokenParser>>,
+    cache: Mutex<LruCache<blake3::Hash, TokenParser>>,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -115,15 +115,16 @@ impl Grammars {
     }
 }
 
-/// The cache's key: the constraint's kind and content.
-fn cache_key(c: &Constraint) -> String {
-    match c {
+/// The cache's key: a digest of the constraint's kind and content.
+fn cache_key(c: &Constraint) -> blake3::Hash {
+    let text = match c {
         Constraint::JsonSchema(v) => format!("json:{v}"),
         Constraint::JsonObject => "json_object".into(),
         Constraint::Regex(s) => format!("regex:{s}"),
         Constraint::Choice(v) => format!("choice:{}", Value::from(v.clone())),
         Constraint::Grammar(s) => format!("grammar:{s}"),
-    }
+    };
+    blake3::hash(text.as_bytes())
 }
 
 /// The llguidance grammar of a constraint.

@@ -3,9 +3,9 @@
 //! otherwise, or when the grammar refuses it, its allowed-token mask is computed
 //! ([`Guide::prepare`]; ahead, beside the step's forward pass, for a row that cannot try first or
 //! was refused last time) and the sampler draws under it ([`Guide::mask`]). The sampled token is
-//! then fed to the grammar ([`Guide::accept`]), which
-//! hands back the tokens its grammar now forces (at most the room the request has left), fed to
-//! it as well. A panic inside the grammar library is caught and becomes this request's error.
+//! then fed to the grammar ([`Guide::accept`]), which hands back the tokens it now forces (at most
+//! the room the request has left), fed to it as well. A panic inside the grammar library is caught
+//! and becomes this request's error.
 //!
 //! Near `max_tokens` a guide closes its grammar: it plays the shortest way to an accepting state
 //! it finds greedily (closing quotes and brackets first, [`CLOSERS`]) on a copy, and once the
@@ -155,6 +155,8 @@ impl Guide {
     fn check_closing(&mut self, left: usize) {
         if !self.closing && left <= self.close_check {
             match self.closing_way(left) {
+                // Forced tokens overshot what is left: it will not fit later either.
+                Some(n) if n > left => self.close_check = 0,
                 Some(n) if n + CLOSE_MARGIN >= left => self.closing = true,
                 Some(n) => self.close_check = n + CLOSE_MARGIN,
                 // No way within what is left: look again with half as much.
@@ -192,8 +194,8 @@ impl Guide {
     }
 
     /// The length of the greedy way to an accepting state from here ([`closing_step`] after
-    /// step, the forced tokens included), played on a copy of the parser: `None` when none is found within
-    /// `limit` tokens (or [`MAX_CLOSE`]), or the grammar fails on the copy.
+    /// step, the forced tokens included), played on a copy of the parser: `None` when none is
+    /// found within `limit` tokens (or [`MAX_CLOSE`]), or the grammar fails on the copy.
     fn closing_way(&self, limit: usize) -> Option<usize> {
         // A shallow copy: it shares the lexer's caches with the guide (same thread, one at a
         // time), which a deep copy would duplicate (megabytes for a large schema).
