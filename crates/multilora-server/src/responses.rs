@@ -3,7 +3,8 @@
 //! or message items with `input_text` / `output_text` parts, roles user / assistant / system /
 //! developer) become the conversation chat completions renders (`conversation.rs`),
 //! `max_output_tokens`, `temperature` and `top_p` the sampling parameters (with vLLM's extra
-//! sampling fields from the body, as on chat completions), and the output comes
+//! sampling fields from the body, as on chat completions; `text.format` `json_object` /
+//! `json_schema` constrains the output as chat's `response_format` does), and the output comes
 //! back as a `response` object (or, with `stream`, as the API's typed events with their sequence
 //! numbers: `response.created`, `response.in_progress`, `response.output_item.added`,
 //! `response.content_part.added`, `response.output_text.delta` …, `response.completed` or
@@ -23,7 +24,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::Response;
 use lru::LruCache;
-use multilora::{FinishReason, Prompt};
+use multilora::{Constraint, FinishReason, Prompt};
 use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -33,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::generation::{self, End, Output, Render, TokenOut};
 use crate::protocol::{Sampling, fan_out, parse_with_sampling_under};
 use crate::state::{AppState, unix_now};
+use crate::structured::text_format;
 
 /// `POST /v1/responses`.
 #[derive(Debug, Deserialize)]
@@ -50,6 +52,11 @@ pub(crate) struct ResponsesRequest {
     /// The body's sampling fields (`temperature`, `top_p`, vLLM's extras).
     #[serde(skip)]
     sampling: Sampling,
+    /// `text.format` as given, and the constraint it puts on the output.
+    #[serde(skip)]
+    format: Option<Value>,
+    #[serde(skip)]
+    constraint: Option<Constraint>,
 }
 
 /// Fields that would change the output and are not served yet: refused by name unless off.
@@ -93,13 +100,9 @@ impl ResponsesRequest {
         let hint = "max_output_tokens; one answer a request";
         let (v, mut req, sampling): (_, ResponsesRequest, Sampling) =
             parse_with_sampling_under(body, UNSUPPORTED, &["max_tokens", "n", "stop"], hint)?;
-        if let Some(format) = v.pointer("/text/format/type").and_then(Value::as_str)
-            && format != "text"
-        {
-            return Err(Error::bad(
-                "text.format",
-                format!("text.format {format:?} is not supported by this server yet"),
-            ));
+        if let Some(format) = v.pointer("/text/format").filter(|f| !f.is_null()) {
+            req.constraint = text_format(format)?;
+            req.format = Some(format.clone());
         }
         req.sampling = sampling;
         Ok(req)
@@ -182,8 +185,9 @@ pub(crate) async fn create(State(state): State<AppState>, body: Bytes) -> Result
     let input_tokens = ids.len();
     let admission = state.admit(1)?;
     let base = state.engine.config().default_params();
-    let params = req.sampling.params(base, req.max_output_tokens, None)?;
-    let requests = fan_out(&req.model, vec![Prompt::Tokens(ids)], &params, 1);
+    let mut params = req.sampling.params(base, req.max_output_tokens, None)?;
+    params.constraint = req.constraint.clone();
+    let requests = fan_out(&req.model, vec![Prompt::Tokens(ids)], &params, 1).constrained_by(Some("text.format"));
     let started = generation::start(&state, admission, requests, 1).await?;
     let keep = store.capacity > 0 && req.store.unwrap_or(true);
     let id = state.response_id("resp");
@@ -192,7 +196,7 @@ pub(crate) async fn create(State(state): State<AppState>, body: Bytes) -> Result
         "incomplete_details": null, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "model": req.model, "output": [], "parallel_tool_calls": true, "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": null, "summary": null}, "store": keep, "temperature": params.temperature,
-        "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "top_p": params.top_p,
+        "text": {"format": req.format.clone().unwrap_or_else(|| json!({"type": "text"}))}, "tool_choice": "auto", "tools": [], "top_p": params.top_p,
         "truncation": "disabled", "usage": null, "user": null, "metadata": req.metadata,
     });
     let render = ResponseRender {

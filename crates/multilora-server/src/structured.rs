@@ -1,6 +1,6 @@
 //! Structured outputs as the OpenAI endpoints spell them: OpenAI's `response_format`
-//! (`json_object`, `json_schema`), vLLM's `structured_outputs` object and its older `guided_json`,
-//! `guided_regex`, `guided_choice` and `guided_grammar` fields, each read into the engine's
+//! (`json_object`, `json_schema`; the Responses API's `text.format`), vLLM's `structured_outputs`
+//! object and its older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar` fields, each read into the engine's
 //! [`Constraint`] with the name of the field it came from (the 400 of a constraint the engine
 //! refuses names that field). At most one of them may constrain a request.
 
@@ -94,6 +94,23 @@ fn response_format(v: &Value) -> Result<Option<Constrained>> {
         }
         other => {
             Err(Error::bad(P, format!("response_format.type must be text, json_object or json_schema, got {other:?}")))
+        }
+    }
+}
+
+/// The Responses API's `text.format`: `text` (no constraint), `json_object`, or `json_schema`
+/// with `name`, `schema` and `strict` beside the type (the schema is followed exactly).
+pub(crate) fn text_format(v: &Value) -> Result<Option<Constraint>> {
+    const P: &str = "text.format";
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let schema = v.get("schema").ok_or_else(|| Error::bad(P, "text.format.schema is required"))?;
+            Ok(Some(Constraint::JsonSchema(schema_value(schema, P)?)))
+        }
+        other => {
+            Err(Error::bad(P, format!("text.format.type must be text, json_object or json_schema, got {other:?}")))
         }
     }
 }

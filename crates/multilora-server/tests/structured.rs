@@ -310,3 +310,23 @@ async fn completions_echo_the_prompt_and_give_prompt_logprobs() -> Result<()> {
     assert_eq!(joined, text);
     server.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_text_format_constrains_the_output() -> Result<()> {
+    let server = qwen_server(false).await?;
+    let schema = json!({"type": "object", "properties": {"mood": {"enum": ["calm", "busy"]}}, "required": ["mood"],
+        "additionalProperties": false});
+    let body = json!({"model": "qv_r8", "input": "How are you?", "max_output_tokens": 60, "temperature": 1.0,
+        "text": {"format": {"type": "json_schema", "name": "m", "schema": schema, "strict": true}}});
+    let (status, resp) = server.post("/v1/responses", &body).await?;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(resp["text"]["format"]["type"], "json_schema");
+    let text = resp["output"][0]["content"][0]["text"].as_str().unwrap();
+    let v: Value = serde_json::from_str(text)?;
+    assert!(v["mood"] == "calm" || v["mood"] == "busy", "{text}");
+    let mut bad = body.clone();
+    bad["text"]["format"]["schema"] = json!({"type": "strung"});
+    let (status, resp) = server.post("/v1/responses", &bad).await?;
+    assert_eq!((status, resp["error"]["param"].as_str()), (400, Some("text.format")), "{resp}");
+    server.stop().await
+}
