@@ -30,6 +30,14 @@ pub struct ScheduledRequest {
     pub num_prompt_tokens: usize,
 }
 
+impl ScheduledRequest {
+    /// Whether this chunk is a decode: one token, or tokens past the prompt (a sampled token and
+    /// those the request's grammar forced after it), which sample at their end.
+    pub fn is_decode(&self) -> bool {
+        self.token_ids.len() == 1 || self.num_computed_tokens >= self.num_prompt_tokens
+    }
+}
+
 /// The decisions of one [`Scheduler::schedule`](crate::Scheduler::schedule) call.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SchedulerOutput {

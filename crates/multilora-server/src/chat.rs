@@ -7,7 +7,7 @@
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::Response;
-use multilora::{FinishReason, Prompt, PromptLogprob};
+use multilora::{Prompt, PromptLogprob};
 use serde_json::{Value, json};
 
 use crate::completions::TokenNames;
@@ -138,27 +138,24 @@ impl ChatRender {
         if self.streams.len() <= index {
             self.streams.resize_with(index + 1, || None);
         }
-        Some(self.streams[index].get_or_insert_with(|| ToolStream::new(mode)))
+        let ids = CallIds::new(&self.meta.id, index);
+        Some(self.streams[index].get_or_insert_with(|| ToolStream::new(mode, ids)))
     }
 }
 
 /// A choice's message and finish reason: with tools, its calls parsed out of the text.
-fn message(mode: Option<&ToolMode>, o: &Output, ids: &mut CallIds) -> (Value, &'static str) {
-    let reason = o.finish_reason.as_str();
-    let Some(mode) = mode else {
-        return (json!({"role": "assistant", "content": o.text}), reason);
+fn message(mode: Option<&ToolMode>, o: &Output, mut ids: CallIds) -> (Value, &'static str) {
+    let parsed = mode.map(|m| m.parse(&o.text)).filter(|p| !p.calls.is_empty());
+    let (Some(mode), Some(parsed)) = (mode, parsed) else {
+        return (json!({"role": "assistant", "content": o.text}), o.finish_reason.as_str());
     };
-    let parsed = mode.parse(&o.text);
-    if parsed.calls.is_empty() {
-        return (json!({"role": "assistant", "content": o.text}), reason);
-    }
     let calls: Vec<ToolCall> = parsed
         .calls
         .into_iter()
         .map(|c| ToolCall { id: ids.next_id(), name: c.name, arguments: c.arguments })
         .collect();
-    let reason = if o.finish_reason == FinishReason::Stop { mode.finish_reason() } else { reason };
-    (json!({"role": "assistant", "content": parsed.content, "tool_calls": calls_json(&calls)}), reason)
+    let message = json!({"role": "assistant", "content": parsed.content, "tool_calls": calls_json(&calls)});
+    (message, mode.finish_reason(o.finish_reason, true))
 }
 
 impl Render for ChatRender {
@@ -167,8 +164,8 @@ impl Render for ChatRender {
             let logprobs = self.logprobs.then(
                 || json!({"content": o.tokens.iter().map(|t| token_logprob(&self.names, t)).collect::<Vec<_>>()}),
             );
-            let mut ids = CallIds::new(&self.meta.id, index);
-            let (message, finish_reason) = message(self.mode.as_ref(), o, &mut ids);
+            let ids = CallIds::new(&self.meta.id, index);
+            let (message, finish_reason) = message(self.mode.as_ref(), o, ids);
             let mut choice = json!({
                 "index": index,
                 "message": message,
@@ -196,11 +193,10 @@ impl Render for ChatRender {
 
     fn token(&mut self, index: usize, token: &TokenOut) -> Vec<Value> {
         let logprobs = token.logprob.map(|_| json!({"content": [token_logprob(&self.names, token)]}));
-        let mut ids = CallIds::new(&self.meta.id, index);
         let Some(stream) = self.stream(index) else {
             return vec![self.delta(index, json!({"content": token.text}), logprobs)];
         };
-        let d = stream.push(&token.text, &mut ids);
+        let d = stream.push(&token.text);
         let mut out = Vec::new();
         if !d.content.is_empty() {
             out.push(self.delta(index, json!({"content": d.content}), logprobs));
@@ -221,17 +217,14 @@ impl Render for ChatRender {
         let mut out = Vec::new();
         let mut reason = end.reason.as_str();
         let mode = self.mode.clone();
-        let mut ids = CallIds::new(&self.meta.id, index);
-        if let Some(stream) = self.stream(index) {
-            let (d, made) = stream.finish(&mut ids);
+        if let (Some(stream), Some(mode)) = (self.stream(index), mode) {
+            let (d, made) = stream.finish();
+            reason = mode.finish_reason(end.reason, made);
             if !d.content.is_empty() {
                 out.push(self.delta(index, json!({"content": d.content}), None));
             }
             if !d.calls.is_empty() {
                 out.push(self.delta(index, json!({"tool_calls": d.calls}), None));
-            }
-            if made && end.reason == FinishReason::Stop {
-                reason = mode.as_ref().map_or(reason, ToolMode::finish_reason);
             }
         }
         out.push(self.chunk(vec![json!({"index": index, "delta": {}, "logprobs": Value::Null,

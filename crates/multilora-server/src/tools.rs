@@ -7,7 +7,7 @@
 //! own syntax, parsed by that parser. Calls come back as `message.tool_calls`, streamed as
 //! OpenAI's tool-call deltas ([`ToolStream`]).
 
-use multilora::Constraint;
+use multilora::{Constraint, FinishReason};
 use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
@@ -214,10 +214,12 @@ impl ToolMode {
         }
     }
 
-    /// The finish reason of a reply that ended with `stop` and made calls: OpenAI's
-    /// `tool_calls`, except for a named function (`stop`, as OpenAI answers a forced call).
-    pub(crate) fn finish_reason(&self) -> &'static str {
+    /// The finish reason of a reply that ended with `end`: one that stopped on its own and made
+    /// calls finishes with OpenAI's `tool_calls` (`stop` for a named function, as OpenAI answers
+    /// a forced call).
+    pub(crate) fn finish_reason(&self, end: FinishReason, made_calls: bool) -> &'static str {
         match self {
+            _ if end != FinishReason::Stop || !made_calls => end.as_str(),
             ToolMode::Named(_) => "stop",
             _ => "tool_calls",
         }
@@ -250,6 +252,8 @@ pub(crate) struct ToolStream {
     in_calls: bool,
     /// A named function's call id, once its first delta went out.
     named_id: Option<String>,
+    /// Where its calls' ids come from.
+    ids: CallIds,
 }
 
 /// What a [`ToolStream`] sends for a piece of text.
@@ -262,18 +266,18 @@ pub(crate) struct ToolDeltas {
 }
 
 impl ToolStream {
-    pub(crate) fn new(mode: ToolMode) -> ToolStream {
-        ToolStream { mode, text: String::new(), sent: 0, in_calls: false, named_id: None }
+    pub(crate) fn new(mode: ToolMode, ids: CallIds) -> ToolStream {
+        ToolStream { mode, text: String::new(), sent: 0, in_calls: false, named_id: None, ids }
     }
 
     /// The deltas for `piece`, the reply's next text.
-    pub(crate) fn push(&mut self, piece: &str, ids: &mut CallIds) -> ToolDeltas {
+    pub(crate) fn push(&mut self, piece: &str) -> ToolDeltas {
         self.text.push_str(piece);
         let mut out = ToolDeltas::default();
         match &self.mode {
             ToolMode::Named(name) => {
                 if self.named_id.is_none() {
-                    let id = ids.next_id();
+                    let id = self.ids.next_id();
                     out.calls.push(
                         json!({"index": 0, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}),
                     );
@@ -304,7 +308,7 @@ impl ToolStream {
     }
 
     /// The deltas at the reply's end, and whether it made calls.
-    pub(crate) fn finish(&mut self, ids: &mut CallIds) -> (ToolDeltas, bool) {
+    pub(crate) fn finish(&mut self) -> (ToolDeltas, bool) {
         let mut out = ToolDeltas::default();
         if let ToolMode::Named(_) = self.mode {
             return (out, self.named_id.is_some());
@@ -317,7 +321,7 @@ impl ToolStream {
             return (out, false);
         }
         for (i, c) in parsed.calls.into_iter().enumerate() {
-            out.calls.push(json!({"index": i, "id": ids.next_id(), "type": "function",
+            out.calls.push(json!({"index": i, "id": self.ids.next_id(), "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments}}));
         }
         (out, true)
@@ -377,24 +381,23 @@ mod tests {
             "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
         let mode = ToolMode::Auto(ToolCallParser::Hermes);
         let collected = mode.parse(text);
-        let mut rng = CallIds::new("chatcmpl-00ff", 0);
-        let mut stream = ToolStream::new(mode);
+        let mut stream = ToolStream::new(mode, CallIds::new("chatcmpl-00ff", 0));
         let mut content = String::new();
         for piece in text.as_bytes().chunks(3).map(|c| std::str::from_utf8(c).unwrap()) {
-            let d = stream.push(piece, &mut rng);
+            let d = stream.push(piece);
             assert!(d.calls.is_empty());
             content.push_str(&d.content);
         }
-        let (end, made) = stream.finish(&mut rng);
+        let (end, made) = stream.finish();
         assert!(made);
         assert_eq!(content.trim(), collected.content.unwrap());
         assert_eq!(end.calls.len(), 1);
         assert_eq!(end.calls[0]["function"]["name"], "get_weather");
         assert_eq!(end.calls[0]["function"]["arguments"], collected.calls[0].arguments.as_str());
         // A named function streams its arguments as they come.
-        let mut stream = ToolStream::new(ToolMode::Named("f".into()));
-        let a = stream.push("{\"x\":", &mut rng);
-        let b = stream.push(" 1}", &mut rng);
+        let mut stream = ToolStream::new(ToolMode::Named("f".into()), CallIds::new("chatcmpl-00ff", 1));
+        let a = stream.push("{\"x\":");
+        let b = stream.push(" 1}");
         assert_eq!(a.calls[0]["function"]["name"], "f");
         assert_eq!(a.calls[1]["function"]["arguments"], "{\"x\":");
         assert_eq!(b.calls[0]["function"]["arguments"], " 1}");

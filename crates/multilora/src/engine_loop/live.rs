@@ -62,6 +62,11 @@ impl Live {
         }
     }
 
+    /// The tokens it may still generate.
+    pub(super) fn tokens_left(&self) -> usize {
+        self.max_new.saturating_sub(self.sampler.num_generated)
+    }
+
     /// Prompt logprobs and sampling for this request's share of a step (`rows`: its logit rows,
     /// raw again when it returns): computation on the request's own state alone, so the step
     /// runs it for its requests side by side on the pool's threads.
@@ -84,7 +89,7 @@ impl Live {
         if s.sample
             && let Some(raw) = rows.last_mut()
         {
-            let left = self.max_new.saturating_sub(self.sampler.num_generated);
+            let left = self.tokens_left();
             let params = &self.sub.params;
             let picked = match self.guide.as_mut() {
                 None => self.sampler.pick(raw, params, None),
@@ -97,10 +102,10 @@ impl Live {
                 },
             };
             self.sampler.push(picked.token);
+            let room = self.tokens_left();
             if let Some(g) = self.guide.as_mut()
                 && !self.sampler.is_stop(picked.token)
             {
-                let room = self.max_new.saturating_sub(self.sampler.num_generated);
                 match g.accept(picked.token, room) {
                     Ok(mut accepted) => {
                         // A forced stop token ends the request there.

@@ -109,9 +109,8 @@ impl EngineLoop {
                 SeqInput::new(s.token_ids.clone(), s.num_computed_tokens, s.block_table.clone(), slot)
                     .with_sliding_table(s.sliding_table.clone())
                     .with_logits(s.logits)
-                    // Past the prompt, several new tokens are a sampled one and those its grammar
-                    // forced: they attend as decode rows.
-                    .with_decode_rows(s.num_computed_tokens >= s.num_prompt_tokens),
+                    // A sampled token and those its grammar forced attend as decode rows.
+                    .with_decode_rows(s.is_decode()),
             );
             kept.push(s);
         }
@@ -123,16 +122,19 @@ impl EngineLoop {
         // `Guide`) are computed on the pool's other thread while this one runs the forward pass
         // (whose parallel regions it then takes alone for that long): a mask needs only the
         // tokens fed so far.
-        let sampling: HashSet<u64> = kept.iter().filter(|s| s.sample).map(|s| s.id).collect();
-        let guides: Vec<(&mut Guide, usize)> = self
-            .live
-            .iter_mut()
-            .filter(|(id, _)| sampling.contains(id))
-            .filter_map(|(_, l)| {
-                let left = l.max_new.saturating_sub(l.sampler.num_generated);
-                l.guide.as_mut().filter(|g| g.mask_ahead()).map(|g| (g, left))
-            })
-            .collect();
+        let mut guides: Vec<(&mut Guide, usize)> = Vec::new();
+        if self.live.values().any(|l| l.guide.as_ref().is_some_and(Guide::mask_ahead)) {
+            let sampling: HashSet<u64> = kept.iter().filter(|s| s.sample).map(|s| s.id).collect();
+            guides = self
+                .live
+                .iter_mut()
+                .filter(|(id, _)| sampling.contains(id))
+                .filter_map(|(_, l)| {
+                    let left = l.tokens_left();
+                    l.guide.as_mut().filter(|g| g.mask_ahead()).map(|g| (g, left))
+                })
+                .collect();
+        }
         let (model, kv) = (&self.model, &mut self.kv);
         let logits = rayon::in_place_scope(|scope| {
             if !guides.is_empty() {
@@ -187,11 +189,9 @@ impl EngineLoop {
         for f in finished {
             self.finish(f.id, f.reason, f.output_token_ids.len());
         }
-        // A row of one token or past its prompt is a decode row (the tokens a grammar forced
-        // beside its sampled one count as prefill tokens); every other row's tokens are prefill
-        // tokens.
-        let decoding = |s: &&&ScheduledRequest| s.token_ids.len() == 1 || s.num_computed_tokens >= s.num_prompt_tokens;
-        let decode_rows = kept.iter().filter(decoding).count();
+        // Each decode row counts once (the tokens a grammar forced beside its sampled one count as
+        // prefill tokens); every other row's tokens are prefill tokens.
+        let decode_rows = kept.iter().filter(|s| s.is_decode()).count();
         let prefill_tokens: usize = kept.iter().map(|s| s.token_ids.len()).sum::<usize>() - decode_rows;
         let adapters = kept.iter().filter_map(|s| s.adapter).collect::<HashSet<_>>().len();
         let elapsed = started.elapsed();

@@ -1,10 +1,10 @@
 //! Structured outputs: a request's [`Constraint`] (a JSON schema, any JSON object, a regex, a
 //! choice of strings or a Lark grammar), compiled by `llguidance` when the request is submitted
 //! (`compile.rs`: one parser factory per engine, compiled grammars cached by content), over the
-//! model's vocabulary as bytes (`vocab.rs`), then followed token by token (`guide.rs`): the
-//! allowed-token mask of each constrained row is computed while the step's forward pass runs,
-//! applied to that row alone before sampling, and the tokens the grammar forces are appended
-//! together, to be fed as one chunk in the next step.
+//! model's vocabulary as bytes (`vocab.rs`), then followed token by token (`guide.rs`): a row
+//! tries its sampled token first or samples under its allowed-token mask (computed beside the
+//! step's forward pass when it will be needed), that row alone, and the tokens the grammar forces
+//! are appended together, to be fed as one chunk in the next step.
 
 mod compile;
 mod guide;
@@ -30,16 +30,16 @@ pub const MAX_CONSTRAINT_BYTES: usize = 256 << 10;
 pub const MAX_CHOICES: usize = 1024;
 
 /// What a request's output must match (vLLM's `structured_outputs`): the whole generated text,
-/// compiled at `submit` (a bad constraint is `invalid_request` there, never a failure
-/// mid-stream). The end-of-sequence token is allowed exactly when the text so far is complete;
+/// compiled at `submit` (a bad constraint is [`crate::EngineError::Constraint`] there, never a
+/// failure mid-stream). The end-of-sequence token is allowed exactly when the text so far is complete;
 /// a grammar that cannot go on ends the request with `stop`.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum Constraint {
     /// A JSON schema (what `llguidance` supports of draft 2020-12: nested objects, arrays with
     /// item bounds, enums, `const`, string patterns and lengths, numeric bounds, `anyOf` /
-    /// `oneOf`, `$ref` / `$defs` within the schema). Output JSON is compact, with `", "` and
-    /// `": "` between items and keys as Python's `json.dumps` writes them.
+    /// `oneOf`, `$ref` / `$defs` within the schema). Between items the output may put at most 16
+    /// blanks in a row (a schema's own `x-guidance` options win).
     JsonSchema(serde_json::Value),
     /// Any JSON object (OpenAI's `json_object`).
     JsonObject,

@@ -162,7 +162,7 @@ impl SamplerState {
     /// [`SamplerState::sample_with`] over a copy of `logits` in which every token `mask`
     /// disallows is -∞ (logprobs stay those of the raw row). When the processors leave no allowed
     /// token a finite logit (`min_tokens` masking the end-of-sequence a finished grammar
-    /// allows alone), the grammar wins: its lowest allowed id.
+    /// allows alone), the grammar wins: its best allowed token by the raw logits.
     fn sample_masked(&mut self, logits: &[f32], p: &SamplingParams, mask: &SimpleVob, s: &mut Scratch) -> u32 {
         let mut masked = std::mem::take(&mut s.masked);
         masked.clear();
