@@ -26,6 +26,11 @@ machine falls on both. Reported: each figure's best round, and each ratio's medi
 - 16 concurrent streams on the base model, sampled as chat clients ask (temperature 0.8, top-p 0.95,
   top-k 40; llama.cpp's chain set to those three alone: min-p, typical-p, XTC and DRY off).
 
+`--workloads decode,prompt` runs only those (an 8B-shaped file on 2 cores: the streams take long).
+Every round cross-checks llama-server's one stream and 512-token prompt against llama-bench's tg128
+and pp512: a round where they differ by more than 2x is a harness fault, reported (exit status 3),
+and the ratios are then no result.
+
 `--sampling-table` measures multilora alone instead: 16 and 64 concurrent completions of 32 new
 tokens on the base model under each sampling setting of the sampling issue's table (greedy, no
 sampling fields at all — OpenAI's default temperature 1 —, temperature 0.8, top-p, top-k, all
@@ -150,20 +155,45 @@ def warm_up(engine):
     concurrent(engine, [[1, 2, 3]] * len(engine.adapters), 4, lambda i: engine.adapters[i])
 
 
-def workloads(engine, prompts, long_prompt):
-    """One round of the four workloads; `long_prompt` differs from round to round, so that no cache
-    of either engine can serve it."""
+# The workloads `--workloads` picks from, in the order they run.
+WORKLOADS = ("decode", "prompt", "streams", "adapters", "sampled")
+
+
+def workloads(engine, prompts, long_prompt, only=WORKLOADS):
+    """One round of the workloads in `only`; `long_prompt` differs from round to round, so that no
+    cache of either engine can serve it."""
     adapters = engine.adapters
     res = {}
-    t = engine.stream_times(prompts[0], 128, None)
-    res["1 stream decode"] = (len(t) - 1) / (t[-1] - t[0])
-    tokens, secs = engine.run(long_prompt, 1, None)
-    res["prompt 512"] = len(long_prompt) / secs
     p16 = [prompts[i % len(prompts)] for i in range(16)]
-    res["16 streams base"] = concurrent(engine, p16, 64, lambda i: None)
-    res[f"16 streams {len(adapters)} adapters"] = concurrent(engine, p16, 64, lambda i: adapters[i % len(adapters)])
-    res["16 streams sampled"] = concurrent(engine, p16, 64, lambda i: None, SAMPLED)
+    if "decode" in only:
+        t = engine.stream_times(prompts[0], 128, None)
+        res["1 stream decode"] = (len(t) - 1) / (t[-1] - t[0])
+    if "prompt" in only:
+        tokens, secs = engine.run(long_prompt, 1, None)
+        res["prompt 512"] = len(long_prompt) / secs
+    if "streams" in only:
+        res["16 streams base"] = concurrent(engine, p16, 64, lambda i: None)
+    if "adapters" in only:
+        res[f"16 streams {len(adapters)} adapters"] = concurrent(engine, p16, 64,
+                                                                 lambda i: adapters[i % len(adapters)])
+    if "sampled" in only:
+        res["16 streams sampled"] = concurrent(engine, p16, 64, lambda i: None, SAMPLED)
     return res
+
+
+# llama-server's own figures against llama-bench's on the same file and threads: further apart
+# than this, the harness (not either engine) is at fault, and the round's ratios are no result.
+CROSS_CHECK = {"1 stream decode": "llama-bench tg128", "prompt 512": "llama-bench pp512"}
+CROSS_LIMIT = 2.0
+
+
+def cross_check(figures):
+    """`(what, ratio)` for each of llama-server's figures that llama-bench measured too."""
+    out = []
+    for w, bench in CROSS_CHECK.items():
+        if f"llama.cpp {w}" in figures and bench in figures:
+            out.append((f"llama-server {w} / {bench}", figures[f"llama.cpp {w}"] / figures[bench]))
+    return out
 
 
 # What chat clients commonly send (and llama.cpp's own defaults for these three).
@@ -217,6 +247,8 @@ def multilora_cmd(a, names, files, port):
     # As llama-server's `cache_prompt: false` and `--cache-ram 0`: every prompt computed in full.
     cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port),
            "--max-loras", str(len(files)), "--max-lora-rank", "32", "--no-enable-prefix-caching"]
+    if a.cpu_isa:
+        cmd += ["--cpu-isa", a.cpu_isa]
     for n, f in zip(names, files):
         cmd += ["--lora-modules", f"{n}={os.path.join(a.adapters, f)}"]
     return cmd
@@ -251,11 +283,18 @@ def main():
                          "but does not enable it), it then runs the AVX-512 VNNI / AVX2 code of any other CPU")
     ap.add_argument("--sampling-table", action="store_true",
                     help="multilora alone: the sampling settings' table at 16 and 64 streams against greedy")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="which workloads to run, comma-separated from " + ", ".join(WORKLOADS)
+                         + " (default all; an 8B-shaped file: decode,prompt)")
+    ap.add_argument("--cpu-isa", help="multilora's --cpu-isa (e.g. avx512-vnni: its kernels without AMX)")
     ap.add_argument("--json")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "multilora-compare.log"),
                     help="where both servers' output goes (default: the system's temporary folder, never the "
                          "checkout)")
     a = ap.parse_args()
+    only = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    unknown = [w for w in only if w not in WORKLOADS]
+    assert not unknown, f"unknown workloads {unknown}: pick from {WORKLOADS}"
     cases = json.load(open(a.reference))["cases"]
     prompts = [c["prompt_ids"] for c in cases if c["adapter"] == "base"]
     # A 512-token prompt: the reference prompts and answers, one after the other.
@@ -301,7 +340,7 @@ def main():
             long_prompt = (long_prompt_base[shift:] + long_prompt_base[:shift])[:512]
             figures = llama_bench(a)
             for name, e in engines if r % 2 == 0 else engines[::-1]:
-                for k, v in workloads(e, prompts, long_prompt).items():
+                for k, v in workloads(e, prompts, long_prompt, only).items():
                     figures[f"{name} {k}"] = v
             rounds.append(figures)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
@@ -319,13 +358,25 @@ def main():
     }
     report = {k: max(r[k] for r in rounds) for k in rounds[0]}
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    pairs = {k: (n, d) for k, (n, d) in pairs.items() if n in rounds[0] and d in rounds[0]}
     ratios = {k: median([r[n] / r[d] for r in rounds]) for k, (n, d) in pairs.items()}
+    checks = {w: [c for r in rounds for (x, c) in cross_check(r) if x == w] for w, _ in cross_check(rounds[0])}
+    faults = {w: v for w, v in checks.items() if any(not 1 / CROSS_LIMIT <= c <= CROSS_LIMIT for c in v)}
     for k, v in report.items():
         print(f"{k:40s} {v:10.1f} tokens/s (best of {a.rounds} rounds)")
+    for w, v in checks.items():
+        print(f"{w:40s} {median(v):10.2f}x (cross-check, rounds {', '.join(f'{c:.2f}' for c in v)})")
+    if faults:
+        for w, v in faults.items():
+            print(f"HARNESS FAULT: {w} outside {1 / CROSS_LIMIT:.1f}-{CROSS_LIMIT:.1f}x in a round "
+                  f"({', '.join(f'{c:.2f}' for c in v)}): the ratios below are no result", file=sys.stderr)
     for k, v in ratios.items():
         print(f"{k:40s} {v:10.2f}x (median of the rounds' ratios)")
     if a.json:
-        json.dump({"rounds": rounds, "best": report, "ratios": ratios}, open(a.json, "w"), indent=2)
+        json.dump({"rounds": rounds, "best": report, "ratios": ratios, "cross_check": checks,
+                   "harness_faults": sorted(faults)}, open(a.json, "w"), indent=2)
+    if faults:
+        sys.exit(3)
 
 
 if __name__ == "__main__":

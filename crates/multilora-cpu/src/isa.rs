@@ -6,9 +6,13 @@
 //! `#[target_feature]` function; a set the CPU lacks runs the portable code instead, so no
 //! `#[target_feature]` code is reached without [`Isa::available`] having said yes. Each family
 //! maps the enum to the kernels it has: the float family ([`crate::float`]) has portable, AVX2
-//! and AVX-512F kernels (the VNNI sets run the AVX2 or AVX-512F one), the quantized family
-//! ([`crate::quant`]) portable, AVX2, AVX-VNNI and AVX-512 VNNI ones (plain AVX-512F runs
-//! AVX-VNNI where the CPU has it, else AVX2). [`Isa::FLOAT`] and [`Isa::QUANT`] list each
+//! and AVX-512F kernels (the VNNI and AMX sets run the AVX2 or AVX-512F one), the quantized family
+//! ([`crate::quant`]) portable, AVX2, AVX-VNNI, AVX-512 VNNI and AMX ones (plain AVX-512F runs
+//! AVX-VNNI where the CPU has it, else AVX2). AMX needs the operating system's leave as well as
+//! the CPU's: Linux hands the tile state out only to a process that asks for it
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), which [`Isa::available`] does once; where the answer is
+//! no (another OS, an old kernel, a hypervisor that hides the state), AMX is not available and
+//! the AVX-512 VNNI kernels run. [`Isa::FLOAT`] and [`Isa::QUANT`] list each
 //! family's distinct kernels, for tests and benchmarks that run every one.
 //!
 //! **Written once over a trait, or per set.** A kernel whose inner loop is the same sequence of
@@ -43,18 +47,22 @@ pub enum Isa {
     Avx512,
     /// AVX-512 F, BW, VL and VNNI (512-bit `vpdpbusd`: Ice Lake, Sapphire Rapids, Zen 4).
     Avx512Vnni,
+    /// AVX-512 VNNI plus AMX-TILE and AMX-INT8 (Sapphire Rapids and later Xeons), with the
+    /// operating system's leave to use the tile state: the quantized products of many rows on the
+    /// tile unit (`tdpbsud`), the rest as AVX-512 VNNI.
+    Amx,
 }
 
 /// The widest set [`Isa::best`] picks ([`Isa::set_max`]), as an `Isa` in the enum's order.
-static MAX_ISA: AtomicU8 = AtomicU8::new(Isa::Avx512Vnni as u8);
+static MAX_ISA: AtomicU8 = AtomicU8::new(Isa::Amx as u8);
 
 impl Isa {
     /// Every set, narrowest first.
-    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Avx512Vnni];
+    pub const ALL: [Isa; 6] = [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Avx512Vnni, Isa::Amx];
     /// The float family's distinct kernels.
     pub const FLOAT: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
     /// The quantized family's distinct kernels.
-    pub const QUANT: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
+    pub const QUANT: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni, Isa::Amx];
 
     /// The widest set this CPU has, within [`Isa::set_max`]'s cap.
     pub fn best() -> Isa {
@@ -85,14 +93,14 @@ impl Isa {
         {
             use std::arch::is_x86_feature_detected as has;
             let avx2 = || has!("avx2") && has!("fma") && has!("f16c");
+            let vnni512 = || avx2() && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni");
             match self {
                 Isa::Portable => true,
                 Isa::Avx2 => avx2(),
                 Isa::AvxVnni => avx2() && has!("avxvnni"),
                 Isa::Avx512 => avx2() && has!("avx512f"),
-                Isa::Avx512Vnni => {
-                    avx2() && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni")
-                }
+                Isa::Avx512Vnni => vnni512(),
+                Isa::Amx => vnni512() && crate::quant::amx_granted(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -115,7 +123,7 @@ impl Isa {
     /// The float family's kernel for `self`: portable, AVX2 or AVX-512F.
     pub(crate) fn float(self) -> Isa {
         match self.or_portable() {
-            Isa::Avx512 | Isa::Avx512Vnni => Isa::Avx512,
+            Isa::Avx512 | Isa::Avx512Vnni | Isa::Amx => Isa::Avx512,
             Isa::Avx2 | Isa::AvxVnni => Isa::Avx2,
             Isa::Portable => Isa::Portable,
         }
@@ -130,6 +138,24 @@ impl Isa {
         }
     }
 
+    /// The set a flag names (`amx`, `avx512-vnni`, `avx512`, `avx-vnni`, `avx2`, `portable`, as
+    /// [`Isa::name`] spells them), `None` for any other word.
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name() == name)
+    }
+
+    /// The set's name in flags and environment variables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx-vnni",
+            Isa::Avx512 => "avx512",
+            Isa::Avx512Vnni => "avx512-vnni",
+            Isa::Amx => "amx",
+        }
+    }
+
     /// How the start-up log names it.
     pub fn describe(self) -> &'static str {
         match self {
@@ -138,6 +164,7 @@ impl Isa {
             Isa::AvxVnni => "AVX-VNNI",
             Isa::Avx512 => "AVX-512F",
             Isa::Avx512Vnni => "AVX-512 VNNI",
+            Isa::Amx => "AMX-INT8",
         }
     }
 }

@@ -20,10 +20,11 @@ fn q8_weight(n: usize, k: usize) -> QuantMatrix {
 
 #[test]
 fn the_cap_bounds_best_and_changes_no_bit() -> anyhow::Result<()> {
-    assert_eq!(Isa::max(), Isa::Avx512Vnni, "no cap by default");
+    assert_eq!(Isa::max(), Isa::Amx, "no cap by default");
     let widest = |cap: Isa| Isa::ALL.into_iter().rev().find(|&i| i as u8 <= cap as u8 && i.available());
-    assert_eq!(Some(Isa::best()), widest(Isa::Avx512Vnni), "the widest set this CPU has");
-    let (n, k, m) = (48, 96, 5);
+    assert_eq!(Some(Isa::best()), widest(Isa::Amx), "the widest set this CPU has");
+    // Enough rows for whole panels on the AMX tile unit, and a partial one.
+    let (n, k, m) = (48, 96, 70);
     let w = q8_weight(n, k);
     let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
     let uncapped: Vec<u32> = w.product(&x, m, Isa::best(), &[])?.into_iter().map(f32::to_bits).collect();

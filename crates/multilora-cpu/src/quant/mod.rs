@@ -51,6 +51,9 @@ use kernel::{Job, Seg};
 use layout::{TN, layout};
 pub use types::QuantType;
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) use kernel::amx_granted;
+
 /// One run of output columns of one type, as tiles ([`mod@layout`]).
 #[derive(Debug)]
 struct Segment {
@@ -302,7 +305,11 @@ impl QuantMatrix {
     /// the tasks stay even whatever the segments (q, k and v of a fused projection).
     fn plan(&self, m: usize, threads: usize) -> Plan {
         let row_bytes = 2 * self.k + self.k / 32 * std::mem::size_of::<kernel::act::Meta>() / kernel::act::PANEL;
-        let mb = if m <= DECODE_ROWS { m } else { (X_BLOCK_BYTES / row_bytes).clamp(DECODE_ROWS, m) / 8 * 8 };
+        let mb = if m <= DECODE_ROWS {
+            m
+        } else {
+            (X_BLOCK_BYTES / row_bytes).clamp(DECODE_ROWS, m) / kernel::act::PANEL * kernel::act::PANEL
+        };
         let row_blocks: Vec<(usize, usize)> = (0..m).step_by(mb.max(1)).map(|m0| (m0, (m0 + mb).min(m))).collect();
         let tiles: Vec<usize> = self.segs.iter().map(|s| s.n.div_ceil(TN)).collect();
         let total: usize = tiles.iter().sum();

@@ -113,6 +113,35 @@ fn rows_do_not_depend_on_the_batch_the_threads_or_the_isa() -> anyhow::Result<()
     Ok(())
 }
 
+/// A prefill-sized product whose rows are cut into several blocks (a wide `k`), with panels of
+/// the tile unit and rows past the last whole panel: on every set and thread count, each of a
+/// few rows spread over the blocks has the bits it has alone.
+#[test]
+fn row_blocks_and_partial_panels_keep_each_rows_bits() -> anyhow::Result<()> {
+    let mut rng = Rng::new(13);
+    let (m, n, k) = (201, 24, 8192);
+    for (s, qt) in [QuantType::Q4K, QuantType::Q6K, QuantType::Q8_0].into_iter().enumerate() {
+        let (w, _, _) = ggml_weight(qt, n, k, 70 + s as u64)?;
+        let x = rng.tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
+        let alone: Vec<_> = [0, 63, 64, 130, 191, 200]
+            .into_iter()
+            .map(|i| Ok((i, bits(&w.forward_with(&x.narrow(0, i, 1)?, Isa::Portable)?)?)))
+            .collect::<anyhow::Result<_>>()?;
+        for isa in Isa::available_of(&Isa::QUANT).into_iter().filter(|&i| i != Isa::Portable) {
+            for threads in [1, 3] {
+                let y = in_pool(threads, || w.forward_with(&x, isa))??;
+                for (i, want) in &alone {
+                    anyhow::ensure!(
+                        bits(&y.narrow(0, *i, 1)?)? == *want,
+                        "{qt} {isa:?} {threads} threads: row {i} of {m} differs from the row alone"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Read-ahead hints (over real buffers, and over addresses nothing is mapped at) change no bit
 /// of any product, on any instruction set, in a decode-sized and a prefill-sized batch.
 #[test]

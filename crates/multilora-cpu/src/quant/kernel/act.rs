@@ -2,11 +2,12 @@
 //! of about 16 bits with one f32 scale, held as two i8 planes (`Q = 254 · hi + lo`), and the
 //! integer sums of its quants that the weights' offsets and minima need (Q8_1's sum, kept exact).
 //!
-//! Rows are stored in panels of [`PANEL`] (8): within a panel, block by block, the 8 rows' 32
+//! Rows are stored in panels of [`PANEL`] (16): within a panel, block by block, the 16 rows' 32
 //! `hi` quants side by side, then their 32 `lo` quants (`qs[p][b][plane][r][32]`: a row's `lo`
 //! is [`LO`] bytes after its `hi`), and their scales and sums field by field ([`Meta`]:
 //! `meta[p][b].d[r]`, …), so a row tile reaches all its rows' operands from one address plus
-//! constant offsets, and an epilogue reads only the cache lines of its fields.
+//! constant offsets, an epilogue reads only the cache lines of its fields, and a plane of a
+//! panel's block is one 16-row operand of the AMX tile unit (rows 32 bytes apart).
 //!
 //! ```text
 //! d = max|x_i| / (127 · 254),   Q_i = round_ties_even(x_i · (1 / d)) (0 when d = 0)
@@ -30,21 +31,20 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::isa::Isa;
 use crate::pool::{AddOnDrop, wait_until};
 
-/// Rows per panel.
-pub(crate) const PANEL: usize = 8;
+/// Rows per panel: the AMX tile unit's 16 rows (the vector kernels take 8 at a time).
+pub(crate) const PANEL: usize = 16;
 
 /// Bytes from a row's `hi` quants of a block to its `lo` quants.
 pub(crate) const LO: usize = 32 * PANEL;
 
-/// Bytes of one block of a panel (both planes of its 8 rows).
+/// Bytes of one block of a panel (both planes of its rows).
 pub(crate) const BLOCK: usize = 2 * LO;
 
 /// The largest `|Q|`: `max|x|` maps to it.
 const QMAX: f32 = 127.0 * 254.0;
 
-/// The scales and sums of one block of a panel's 8 rows, field by field (one row per lane),
-/// each as an epilogue reads it. Fields read together share a 64-byte line: `d`, `ds` (scale and
-/// minimum), `s`, `sa` (offsets), `sb`, `dsa`, then `dsb`.
+/// The scales and sums of one block of a panel's rows, field by field (one row per lane), each
+/// as an epilogue reads it: a field is one 64-byte line.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[repr(C, align(64))]
 pub(crate) struct Meta {
@@ -313,8 +313,10 @@ impl Drop for Act {
     }
 }
 
-/// The buffers of `x`'s quantized activations, sized (from this thread's spare ones) and with the
-/// last panel's rows past `m` zero, nothing quantized yet.
+/// The buffers of `x`'s quantized activations, sized (from this thread's spare ones), nothing
+/// quantized yet. The last panel's rows past `m` keep whatever they held: no kernel reads them
+/// (the vector kernels stop at `m`, the tile unit takes whole panels only), and clearing them cost
+/// a decode step's products (8 rows in a 16-row panel) a memset each.
 ///
 /// # Panics
 /// When `x` is not `m · k` values or `k` not a multiple of 32.
@@ -324,12 +326,6 @@ fn buffers(x: &[f32], m: usize, k: usize) -> Act {
     let (mut qs, mut meta) = SPARE.with_borrow_mut(std::mem::take);
     reuse(&mut qs, panels * nb * BLOCK, 0);
     reuse(&mut meta, panels * nb, Meta::default());
-    if !m.is_multiple_of(PANEL) {
-        // The last panel's rows past `m` are never read, but kept zero so that the quantized
-        // activations are a function of `x` alone, whatever the buffers held before.
-        qs[(panels - 1) * nb * BLOCK..].fill(0);
-        meta[(panels - 1) * nb..].fill(Meta::default());
-    }
     Act { qs, meta, m, k }
 }
 
@@ -340,7 +336,7 @@ fn panel_into(isa: Isa, x: &[f32], k: usize, p: usize, qs: &mut [i8], meta: &mut
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX-512 F/BW/VL (with AVX2, FMA, F16C) were detected by `available`.
-            Isa::Avx512Vnni => unsafe { blocks_avx512(x, qs, meta, r) },
+            Isa::Avx512Vnni | Isa::Amx => unsafe { blocks_avx512(x, qs, meta, r) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2, FMA and F16C were detected by `available`.
             Isa::Avx2 | Isa::AvxVnni => unsafe { blocks_avx2(x, qs, meta, r) },
@@ -443,12 +439,22 @@ mod tests {
         deferred.into_act()
     }
 
+    /// Every row's quants (both planes) and its scales and sums, block by block (the rows past
+    /// `m` of the last panel are nobody's).
     fn bits(a: &Act) -> (Vec<i8>, Vec<u32>) {
-        let m = a.meta.iter().flat_map(|m| {
-            let f = [m.d, m.ds, m.dsa, m.dsb].into_iter().flatten().map(f32::to_bits);
-            f.chain([m.s, m.sa, m.sb].into_iter().flatten().map(|v| v as u32)).collect::<Vec<_>>()
-        });
-        (a.qs.clone(), m.collect())
+        let (mut qs, mut meta) = (Vec::new(), Vec::new());
+        for i in 0..a.m {
+            let (q, mo, r) = a.at(i);
+            for b in 0..a.nb() {
+                let at = q + BLOCK * b;
+                qs.extend_from_slice(&a.qs[at..at + 32]);
+                qs.extend_from_slice(&a.qs[at + LO..at + LO + 32]);
+                let m = &a.meta[mo + b];
+                meta.extend([m.d[r], m.ds[r], m.dsa[r], m.dsb[r]].map(f32::to_bits));
+                meta.extend([m.s[r], m.sa[r], m.sb[r]].map(|v| v as u32));
+            }
+        }
+        (qs, meta)
     }
 
     /// Blocks of ties (`d = 1`: values on `.5`), a NaN, infinities, subnormals, zeros and plain
@@ -558,7 +564,7 @@ mod tests {
     }
 
     /// Activations quantized into the buffers another product left behind (larger, or of other
-    /// values) are the bits of ones quantized into fresh buffers, the rows past `m` included.
+    /// values) are the bits of ones quantized into fresh buffers, in every row of theirs.
     #[test]
     fn reused_buffers_give_fresh_bits() {
         let (x, k) = awkward(5);

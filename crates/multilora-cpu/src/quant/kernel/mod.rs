@@ -1,6 +1,7 @@
 //! The quantized product's kernels: activation quantization ([`act`]), the generic tile loop
 //! ([`tile`]) over each weight type ([`mod@format`]) on each instruction set ([`simd`]: portable;
-//! [`x86`]: AVX2, AVX-VNNI, AVX-512 VNNI), and [`run`], the safe entry point.
+//! [`x86`]: AVX2, AVX-VNNI, AVX-512 VNNI), the tile unit's loop for many rows (`amx`: AMX-INT8,
+//! the same sums and the same epilogue), and [`run`], the safe entry point.
 //!
 //! This module and its children are the quantized path's `unsafe` (with the weights' own memory,
 //! `arena.rs`): raw-pointer vector loads and stores, the `#[target_feature]` entry points (called
@@ -10,6 +11,8 @@
 //! of that runs.
 
 pub(crate) mod act;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod format;
 mod simd;
 mod tile;
@@ -25,6 +28,9 @@ use act::{Act, Deferred};
 use format::{Format, Q2K, Q3K, Q4_0, Q4_1, Q4K, Q5_0, Q5_1, Q5K, Q6K, Q8_0};
 use simd::DotSimd;
 use tile::{RowTile, rows_any};
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use amx::granted as amx_granted;
 
 /// Bytes of a cache line: the unit of the read-ahead hints.
 const LINE: usize = 64;
@@ -224,6 +230,11 @@ pub(crate) fn run(
         }
         match isa {
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected, AMX-TILE and AMX-INT8
+            // too with the system's leave to use them (`available`); `check` put the job inside
+            // the operands and apart from every other.
+            Isa::Amx => unsafe { amx::job(s, act, out, j, pf) },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (`available`); `check`
             // put the job inside the operands and apart from every other.
             Isa::Avx512Vnni => unsafe { job_avx512(s, act, out, j, pf) },
@@ -262,8 +273,6 @@ pub(crate) fn run(
 /// writes its rectangle, and `S`'s instruction set is available.
 #[inline(always)]
 unsafe fn job_of<S: DotSimd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, mut pf: Ahead<'_>) {
-    let nsb = act.k / F::L.sb;
-    let rec = nsb * F::L.bytes;
     let calls = (j.t1 - j.t0) * TN.div_ceil(S::LANES) * (j.m1 - j.m0).div_ceil(S::RM.min(8));
     let per_call = pf.left().div_ceil(calls.max(1));
     let mut budget = 0;
@@ -273,32 +282,53 @@ unsafe fn job_of<S: DotSimd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Jo
         while c0 < tile_cols {
             let mut i = j.m0;
             while i < j.m1 {
-                let (xo, mo, slot) = act.at(i);
                 budget += per_call;
-                let (ahead, ahead_lines) = pf.take(budget);
-                budget -= ahead_lines;
-                // SAFETY: tile `t` of the segment, rows `i..` of the activations (within row `i`'s
-                // panel: `rows_any` stops at its end) and outputs `(i.., col0 + 16t + c0 ..)`, all
-                // inside the job (see `run`'s checks).
-                i += unsafe {
-                    let rt = RowTile {
-                        w: s.tiles.as_ptr().add(t * rec),
-                        nsb,
-                        c0,
-                        x: act.qs.as_ptr().add(xo),
-                        meta: act.meta.as_ptr().add(mo),
-                        slot,
-                        y: out.ptr.add(i * out.ldy + s.col0 + t * TN + c0),
-                        ldy: out.ldy,
-                        cols: (tile_cols - c0).min(S::LANES),
-                        ahead,
-                        ahead_lines,
-                    };
-                    rows_any::<S, F>(j.m1 - i, rt)
-                };
+                let ahead = pf.take(budget);
+                budget -= ahead.1;
+                // SAFETY: tile `t` and rows `i..j.m1` are inside the job (the caller).
+                i += unsafe { tile_rows::<S, F>(s, act, out, (t, c0), (i, j.m1), ahead) };
             }
             c0 += S::LANES;
         }
+    }
+}
+
+/// Rows from `i` (at most to `m1`, and within row `i`'s panel) of the activations against the
+/// `S::LANES` columns from `c0` of tile `t` of the segment, asking along the way for the `ahead`
+/// lines (`(address, lines)`): how many rows it took.
+///
+/// # Safety
+/// As for [`job_of`], for a tile and rows inside the job, `c0` below the tile's columns.
+#[inline(always)]
+unsafe fn tile_rows<S: DotSimd, F: Format>(
+    s: &Seg<'_>,
+    act: &Act,
+    out: Out,
+    (t, c0): (usize, usize),
+    (i, m1): (usize, usize),
+    (ahead, ahead_lines): (usize, usize),
+) -> usize {
+    let nsb = act.k / F::L.sb;
+    let tile_cols = (s.n - t * TN).min(TN);
+    let (xo, mo, slot) = act.at(i);
+    // SAFETY: tile `t` of the segment, rows `i..` of the activations (within row `i`'s panel:
+    // `rows_any` stops at its end) and outputs `(i.., col0 + 16t + c0 ..)`, all inside the job
+    // (see `run`'s checks).
+    unsafe {
+        let rt = RowTile {
+            w: s.tiles.as_ptr().add(t * nsb * F::L.bytes),
+            nsb,
+            c0,
+            x: act.qs.as_ptr().add(xo),
+            meta: act.meta.as_ptr().add(mo),
+            slot,
+            y: out.ptr.add(i * out.ldy + s.col0 + t * TN + c0),
+            ldy: out.ldy,
+            cols: (tile_cols - c0).min(S::LANES),
+            ahead,
+            ahead_lines,
+        };
+        rows_any::<S, F>(m1 - i, rt)
     }
 }
 

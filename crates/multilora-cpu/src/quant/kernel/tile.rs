@@ -27,24 +27,65 @@ unsafe fn dot_planes<S: DotSimd, const R: usize>(w: &[S::W], x: [*const i8; R], 
     }
 }
 
+/// Which values of a block an integer dot product covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Part {
+    /// All 32.
+    All,
+    /// The first 16 (groups 0–3).
+    First,
+    /// The last 16 (groups 4–7).
+    Last,
+}
+
+/// Where a block's exact integer dot products come from, each row's `254 · hi + lo` over a
+/// [`Part`]: the set's own instructions on the decoded weight groups ([`Decoded`]), or the tile
+/// unit's results (`amx`). The sums are exact either way, so the epilogue that scales them
+/// ([`block`]) gives the same bits whichever computed them.
+pub(super) trait Dots<S: DotSimd, const R: usize> {
+    /// # Safety
+    /// What the source's maker vouched for, and `S`'s instruction set is available.
+    unsafe fn dots<F: Format>(&self, part: Part) -> [S::I; R];
+}
+
+/// A block's decoded weight groups and `R` rows' activation quants (`x[r]`: the row's `hi`).
+pub(super) struct Decoded<'a, S: DotSimd, const R: usize> {
+    pub(super) w: &'a [S::W; 8],
+    pub(super) x: [*const i8; R],
+}
+
+impl<S: DotSimd, const R: usize> Dots<S, R> for Decoded<'_, S, R> {
+    #[inline(always)]
+    unsafe fn dots<F: Format>(&self, part: Part) -> [S::I; R] {
+        // SAFETY: each `x[r]` reaches its row's 32 quants of both planes (the maker); the halves
+        // read 16 of them, from the start or the 16th.
+        unsafe {
+            match part {
+                Part::All => dot_planes::<S, R>(self.w, self.x, F::MAXW, F::SIGNED),
+                Part::First => dot_planes::<S, R>(&self.w[..4], self.x, F::MAXW, F::SIGNED),
+                Part::Last => dot_planes::<S, R>(&self.w[4..], self.x.map(|p| p.add(16)), F::MAXW, F::SIGNED),
+            }
+        }
+    }
+}
+
 /// One block's contribution to each of `R` rows' accumulators: the rows' integer dot products
 /// first (all of them, for the instruction scheduler), then each row's epilogue, its scales
 /// broadcast straight from the block's [`Meta`].
 ///
 /// # Safety
-/// Each `x[r]` reaches the row's 32 activation quants of the block, `mt` is the block's
-/// [`Meta`], `slot + R <= PANEL`, and `S`'s instruction set is available.
+/// `dots` can be read (its maker's conditions), `mt` is the block's [`Meta`], `slot + R <=
+/// PANEL`, and `S`'s instruction set is available.
 #[inline(always)]
-unsafe fn block<S: DotSimd, F: Format, const R: usize>(
+pub(super) unsafe fn block<S: DotSimd, F: Format, const R: usize>(
     acc: &mut [S::F; R],
-    w: &[S::W; 8],
+    dots: &impl Dots<S, R>,
     sc: &[S::F; 4],
-    x: [*const i8; R],
     mt: *const Meta,
     slot: usize,
 ) {
-    // SAFETY: `x[r] .. x[r] + 32` and `*mt` are readable (the caller), and rows `slot + r` are
-    // inside its fields; the dot products read `4 · len` of the quants, from the start or the 16th.
+    // SAFETY: `*mt` is readable (the caller) and rows `slot + r` are inside its fields; the dot
+    // products are the source's.
     unsafe {
         let fp = |field: *const f32, r: usize| field.add(slot + r);
         let ip = |field: *const i32, r: usize| field.add(slot + r);
@@ -54,14 +95,14 @@ unsafe fn block<S: DotSimd, F: Format, const R: usize>(
                 let off = if F::SIGNED { S::I8_BIAS } else { off };
                 let shift = off.trailing_zeros();
                 debug_assert!(off == 0 || off == 1 << shift, "offsets are powers of two");
-                let is = dot_planes::<S, R>(w, x, F::MAXW, F::SIGNED);
+                let is = dots.dots::<F>(Part::All);
                 for r in 0..R {
                     let v = if off != 0 { S::sub_at(is[r], ip(m.s.as_ptr(), r), shift) } else { is[r] };
                     acc[r] = S::fma(S::cvt(v), S::mul(sc[0], S::splat_at(fp(m.d.as_ptr(), r))), acc[r]);
                 }
             }
             Kind::Min => {
-                let is = dot_planes::<S, R>(w, x, F::MAXW, false);
+                let is = dots.dots::<F>(Part::All);
                 for r in 0..R {
                     acc[r] = S::fma(S::cvt(is[r]), S::mul(sc[0], S::splat_at(fp(m.d.as_ptr(), r))), acc[r]);
                     acc[r] = S::fma(sc[1], S::splat_at(fp(m.ds.as_ptr(), r)), acc[r]);
@@ -73,12 +114,12 @@ unsafe fn block<S: DotSimd, F: Format, const R: usize>(
                 // Each half's sums become f32 as soon as they are ready, so that two sets of 8
                 // sums, 8 accumulators and the weights are never live at once (the operations are
                 // the same, in the same order, as one expression per row).
-                let ia = dot_planes::<S, R>(&w[..4], x, F::MAXW, false);
+                let ia = dots.dots::<F>(Part::First);
                 let mut t = [S::zero(); R];
                 for r in 0..R {
                     t[r] = S::mul(S::cvt(S::sub_at(ia[r], ip(m.sa.as_ptr(), r), shift)), sc[0]);
                 }
-                let ib = dot_planes::<S, R>(&w[4..], x.map(|p| p.add(16)), F::MAXW, false);
+                let ib = dots.dots::<F>(Part::Last);
                 for r in 0..R {
                     let t = S::fma(S::cvt(S::sub_at(ib[r], ip(m.sb.as_ptr(), r), shift)), sc[1], t[r]);
                     acc[r] = S::fma(t, S::splat_at(fp(m.d.as_ptr(), r)), acc[r]);
@@ -86,12 +127,12 @@ unsafe fn block<S: DotSimd, F: Format, const R: usize>(
             }
             Kind::SplitMin => {
                 // As for `Split`, the first half folded in before the second is summed.
-                let ia = dot_planes::<S, R>(&w[..4], x, F::MAXW, false);
+                let ia = dots.dots::<F>(Part::First);
                 let mut t = [S::zero(); R];
                 for r in 0..R {
                     t[r] = S::mul(S::cvt(ia[r]), sc[0]);
                 }
-                let ib = dot_planes::<S, R>(&w[4..], x.map(|p| p.add(16)), F::MAXW, false);
+                let ib = dots.dots::<F>(Part::Last);
                 for r in 0..R {
                     let t = S::fma(S::cvt(ib[r]), sc[1], t[r]);
                     acc[r] = S::fma(t, S::splat_at(fp(m.d.as_ptr(), r)), acc[r]);
@@ -191,8 +232,8 @@ pub(super) unsafe fn rows<S: DotSimd, F: Format, const RM: usize>(t: RowTile) {
                 let (w, sc) = F::sub::<S>(r, t.c0, s, &sbs);
                 let b = sb * subs + s;
                 let xb = t.x.add(BLOCK * b);
-                let x = std::array::from_fn(|i| xb.add(32 * i));
-                block::<S, F, RM>(&mut acc, &w, &sc, x, t.meta.add(b), t.slot);
+                let dots = Decoded::<S, RM> { w: &w, x: std::array::from_fn(|i| xb.add(32 * i)) };
+                block::<S, F, RM>(&mut acc, &dots, &sc, t.meta.add(b), t.slot);
             }
         }
         for (i, a) in acc.iter().enumerate() {
