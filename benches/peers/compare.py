@@ -247,8 +247,6 @@ def multilora_cmd(a, names, files, port):
     # As llama-server's `cache_prompt: false` and `--cache-ram 0`: every prompt computed in full.
     cmd = [a.multilora, "serve", "--model", a.gguf, "--served-model-name", "base", "--port", str(port),
            "--max-loras", str(len(files)), "--max-lora-rank", "32", "--no-enable-prefix-caching"]
-    if a.cpu_isa:
-        cmd += ["--cpu-isa", a.cpu_isa]
     for n, f in zip(names, files):
         cmd += ["--lora-modules", f"{n}={os.path.join(a.adapters, f)}"]
     return cmd
@@ -286,7 +284,6 @@ def main():
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help="which workloads to run, comma-separated from " + ", ".join(WORKLOADS)
                          + " (default all; an 8B-shaped file: decode,prompt)")
-    ap.add_argument("--cpu-isa", help="multilora's --cpu-isa (e.g. avx512-vnni: its kernels without AMX)")
     ap.add_argument("--json")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "multilora-compare.log"),
                     help="where both servers' output goes (default: the system's temporary folder, never the "

@@ -3,7 +3,7 @@
 
 use anyhow::anyhow;
 use clap::Args;
-use multilora::{DEFAULT_STEP_FACTOR, DType, Device, Engine, EngineBuilder, Isa, StepTime};
+use multilora::{DEFAULT_STEP_FACTOR, DType, Device, Engine, EngineBuilder, StepTime};
 use serde::Deserialize;
 
 use crate::Failure;
@@ -79,12 +79,6 @@ pub(crate) struct EngineArgs {
     /// `cpu` or `cuda:N` (`cuda` = `cuda:0`; needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
-    /// The widest instruction set the CPU kernels may use, as PyTorch's `ATEN_CPU_CAPABILITY`:
-    /// `amx`, `avx512-vnni`, `avx512`, `avx-vnni`, `avx2` or `portable` (default: the widest this
-    /// CPU has, AMX where the system lets the process use it). Every set gives the quantized
-    /// products' same bits; e.g. to measure what another CPU runs.
-    #[arg(long, value_parser = parse_isa)]
-    pub(crate) cpu_isa: Option<Isa>,
     /// Model dtype (weights and KV cache), in vLLM's spellings: `auto` (the checkpoint's own
     /// `torch_dtype`, f32 when it names none; a GGUF file's quantized weights as they are),
     /// `bfloat16`/`bf16`, `half`/`float16`/`f16`, `float`/`float32`/`f32` (a GGUF file's weights
@@ -147,13 +141,6 @@ struct LoraJson {
     path: String,
 }
 
-pub(crate) fn parse_isa(s: &str) -> Result<Isa, String> {
-    Isa::from_name(s).ok_or_else(|| {
-        let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
-        format!("{s:?} is not an instruction set: one of {}", names.join(", "))
-    })
-}
-
 pub(crate) fn parse_lora(s: &str) -> Result<(String, String), String> {
     if s.trim_start().starts_with('{') {
         let j: LoraJson = serde_json::from_str(s).map_err(|e| format!("{s:?} is not {{\"name\", \"path\"}}: {e}"))?;
@@ -193,9 +180,6 @@ fn cuda_device(n: usize, _: &str) -> anyhow::Result<Device> {
 impl EngineArgs {
     /// A builder with every flag given applied; `more` adds what the command adds.
     pub(crate) fn build(&self, more: impl FnOnce(EngineBuilder) -> EngineBuilder) -> Result<Engine, Failure> {
-        if let Some(isa) = self.cpu_isa {
-            Isa::set_max(isa);
-        }
         let mut b = Engine::builder(self.model.clone())
             .served_model_name(self.served_model_name.clone().unwrap_or_else(|| self.model.clone()))
             .device(parse_device(&self.device).map_err(Failure::input)?);
@@ -287,15 +271,6 @@ mod tests {
         for bad in ["0", "-3", "soon", "inf"] {
             assert!(parse_step_time(bad).unwrap_err().contains(bad), "{bad}");
         }
-    }
-
-    #[test]
-    fn cpu_isa_takes_every_sets_name_and_names_the_choices() {
-        for isa in Isa::ALL {
-            assert_eq!(parse_isa(isa.name()), Ok(isa));
-        }
-        let err = parse_isa("sse4").expect_err("not a set");
-        assert!(err.contains("\"sse4\"") && err.contains("avx512-vnni") && err.contains("amx"), "{err}");
     }
 
     #[test]

@@ -138,13 +138,13 @@ impl Isa {
         }
     }
 
-    /// The set a flag names (`amx`, `avx512-vnni`, `avx512`, `avx-vnni`, `avx2`, `portable`, as
-    /// [`Isa::name`] spells them), `None` for any other word.
+    /// The set of that name (`amx`, `avx512-vnni`, `avx512`, `avx-vnni`, `avx2`, `portable`, as
+    /// [`Isa::name`] spells them: the benches' `MULTILORA_BENCH_ISA`), `None` for any other word.
     pub fn from_name(name: &str) -> Option<Isa> {
         Isa::ALL.into_iter().find(|i| i.name() == name)
     }
 
-    /// The set's name in flags and environment variables.
+    /// The set's name in environment variables.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",

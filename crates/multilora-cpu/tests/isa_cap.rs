@@ -19,6 +19,15 @@ fn q8_weight(n: usize, k: usize) -> QuantMatrix {
 }
 
 #[test]
+fn every_set_is_found_by_its_name_and_no_other_word() {
+    for isa in Isa::ALL {
+        assert_eq!(Isa::from_name(isa.name()), Some(isa));
+    }
+    assert_eq!(Isa::from_name("sse4"), None);
+    assert_eq!(Isa::from_name("AMX"), None);
+}
+
+#[test]
 fn the_cap_bounds_best_and_changes_no_bit() -> anyhow::Result<()> {
     assert_eq!(Isa::max(), Isa::Amx, "no cap by default");
     let widest = |cap: Isa| Isa::ALL.into_iter().rev().find(|&i| i as u8 <= cap as u8 && i.available());

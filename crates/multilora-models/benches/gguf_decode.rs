@@ -134,7 +134,7 @@ fn main() {
         );
         return;
     };
-    // `MULTILORA_BENCH_ISA=avx2` (any set's name, as `--cpu-isa` takes it): the kernels an
+    // `MULTILORA_BENCH_ISA=avx2` (any set's `Isa::name`, e.g. `avx512-vnni`): the kernels an
     // AVX2-only CPU (Zen 3) runs, measured on this one (`Isa::set_max`), its floor's peak included.
     if let Ok(name) = std::env::var("MULTILORA_BENCH_ISA") {
         let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();

@@ -102,8 +102,6 @@ pub use text::ChatTemplateSource;
 
 // The shared vocabulary (`multilora-types`: plain data every crate speaks, not one of the crates
 // below the engine).
-/// The CPU kernels' instruction sets ([`Isa::set_max`] caps them for the process).
-pub use multilora_cpu::Isa;
 pub use multilora_types::ModuleKind;
 /// Resolvers of adapter names nobody registered (vLLM's `LoRAResolver`): the one trait, its
 /// error and its answer, which the store runs on its loader threads.

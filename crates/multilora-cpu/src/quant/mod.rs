@@ -244,9 +244,12 @@ impl QuantMatrix {
     }
 
     /// One line for the start-up log: per type, the kernel and the instruction set it runs on,
-    /// e.g. `Q4_1: 16-bit activations, AVX-512 VNNI`.
+    /// e.g. `Q4_1: 16-bit activations, AVX-512 VNNI` (with AMX: which products run on the tile unit).
     pub fn describe(&self) -> String {
-        let isa = Isa::best().quant().describe();
+        let isa = match Isa::best().quant() {
+            Isa::Amx => "AMX-INT8 for products of over 64 rows, AVX-512 VNNI below",
+            other => other.describe(),
+        };
         let parts: Vec<String> =
             self.types().iter().map(|t| format!("{}: 16-bit activations, {isa}", t.name())).collect();
         parts.join("; ")

@@ -236,7 +236,10 @@ fn describe_debug_and_empty_batches() -> anyhow::Result<()> {
     let (a, _, _) = ggml_weight(QuantType::Q4_1, 16, 64, 1)?;
     let (b, _, _) = ggml_weight(QuantType::Q8_0, 8, 64, 2)?;
     let w = QuantWeight::stack(vec![a, b])?;
-    let isa = Isa::best().describe();
+    let isa = match Isa::best() {
+        Isa::Amx => "AMX-INT8 for products of over 64 rows, AVX-512 VNNI below",
+        other => other.describe(),
+    };
     assert_eq!(w.describe(), format!("Q4_1: 16-bit activations, {isa}; Q8_0: 16-bit activations, {isa}"));
     assert_eq!(format!("{w:?}"), "QuantWeight[24, 64, Q4_1+Q8_0]");
     let y = w.forward(&Tensor::zeros((0, 64), DType::F32, &Device::Cpu)?)?;

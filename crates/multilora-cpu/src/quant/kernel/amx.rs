@@ -263,8 +263,9 @@ unsafe fn sums(split: bool, odd: bool, x: *const i8, w: *const u8, c: *mut [i32;
 /// Tile `t` holds `nb` blocks of `F`; AVX-512 VNNI is available.
 #[inline(always)]
 unsafe fn decode<F: Format>(tile: *const u8, nb: usize, out: &mut Vec<Decoded>) {
-    out.clear();
+    // Every field of every block is written below: sized, not cleared.
     out.resize(nb, EMPTY);
+    out.truncate(nb);
     let subs = F::L.subs;
     // SAFETY: record `sb < nb / subs` of the tile, whole (the caller), all 16 columns.
     unsafe {
@@ -286,8 +287,8 @@ unsafe fn decode<F: Format>(tile: *const u8, nb: usize, out: &mut Vec<Decoded>) 
 }
 
 /// One panel ([`PANEL`] rows from `x` and `meta`, its block-0 quants and [`Meta`]) against a
-/// decoded tile, into its rows of `cols` outputs from `y` (`ldy` apart), through the two buffers
-/// `bufs`.
+/// decoded tile, into its rows of `cols` outputs from `y` (`ldy` apart), through the ring of
+/// buffers `bufs`.
 ///
 /// # Safety
 /// The tiles are configured for `F`; the panel has `w.len()` blocks; its rows of `cols <= 16`
@@ -304,7 +305,7 @@ unsafe fn panel<F: Format>(
     // A ring of `RING` buffers, the tile unit `AHEAD` blocks ahead of the epilogue. Whole blocks
     // use half a `Sums` each, so the ring's buffers lie as close as they can.
     let step = if split { 4 * PANEL } else { 2 * PANEL };
-    let base = bufs[0].0.as_mut_ptr();
+    let base = bufs.as_mut_ptr().cast::<[i32; 16]>();
     let c = |b: usize| base.wrapping_add(step * (b % RING));
     // SAFETY: block `b < w.len()` of the panel, its decoded weights, and one of the ring's
     // buffers (the caller's conditions); the epilogue reads the buffer the tile unit wrote
