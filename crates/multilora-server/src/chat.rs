@@ -133,13 +133,14 @@ impl ChatRender {
         self.chunk(vec![json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": Value::Null})])
     }
 
+    /// The choice's tool-call stream, made at its first token (its mode and call ids once).
     fn stream(&mut self, index: usize) -> Option<&mut ToolStream> {
-        let mode = self.mode.clone()?;
+        let mode = self.mode.as_ref()?;
         if self.streams.len() <= index {
             self.streams.resize_with(index + 1, || None);
         }
-        let ids = CallIds::new(&self.meta.id, index);
-        Some(self.streams[index].get_or_insert_with(|| ToolStream::new(mode, ids)))
+        let id = &self.meta.id;
+        Some(self.streams[index].get_or_insert_with(|| ToolStream::new(mode.clone(), CallIds::new(id, index))))
     }
 }
 

@@ -211,6 +211,9 @@ impl QuantMatrix {
         if m == 0 {
             return Ok(Vec::new());
         }
+        // A decode step's products read the weight once for all rows on the vector units; the AMX
+        // tile unit takes the larger ones (`kernel/amx.rs`), for the same bits.
+        let isa = if m <= DECODE_ROWS && isa.quant() == Isa::Amx { Isa::Avx512Vnni } else { isa };
         let threads = crate::pool::threads();
         let parallel = threads > 1 && m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK;
         let plan = self.plan_for(m, if parallel { threads } else { 1 });
@@ -247,8 +250,8 @@ impl QuantMatrix {
     /// e.g. `Q4_1: 16-bit activations, AVX-512 VNNI` (with AMX: which products run on the tile unit).
     pub fn describe(&self) -> String {
         let isa = match Isa::best().quant() {
-            Isa::Amx => "AMX-INT8 for products of over 64 rows, AVX-512 VNNI below",
-            other => other.describe(),
+            Isa::Amx => format!("{} for products of over {DECODE_ROWS} rows, {} below", Isa::Amx, Isa::Avx512Vnni),
+            other => other.describe().to_string(),
         };
         let parts: Vec<String> =
             self.types().iter().map(|t| format!("{}: 16-bit activations, {isa}", t.name())).collect();

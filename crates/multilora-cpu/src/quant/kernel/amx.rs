@@ -16,8 +16,10 @@
 //! units may overlap; measured, they overlap little (docs/BENCHMARKS.md): the tile unit's share
 //! and the epilogue's add up.
 //!
-//! Rows outside whole panels, and products of fewer than `MIN_ROWS` rows (a decode step, where
-//! reading the weight is the cost), run the AVX-512 VNNI kernel. The tile state is configured at
+//! Rows outside whole panels run the AVX-512 VNNI kernel; so do whole products of a decode
+//! step's size (`QuantMatrix::product` runs them on AVX-512 VNNI: there reading the weight is the
+//! cost, and in a whole SmolLM2 decode step the tile unit made 16-row steps 3–5% slower and 64-row
+//! ones no faster). The tile state is configured at
 //! the start of a job and released at its end (a guard, also on unwinding), so a thread holds it
 //! only while it multiplies.
 
@@ -32,14 +34,6 @@ use super::tile::{Dots, Part, block};
 use super::{Ahead, Job, Out, Seg, TN, tile_rows};
 use crate::isa::Avx512Vnni as S;
 use crate::quant::QuantType;
-
-/// Rows of a product from which its jobs' whole panels go to the tile unit: more than a decode
-/// step's (`DECODE_ROWS`, 64, whose products read the weight from memory once for all rows; a
-/// prefill's jobs may still be blocks of 64 rows). Up to it, the vector kernel's one pass over the
-/// weight serves every row: in a whole decode step of SmolLM2 (`gguf_decode` bench, paired runs)
-/// the tile unit made 16-row steps 3–5% slower and 64-row ones no faster, though the product
-/// alone ran faster on it from 32 rows for the 4-bit types.
-const MIN_ROWS: usize = 65;
 
 /// Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25) and the operating
 /// system lets this process use the tile state: asked once, the answer kept. Linux enables the
@@ -353,10 +347,6 @@ unsafe fn panel<F: Format>(
 #[inline(always)]
 unsafe fn job_of<F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, mut pf: Ahead<'_>) {
     let split = matches!(F::KIND, Kind::Split(_) | Kind::SplitMin);
-    if act.m < MIN_ROWS {
-        // SAFETY: forwarded from the caller.
-        return unsafe { super::job_of::<S, F>(s, act, out, j, pf) };
-    }
     let nb = act.nb();
     let rec = nb / F::L.subs * F::L.bytes;
     let per_tile = pf.left().div_ceil(j.t1 - j.t0);
