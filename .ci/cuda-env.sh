@@ -2,7 +2,8 @@
 # Sets up, on a machine without a GPU, what the CUDA build of the workspace needs: nvcc and the
 # CUDA 13.0 headers and runtime from the package registry (every part pinned to 13.0: unpinned,
 # pip mixes in newer parts whose PTX a 13.0 driver rejects), and link-time stub libraries for the
-# driver, cuBLAS, cuBLASLt and cuRAND generated from the function names in cudarc's own bindings.
+# driver, cuBLAS, cuBLASLt and cuRAND generated from the function names in cudarc's own bindings;
+# cuobjdump and nvdisasm 13.2 beside them.
 #
 # Every stub function returns an error code, so `Device::new_cuda(0)` fails cleanly ("no CUDA
 # device") and nothing pretends to be a GPU. Source this file: it exports CUDA_HOME, PATH,
@@ -21,6 +22,17 @@ if [ ! -x "$cu/bin/nvcc" ]; then
         "nvidia-cuda-nvcc==13.0.88" "nvidia-cuda-crt==13.0.88" "nvidia-nvvm==13.0.88" \
         "nvidia-cuda-runtime==13.0.88" "nvidia-cuda-cccl==13.0.85" "nvidia-cuda-nvrtc==13.0.88" ||
         return 1
+fi
+# cuobjdump and nvdisasm, which read the SASS of our fatbins (scripts/ptxas-report.sh counts the
+# vector paths' 128-bit loads; tests/fatbin.rs checks what each fatbin holds). 13.0 has neither
+# as a wheel; 13.2 reads 13.0's cubins. A folder of their own: pip does not add to a --target
+# folder that already exists.
+tools="$prefix-sass-13.2"
+if [ ! -x "$tools/nvidia/cu13/bin/nvdisasm" ] || [ ! -x "$tools/nvidia/cu13/bin/cuobjdump" ]; then
+    echo "== installing cuobjdump and nvdisasm 13.2 into $tools"
+    rm -rf "$tools"
+    python3 -m pip install --quiet --disable-pip-version-check --target "$tools" \
+        "nvidia-cuda-cuobjdump==13.2.51" "nvidia-cuda-nvdisasm==13.2.51" || return 1
 fi
 
 # cudarc's bindings, as the lock file pins them.
@@ -77,7 +89,7 @@ LIBS
 fi
 
 export CUDA_HOME="$cu"
-export PATH="$cu/bin:$PATH"
+export PATH="$cu/bin:$tools/nvidia/cu13/bin:$PATH"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 # candle-kernels compiles its ~80 kernel files through cudaforge, which uses half the cores unless
 # told: on a 2-core machine that is one nvcc at a time, most of the CUDA build's time.

@@ -16,9 +16,10 @@
 #        cuBLASLt, cuRAND, NVRTC, the runtime) found or named as missing with where it looked;
 #        a missing library does not stop the run (PEFT still runs; the binary's sections say
 #        why they could not);
-#     2. the sections, each in its own process under its own timeout (budgets below), kernels
-#        first, the PEFT bench and the engine last; a section that failed (not one that only
-#        missed a speed target) is rerun once with CUDA_LAUNCH_BLOCKING=1, and one that timed
+#     2. the sections, each in its own process under its own timeout (budgets below), the
+#        modules' loading (`jit`) and the kernels first, the PEFT bench and the engine last; a section that failed (not one that only
+#        missed a speed target) is rerun once with CUDA_LAUNCH_BLOCKING=1 (the binary under
+#        compute-sanitizer's memcheck where the image has it), and one that timed
 #        out once with a longer budget when the sections after it keep theirs; both results
 #        are reported;
 #     3. one summary table (section, status, time / budget, key figures as measured / floor),
@@ -41,15 +42,20 @@
 #                                  `CMD SECTION PREFIX COMMAND...` instead of COMMAND (the binary
 #                                  or the PEFT bench; PREFIX: where the binary would write
 #                                  PREFIX.json and PREFIX.key);
-#   DEVICE_CHECK_BUDGETS=a=S,b=S   per-section budgets in seconds; DEVICE_CHECK_TOTAL=S the total.
+#   DEVICE_CHECK_BUDGETS=a=S,b=S   per-section budgets in seconds; DEVICE_CHECK_TOTAL=S the total;
+#   DEVICE_CHECK_SANITIZER=PATH    the compute-sanitizer to rerun a failed section under (else
+#                                  found on PATH, in $CUDA_HOME/bin or /usr/local/cuda*/bin;
+#                                  `none`: no sanitizer).
 set -euo pipefail
 
 MAX_BYTES=$((64 << 20))
 
-# The sections in the order they run, with their budgets in seconds: 410 s of the 480, the
+# The sections in the order they run, with their budgets in seconds: 445 s of the 480, the
 # rest for the preflight, the probe and reruns (a rerun spends from the same 480 s, so the
-# sections after it get what is left: PEFT and the engine come last).
-SECTIONS=(kernels:60 timing:40 golden:40 decode:60 gguf:40 peft:120 engine:50)
+# sections after it get what is left: PEFT and the engine come last). `jit` comes first: it loads
+# our fatbins and has the driver compile candle's PTX into its cache, so that no later section
+# pays for that compile inside its own budget.
+SECTIONS=(jit:45 kernels:60 timing:40 golden:40 decode:60 gguf:40 peft:110 engine:50)
 TOTAL_BUDGET=480
 # Below this many seconds left, a section or a rerun is not started.
 MIN_START=5
@@ -82,8 +88,8 @@ build() {
         --features multilora-cli/cuda,multilora-device-check/cuda
     rm -rf "$dir"
     mkdir -p "$dir/fixtures"
-    # Stripped, then compressed: most of the binary is PTX text (candle's kernels and ours),
-    # which xz takes from ~55 MiB to ~8 (release).
+    # Stripped, then compressed: most of the binary is candle's PTX text and our fatbins, which
+    # xz takes from ~60 MiB to ~12 (release).
     strip -o "$dir/multilora-device-check" "$target/$out_dir/multilora-device-check"
     xz -6 -T0 "$dir/multilora-device-check"
     cp -r tests/fixtures/peft-tiny "$dir/fixtures/"
@@ -215,7 +221,10 @@ attempt() {
     fi
     limit=$((budget < left ? budget : left))
     case "$kind" in
-        blocking) suffix=".rerun" label="rerun, CUDA_LAUNCH_BLOCKING=1: " blocking=1 ;;
+        blocking)
+            suffix=".rerun" blocking=1 label="rerun, CUDA_LAUNCH_BLOCKING=1: "
+            if [ -n "$SANITIZER" ] && [ "$name" != peft ]; then label="rerun, compute-sanitizer memcheck: "; fi
+            ;;
         longer) suffix=".rerun" label="rerun, a longer budget: " ;;
     esac
     printf '  %-8s (≤ %3d s) %s' "$name" "$limit" "$label"
@@ -239,8 +248,9 @@ budget_of() {
     done
 }
 
-# Runs section $1 under a timeout of $2 seconds (CUDA_LAUNCH_BLOCKING=1 when $3 is 1), its output
-# in $4, the binary's report at prefix $5. Sets RC and TOOK_MS.
+# Runs section $1 under a timeout of $2 seconds (CUDA_LAUNCH_BLOCKING=1 when $3 is 1, and then the
+# binary under compute-sanitizer's memcheck where the image has it), its output in $4, the
+# binary's report at prefix $5. Sets RC and TOOK_MS.
 run_section() {
     local name="$1" limit="$2" blocking="$3" log="$4" prefix="$5" start cmd=()
     if [ "$name" = peft ]; then
@@ -258,6 +268,9 @@ run_section() {
                 fi
             done
         fi
+    fi
+    if [ "$blocking" = 1 ] && [ -n "$SANITIZER" ] && [ "$name" != peft ]; then
+        cmd=("$SANITIZER" --tool memcheck --print-limit 20 --error-exitcode 1 "${cmd[@]}")
     fi
     # The stub is given the command it stands in for, after the section and the prefix.
     if [ -n "$STUB" ]; then cmd=("$STUB" "$name" "$prefix" "${cmd[@]}"); fi
@@ -298,6 +311,19 @@ preflight() {
     PF_BUILD="no build-info.txt"
     if [ -f "$DIR/build-info.txt" ]; then PF_BUILD="$(paste -sd ';' "$DIR/build-info.txt")"; fi
     printf '  %-20s %s\n' "binary" "$PF_BUILD" | tee -a "$pre"
+    # compute-sanitizer, for the rerun of a section that failed: memcheck names the kernel and
+    # the bad address where CUDA_LAUNCH_BLOCKING=1 only names the launch.
+    SANITIZER="${DEVICE_CHECK_SANITIZER:-}"
+    if [ "$SANITIZER" = none ]; then
+        SANITIZER=""
+    elif [ -z "$SANITIZER" ]; then
+        local c
+        for c in "$(command -v compute-sanitizer 2>/dev/null || true)" "${CUDA_HOME:-/nonexistent}/bin/compute-sanitizer" \
+            /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer; do
+            if [ -n "$c" ] && [ -x "$c" ]; then SANITIZER="$c" && break; fi
+        done
+    fi
+    printf '  %-20s %s\n' "compute-sanitizer" "${SANITIZER:-not found (a failed section is rerun with CUDA_LAUNCH_BLOCKING=1 alone)}" | tee -a "$pre"
 
     # Every library candle's CUDA build may want, whether this binary links it (readelf's
     # NEEDED: it cannot start without those, nor without libcublasLt, which libcublas loads)
@@ -406,8 +432,8 @@ write_json() {
     {
         printf '{\n  "exit": %s,\n  "total_budget_s": %s,\n  "elapsed_s": %s,\n' \
             "$exit_code" "$TOTAL" "$(fmt_s $(($(now_ms) - T0)))"
-        printf '  "preflight": {\n    "nvidia_smi": %s,\n    "binary": %s,\n    "libraries": {' \
-            "$(json_str "$PF_SMI")" "$(json_str "$PF_BUILD")"
+        printf '  "preflight": {\n    "nvidia_smi": %s,\n    "binary": %s,\n    "compute_sanitizer": %s,\n    "libraries": {' \
+            "$(json_str "$PF_SMI")" "$(json_str "$PF_BUILD")" "$(if [ -n "$SANITIZER" ]; then json_str "$SANITIZER"; else echo null; fi)"
         for kv in "${PF_LIBS[@]}"; do
             if [ -n "${kv#*=}" ]; then d="$(json_str "${kv#*=}")"; else d=null; fi
             printf '%s%s: %s' "$sep" "$(json_str "${kv%%=*}")" "$d"
@@ -430,7 +456,10 @@ write_json() {
                 "${SRC[$name]:-null}" "${STIME[$name]:-null}" "$(json_str "$name.log")" "$(json_file "$OUT_DIR/$name.json")"
             if [ -n "${RST[$name]:-}" ]; then
                 local env=null
-                if [ "${RKIND[$name]}" = blocking ]; then env='"CUDA_LAUNCH_BLOCKING=1"'; fi
+                if [ "${RKIND[$name]}" = blocking ]; then
+                    env='"CUDA_LAUNCH_BLOCKING=1"'
+                    if [ -n "$SANITIZER" ] && [ "$name" != peft ]; then env='"CUDA_LAUNCH_BLOCKING=1, compute-sanitizer --tool memcheck"'; fi
+                fi
                 printf '\n     "rerun": {"kind": %s, "env": %s, "budget_s": %s, "status": %s, "rc": %s, "time_s": %s, "log": %s, "report": %s}}' \
                     "$(json_str "${RKIND[$name]}")" "$env" "${RBUDGET[$name]}" \
                     "$(json_str "${RST[$name]}")" "${RRC[$name]:-null}" "${RTIME[$name]:-null}" \
@@ -510,9 +539,9 @@ run() {
     DEVICE_CHECK_BUDGETS="${DEVICE_CHECK_BUDGETS:-}"
     T0="$(now_ms)"
     local deadline=$((T0 + TOTAL * 1000))
-    # The driver compiles the PTX of candle's kernels and ours for the GPU on first use; its
-    # cache (256 MiB by default) is made big enough to keep all of it, so that each section's
-    # process after the first loads them compiled.
+    # The driver compiles the PTX of candle's kernels for the GPU on first use (ours ship as
+    # SASS); its cache (256 MiB by default) is made big enough to keep all of it, so that each
+    # section's process after `jit` loads them compiled.
     export CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-4294967296}"
     declare -gA ST=() SRC=() STIME=() RST=() RRC=() RTIME=() RKIND=() RBUDGET=()
     mkdir -p "$OUT_DIR"
@@ -559,7 +588,7 @@ run() {
             ;;
     esac
 
-    echo "== sections (a failed one is rerun at once with CUDA_LAUNCH_BLOCKING=1, one that timed out with a longer budget)"
+    echo "== sections (a failed one is rerun at once with CUDA_LAUNCH_BLOCKING=1${SANITIZER:+ under compute-sanitizer memcheck}, one that timed out with a longer budget)"
     local budget kind spare
     for entry in "${SECTIONS[@]}"; do
         name="${entry%%:*}"

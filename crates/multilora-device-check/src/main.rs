@@ -4,6 +4,8 @@
 //!
 //! Sections, each a line per check or figure, then one summary table (`--only` picks some: the
 //! script runs each in its own process):
+//! - `jit`: loads every module the others launch from (ours from their fatbins, candle's PTX,
+//!   which the driver compiles once and caches for the later processes), each timed;
 //! - `kernels`: every CUDA kernel against its slow tensor-op reference (Llama-3-8B shapes, 1…4096
 //!   tokens, 1…16 adapters of ranks 4…64 in rank-64 slots, base-model rows, f32 / bf16 / f16);
 //! - `timing`: each kernel of a decode step by CUDA events over back-to-back launches (shrink,
@@ -28,6 +30,8 @@ mod engine;
 mod floor;
 mod gguf;
 mod golden;
+#[cfg(feature = "cuda")]
+mod jit;
 mod kernels;
 mod report;
 mod timing;
@@ -43,7 +47,7 @@ use clap::builder::PossibleValuesParser;
 use crate::report::Report;
 
 /// The sections, in the order they run; `none` only opens the device.
-const SECTIONS: [&str; 7] = ["kernels", "timing", "golden", "decode", "gguf", "engine", "none"];
+const SECTIONS: [&str; 8] = ["jit", "kernels", "timing", "golden", "decode", "gguf", "engine", "none"];
 
 /// Checks and measures multilora on the first CUDA device.
 #[derive(Debug, Parser)]
@@ -81,8 +85,9 @@ fn open_device() -> Result<Device, String> {
         // candle's error may carry a backtrace on further lines; the first says what failed.
         let dev = Device::new_cuda_with_stream(0)
             .map_err(|e| format!("no CUDA device: {}", e.to_string().lines().next().unwrap_or_default().trim()))?;
-        // One stream does all the work, as in the engine: no per-allocation events.
-        multilora_layers::disable_event_tracking(&dev);
+        // One stream does all the work, as in the engine: no per-allocation events, freed memory
+        // kept in the pool.
+        multilora_layers::prepare_cuda_device(&dev).map_err(|e| format!("readying the device: {e}"))?;
         Ok(dev)
     }
 }
@@ -110,6 +115,12 @@ fn main() -> ExitCode {
         Ok(Some(m)) => report.info("device", "memory", format!("{:.1} GiB, {:.1} GiB free", gib(m.total), gib(m.free))),
         Ok(None) => {}
         Err(e) => report.error("device", &e.into()),
+    }
+    #[cfg(feature = "cuda")]
+    if wants("jit")
+        && let Err(e) = jit::warm(&mut report, &dev)
+    {
+        report.error("jit", &e);
     }
     if wants("kernels") {
         if let Err(e) = kernels::lora(&mut report, &dev, args.quick) {

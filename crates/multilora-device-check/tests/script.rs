@@ -1,7 +1,8 @@
 //! `scripts/device-check.sh run` on a machine without a GPU, with a stub standing in for the
 //! binary and the PEFT bench (`DEVICE_CHECK_STUB`): the preflight and the sections are listed,
 //! no device stops the run before any section (exit 2), a failed section is rerun once with
-//! `CUDA_LAUNCH_BLOCKING=1` and the later sections still run and report, a section past its
+//! `CUDA_LAUNCH_BLOCKING=1` (the binary under compute-sanitizer where there is one) and the later
+//! sections still run and report, a section past its
 //! budget is cut, the total budget bounds the run, and the JSON report parses. Then the binary
 //! itself without a device. Each run takes a few seconds at most.
 
@@ -39,7 +40,7 @@ if in_list "${STUB_SLOW:-}"; then exit 3; fi
 exit 0
 "#;
 
-const SECTIONS: [&str; 7] = ["kernels", "timing", "golden", "decode", "gguf", "peft", "engine"];
+const SECTIONS: [&str; 8] = ["jit", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"];
 
 struct Run {
     code: Option<i32>,
@@ -111,7 +112,9 @@ fn run_with(flags: &[&str], env: &[(&str, &str)]) -> Run {
         .env_remove("MULTILORA_SKIP_PEFT")
         .env_remove("DEVICE_CHECK_BUDGETS")
         .env_remove("DEVICE_CHECK_TOTAL")
-        .env_remove("CUDA_LAUNCH_BLOCKING");
+        .env_remove("CUDA_LAUNCH_BLOCKING")
+        // The machine's own compute-sanitizer, if any, left out unless a test names one.
+        .env("DEVICE_CHECK_SANITIZER", "none");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -138,7 +141,7 @@ fn every_section_passing_exits_0_with_one_summary_row_each() {
     }
     let calls = r.calls();
     let order: Vec<&str> = calls.iter().map(|c| c.split(' ').next().unwrap_or_default()).collect();
-    assert_eq!(order, ["none", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"]);
+    assert_eq!(order, ["none", "jit", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"]);
     // The commands stood in for: the binary per section, the flags of `run` passed on, and the
     // engine given the PEFT bench's figures.
     let out = r.out().display().to_string();
@@ -154,7 +157,7 @@ fn every_section_passing_exits_0_with_one_summary_row_each() {
     );
     let json = r.json();
     assert_eq!(json["exit"], 0);
-    assert_eq!(json["sections"].as_array().map(Vec::len), Some(7));
+    assert_eq!(json["sections"].as_array().map(Vec::len), Some(8));
     assert_eq!(r.section("timing")["report"]["key"][0], "timing");
 }
 
@@ -163,7 +166,9 @@ fn no_device_stops_before_any_section_with_exit_2() {
     let r = run(&[("STUB_NODEV", "none")]);
     assert_eq!(r.code, Some(2));
     assert!(r.stdout.contains("== preflight"));
-    assert!(r.stdout.contains("kernels 60s, timing 40s, golden 40s, decode 60s, gguf 40s, peft 120s, engine 50s"));
+    assert!(
+        r.stdout.contains("jit 45s, kernels 60s, timing 40s, golden 40s, decode 60s, gguf 40s, peft 110s, engine 50s")
+    );
     assert!(r.stderr.contains("no CUDA device"));
     assert_eq!(r.calls(), ["none blocking=0"]);
     assert_eq!(r.json()["exit"], 2);
@@ -185,7 +190,7 @@ fn a_binary_that_cannot_start_still_lets_the_peft_bench_run() {
     assert!(r.stdout.contains("the binary cannot start (exit 127)"));
     assert!(r.stdout.contains("error while loading shared libraries: libcublas.so.13"));
     assert!(r.row("peft").contains("pass"));
-    for s in ["kernels", "timing", "golden", "decode", "gguf", "engine"] {
+    for s in ["jit", "kernels", "timing", "golden", "decode", "gguf", "engine"] {
         assert!(r.row(s).contains("not run: no binary"), "{}", r.row(s));
     }
     assert_eq!(r.calls(), ["none blocking=0", "peft blocking=0"]);
@@ -213,6 +218,30 @@ fn a_failed_section_is_rerun_blocking_and_the_later_sections_still_run() {
     );
     assert_eq!(g["report"], Value::Null, "the failed run wrote no report");
     assert_eq!(g["rerun"]["report"]["key"][0], "golden");
+}
+
+/// Where the image has compute-sanitizer, a failed section's rerun runs the binary under its
+/// memcheck (as well as with blocking launches), and the report says so; the PEFT bench is not.
+#[test]
+fn a_failed_section_is_rerun_under_compute_sanitizer_where_there_is_one() {
+    let r = run(&[("STUB_FAIL", "golden,peft"), ("DEVICE_CHECK_SANITIZER", "/opt/cs/compute-sanitizer")]);
+    assert!(r.stdout.contains("compute-sanitizer    /opt/cs/compute-sanitizer"), "the preflight names it");
+    assert!(r.row("golden").contains("FAIL; rerun pass"), "{}", r.row("golden"));
+    let argv = std::fs::read_to_string(r.dir.path().join("argv.txt")).unwrap_or_default();
+    let golden: Vec<&str> = argv.lines().filter(|l| l.starts_with("golden: ")).collect();
+    assert_eq!(golden.len(), 2, "{argv}");
+    assert!(!golden[0].contains("compute-sanitizer"), "the first run is plain: {}", golden[0]);
+    assert!(
+        golden[1].starts_with("golden: /opt/cs/compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 1 "),
+        "{}",
+        golden[1]
+    );
+    assert!(golden[1].contains("--only golden --report"), "{}", golden[1]);
+    let peft: Vec<&str> = argv.lines().filter(|l| l.starts_with("peft: ")).collect();
+    assert!(peft.len() == 2 && peft.iter().all(|l| !l.contains("compute-sanitizer")), "{argv}");
+    let g = r.section("golden");
+    assert_eq!(g["rerun"]["env"].as_str(), Some("CUDA_LAUNCH_BLOCKING=1, compute-sanitizer --tool memcheck"));
+    assert_eq!(r.json()["preflight"]["compute_sanitizer"].as_str(), Some("/opt/cs/compute-sanitizer"));
 }
 
 /// A section past its budget is cut, rerun once with twice the budget (the sections after it
@@ -252,7 +281,7 @@ fn a_section_that_times_out_once_passes_on_its_longer_rerun() {
 /// No rerun when it would take the time of the sections after it: the total budget leaves none.
 #[test]
 fn a_timed_out_section_is_not_rerun_at_the_cost_of_later_ones() {
-    let env = [("STUB_HANG_ONCE", "kernels"), ("DEVICE_CHECK_BUDGETS", "kernels=2"), ("DEVICE_CHECK_TOTAL", "353")];
+    let env = [("STUB_HANG_ONCE", "kernels"), ("DEVICE_CHECK_BUDGETS", "kernels=2"), ("DEVICE_CHECK_TOTAL", "343")];
     let r = run(&env);
     assert!(r.row("kernels").contains("timeout"), "{}", r.row("kernels"));
     assert!(!r.row("kernels").contains("rerun"), "{}", r.row("kernels"));

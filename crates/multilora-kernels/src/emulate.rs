@@ -29,10 +29,13 @@ use std::sync::OnceLock;
 
 pub use memory::Memory;
 
-/// What can go wrong building or running the emulator.
+/// What can go wrong building or running the emulator, or reading a fatbin.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// A fatbin's bytes are not laid out as nvcc writes them.
+    #[error("not a CUDA fatbin nvcc wrote: {0}")]
+    Fatbin(String),
     /// No host C++ compiler could be run.
     #[error("no host C++ compiler `{compiler}` to emulate the CUDA kernels with: {source}")]
     NoCompiler {

@@ -33,7 +33,7 @@ impl KernelDtype {
     }
 }
 
-/// A `.cu` source file: one PTX module.
+/// A `.cu` source file: one module (one fatbin).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     /// `lora_shrink.cu`.
@@ -53,6 +53,17 @@ pub enum Module {
 }
 
 impl Module {
+    /// Every module, one per `.cu` file.
+    pub const ALL: [Module; 7] = [
+        Module::LoraShrink,
+        Module::LoraExpand,
+        Module::LoraEmbed,
+        Module::PagedAttention,
+        Module::KvWrite,
+        Module::LoraBgmv,
+        Module::PagedDecodeSplit,
+    ];
+
     /// A name unique to the module, under which a device caches it once loaded.
     pub fn name(self) -> &'static str {
         match self {
@@ -66,17 +77,17 @@ impl Module {
         }
     }
 
-    /// The module's PTX.
+    /// The module's fatbin: SASS for each of [`crate::fatbins::SASS`], PTX for newer GPUs.
     #[cfg(feature = "cuda")]
-    pub fn ptx(self) -> &'static str {
+    pub fn fatbin(self) -> &'static [u8] {
         match self {
-            Module::LoraShrink => crate::ptx::LORA_SHRINK,
-            Module::LoraExpand => crate::ptx::LORA_EXPAND,
-            Module::LoraEmbed => crate::ptx::LORA_EMBED,
-            Module::PagedAttention => crate::ptx::PAGED_ATTENTION,
-            Module::KvWrite => crate::ptx::KV_WRITE,
-            Module::LoraBgmv => crate::ptx::LORA_BGMV,
-            Module::PagedDecodeSplit => crate::ptx::PAGED_DECODE_SPLIT,
+            Module::LoraShrink => crate::fatbins::LORA_SHRINK,
+            Module::LoraExpand => crate::fatbins::LORA_EXPAND,
+            Module::LoraEmbed => crate::fatbins::LORA_EMBED,
+            Module::PagedAttention => crate::fatbins::PAGED_ATTENTION,
+            Module::KvWrite => crate::fatbins::KV_WRITE,
+            Module::LoraBgmv => crate::fatbins::LORA_BGMV,
+            Module::PagedDecodeSplit => crate::fatbins::PAGED_DECODE_SPLIT,
         }
     }
 }

@@ -11,8 +11,9 @@
 //!   with (the plan itself, which segments, tiles, grids and ranks, is computed in
 //!   `multilora-layers` and `multilora-models`, in Rust, and tested on every machine);
 //! - [`kernel`]: the entry-point names (`lora_shrink_bf16_f32`, `paged_decode_bf16_d128`, …);
-//! - `ptx` (feature `cuda`): the PTX nvcc made of each `.cu` file, for
-//!   `CudaDevice::get_or_load_custom_func`;
+//! - `fatbins` (feature `cuda`): the fatbin nvcc made of each `.cu` file (SASS for each
+//!   architecture of `MULTILORA_CUDA_SASS`, default sm_80, sm_89, sm_90a, and compute_90 PTX),
+//!   loaded by the host as machine code; [`fatbin`] reads what one holds;
 //! - [`emulate`]: a host emulation that compiles the same `.cu` sources with the host C++
 //!   compiler and runs a kernel on the CPU, so the kernels' logic is tested without a GPU.
 //!
@@ -21,15 +22,15 @@
 #![warn(missing_docs)]
 
 pub mod emulate;
+pub mod fatbin;
 pub mod kernel;
 pub mod params;
 
 pub use emulate::{Emulator, Error, FaultKind, Memory};
 pub use kernel::{KernelDtype, Module};
 
-/// The PTX of each `.cu` file, as nvcc made it for `CUDA_COMPUTE_CAP` (default 90).
+/// The fatbin of each `.cu` file, and the architectures they were built for (`build.rs`).
 #[cfg(feature = "cuda")]
-#[allow(missing_docs)]
-pub mod ptx {
-    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+pub mod fatbins {
+    include!(concat!(env!("OUT_DIR"), "/fatbin.rs"));
 }

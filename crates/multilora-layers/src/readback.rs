@@ -66,7 +66,7 @@ impl RowsToHost {
         stream.memcpy_dtoh(&src, buf).map_err(candle_core::Error::wrap)?;
         // The copy is asynchronous into page-locked memory. The buffer's own event cannot be
         // waited on: cudarc records it only while it manages stream synchronization, which the
-        // model turns off (`disable_event_tracking`). So wait for the stream itself.
+        // model turns off (`prepare_cuda_device`). So wait for the stream itself.
         stream.synchronize().map_err(candle_core::Error::wrap)?;
         let host = buf.as_slice().map_err(candle_core::Error::wrap)?;
         Ok(host[..n].chunks_exact(cols).map(<[f32]>::to_vec).collect())

@@ -197,9 +197,10 @@ impl Model {
 
     fn build(cfg: ModelConfig, w: &Weights, opts: &ModelOptions) -> Result<Model> {
         // One stream does all of the model's work on a GPU: cudarc's cross-stream event tracking
-        // only adds driver calls to every allocation and kernel operand (weights made from here on).
+        // only adds driver calls to every allocation and kernel operand (weights made from here
+        // on), and freed memory stays in the pool for the next step.
         #[cfg(feature = "cuda")]
-        multilora_layers::disable_event_tracking(&opts.device);
+        multilora_layers::prepare_cuda_device(&opts.device)?;
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (wdt, act) = (opts.dtype, activation_dtype(opts));
         // llama.cpp's defaults for a GGUF file kept quantized on the CPU: an f16 cache and f16

@@ -1,5 +1,6 @@
-//! Launch glue of the CUDA kernels (feature `cuda`): device addresses of tensors, loading a
-//! kernel from `multilora-kernels`' PTX, and launching it with the host plan's parameters. The
+//! Launch glue of the CUDA kernels (feature `cuda`): device addresses of tensors, loading
+//! `multilora-kernels`' modules from their fatbins (once per device, each function looked up
+//! once), launching a kernel with the host plan's parameters, and readying a device's context. The
 //! ops that use it are candle custom ops (`shrink/cuda.rs`, `expand/cuda.rs`), so candle holds
 //! the right locks on the tensors they read and write.
 //!
@@ -8,9 +9,14 @@
 // The one place of the crate that launches kernels: every unsafe block says why it is sound.
 #![allow(unsafe_code)]
 
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaStream, PinnedHostSlice, SyncOnDrop};
+use candle_core::cuda::DeviceId;
+use candle_core::cuda::cudarc::driver::{CudaFunction, CudaModule, CudaStream, PinnedHostSlice, SyncOnDrop};
 use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
 use multilora_kernels::params::{
     BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams, ExpandParams,
@@ -83,17 +89,40 @@ pub(crate) unsafe fn kept_pinned<'a, T: DeviceRepr>(
     Ok(b)
 }
 
-/// Turns off cudarc's per-allocation event tracking on `device`'s context (a CPU device is left
-/// alone): every tensor allocated afterwards skips the `cuEventCreate` pair of its allocation and
-/// the `cuStreamWaitEvent` + `cuEventRecord` of each use, which only order work between streams.
-/// multilora runs all of a device's work on candle's one stream of that device (the kernels here
-/// launch on it, candle's ops and cuBLAS use it), so the stream alone orders every use.
-pub fn disable_event_tracking(device: &candle_core::Device) {
-    if let candle_core::Device::Cuda(d) = device {
-        // SAFETY: cudarc's conditions are that no slice is used on a second stream before its
-        // allocation or last use on the first is done, and none is freed while another stream
-        // still uses it; every slice of this device is only ever used on its one stream.
-        unsafe { d.cuda_stream().context().disable_event_tracking() };
+/// Readies `device`'s context for multilora's work (a CPU device is left alone):
+/// - turns off cudarc's per-allocation event tracking: every tensor allocated afterwards skips the
+///   `cuEventCreate` pair of its allocation and the `cuStreamWaitEvent` + `cuEventRecord` of each
+///   use, which only order work between streams. multilora runs all of a device's work on
+///   candle's one stream of that device (the kernels here launch on it, candle's ops and cuBLAS
+///   use it), so the stream alone orders every use;
+/// - keeps freed memory in the device's pool (its release threshold set to the most): with the
+///   default of 0 every synchronisation hands the pool's free memory back to the driver, and the
+///   next step's allocations take the slow path again. The memory stays the process's, as with
+///   vLLM's and PyTorch's caching allocators.
+pub fn prepare_cuda_device(device: &candle_core::Device) -> candle_core::Result<()> {
+    use candle_core::cuda::cudarc::driver::{result, sys};
+    let candle_core::Device::Cuda(d) = device else { return Ok(()) };
+    let stream = d.cuda_stream();
+    let ctx = stream.context();
+    // SAFETY: cudarc's conditions are that no slice is used on a second stream before its
+    // allocation or last use on the first is done, and none is freed while another stream
+    // still uses it; every slice of this device is only ever used on its one stream.
+    unsafe { ctx.disable_event_tracking() };
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut threshold = u64::MAX;
+    // SAFETY: the device is the context's own; the pool is the one `cuMemAllocAsync` on its
+    // streams draws from, and the release threshold's value is a `u64` (cuMemPoolSetAttribute).
+    unsafe {
+        ctx.bind_to_thread().map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+        let pool = result::device::get_mem_pool(ctx.cu_device()).map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(|e| candle_core::Error::Cuda(Box::new(e)))
     }
 }
 
@@ -172,6 +201,87 @@ impl<'t> Locked<'t> {
     }
 }
 
+/// Our kernels as loaded on each device: a module once from its fatbin (the GPU's own SASS where
+/// the fatbin has it, so nothing is compiled on first use), a function looked up once by name.
+#[derive(Default)]
+struct Loaded {
+    modules: HashMap<Module, Arc<CudaModule>>,
+    functions: HashMap<String, CudaFunction>,
+}
+
+/// [`Loaded`] per device (candle's `DeviceId`, unique for the process).
+static LOADED: LazyLock<Mutex<HashMap<DeviceId, Loaded>>> = LazyLock::new(Default::default);
+
+/// The cache, locked. A panic while it was held left at worst a module or function not yet
+/// inserted: its contents are still right.
+fn loaded() -> MutexGuard<'static, HashMap<DeviceId, Loaded>> {
+    LOADED.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `module` loaded on `dev`: from the cache, or now from its fatbin.
+fn module(dev: &CudaDevice, loaded: &mut Loaded, module: Module) -> candle_core::Result<Arc<CudaModule>> {
+    if let Some(m) = loaded.modules.get(&module) {
+        return Ok(m.clone());
+    }
+    let ctx = dev.cuda_stream().context().clone();
+    let m = ctx
+        .load_module(Ptx::from_binary(module.fatbin().to_vec()))
+        .map_err(|e| candle_core::Error::Msg(format!("loading {} from its fatbin: {e}", module.name())))?;
+    loaded.modules.insert(module, m.clone());
+    Ok(m)
+}
+
+/// One module of ours as [`load_kernel_modules`] loaded it.
+#[derive(Clone, Debug)]
+pub struct ModuleLoad {
+    /// The module's name (`multilora_lora_bgmv`).
+    pub module: &'static str,
+    /// Seconds the load took.
+    pub seconds: f64,
+    /// What the driver loaded: `sm_90a SASS, as it is`, or the PTX it compiled for a GPU the
+    /// fatbin has no SASS for.
+    pub code: String,
+}
+
+/// Loads every module of ours on `dev` (a warm-up: later launches find them loaded), timing
+/// each and saying whether the GPU ran one of the fatbin's SASS entries as it is.
+pub fn load_kernel_modules(dev: &CudaDevice) -> candle_core::Result<Vec<ModuleLoad>> {
+    let ctx = dev.cuda_stream().context().clone();
+    let (major, minor) = ctx.compute_capability().map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+    let (major, minor) = (u32::try_from(major).unwrap_or(0), u32::try_from(minor).unwrap_or(0));
+    let mut all = loaded();
+    let loaded = all.entry(dev.id()).or_default();
+    let mut out = Vec::with_capacity(Module::ALL.len());
+    for m in Module::ALL {
+        let entries = multilora_kernels::fatbin::entries(m.fatbin()).map_err(candle_core::Error::wrap)?;
+        let code = match entries.iter().find(|e| e.runs_as_is_on(major, minor)) {
+            Some(e) => format!("{} SASS, as it is", e.arch),
+            None => format!(
+                "no SASS for compute capability {major}.{minor}: the driver compiled the {} PTX",
+                multilora_kernels::fatbins::PTX
+            ),
+        };
+        let t = std::time::Instant::now();
+        module(dev, loaded, m)?;
+        out.push(ModuleLoad { module: m.name(), seconds: t.elapsed().as_secs_f64(), code });
+    }
+    Ok(out)
+}
+
+/// The function `name` of `module` on `dev`.
+fn function(dev: &CudaDevice, module_: Module, name: &str) -> candle_core::Result<CudaFunction> {
+    let mut all = loaded();
+    let loaded = all.entry(dev.id()).or_default();
+    if let Some(f) = loaded.functions.get(name) {
+        return Ok(f.clone());
+    }
+    let f = module(dev, loaded, module_)?
+        .load_function(name)
+        .map_err(|e| candle_core::Error::Msg(format!("{name} in {}: {e}", module_.name())))?;
+    loaded.functions.insert(name.to_string(), f.clone());
+    Ok(f)
+}
+
 /// Launches `name` of `module` on `dev`'s stream.
 pub(crate) fn launch<P: Copy>(dev: &CudaDevice, module: Module, name: &str, l: &Launch<P>) -> candle_core::Result<()>
 where
@@ -180,14 +290,15 @@ where
     if l.grid.contains(&0) {
         return Ok(());
     }
-    let func = dev.get_or_load_custom_func(name, module.name(), module.ptx())?;
+    let func = function(dev, module, name)?;
     let arg = KernelArg(l.params);
     let cfg = LaunchConfig {
         grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
         block_dim: (l.block[0], l.block[1], l.block[2]),
         shared_mem_bytes: 0,
     };
-    let mut builder = func.builder();
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
     builder.arg(&arg);
     // SAFETY: the kernel's one parameter is this struct by value (see `KernelArg`); every
     // pointer in it was taken from a tensor whose lock and stream guard the caller holds until
