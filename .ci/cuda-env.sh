@@ -7,7 +7,8 @@
 #
 # Every stub function returns an error code, so `Device::new_cuda(0)` fails cleanly ("no CUDA
 # device") and nothing pretends to be a GPU. Source this file: it exports CUDA_HOME, PATH,
-# CUDA_COMPUTE_CAP, CUDAFORGE_THREADS, LIBRARY_PATH, LD_LIBRARY_PATH and MULTILORA_CUDA_PACKAGES.
+# CUDA_COMPUTE_CAP, CUDAFORGE_THREADS, LIBRARY_PATH, LD_LIBRARY_PATH, MULTILORA_CUDA_PACKAGES and
+# MULTILORA_FAKE_CUDA (the counting fake driver the launch-count test runs a model on).
 #
 #   source .ci/cuda-env.sh      # installs into $MULTILORA_CUDA_PREFIX (default $HOME/.cache/multilora-cuda-13.0)
 #
@@ -87,6 +88,12 @@ LIBS
     ln -sf "$cu/lib/libnvrtc.so.13" "$stubs/libnvrtc.so"
     touch "$stubs/.done"
 fi
+
+# The counting fake driver of the launch-count test (crates/multilora-device-check/fakecuda/,
+# tests/launch_count.rs): rebuilt every time, in seconds, so it always matches its sources.
+fake="$prefix/fakecuda-$cudarc_version"
+"$(dirname "${BASH_SOURCE[0]}")/../crates/multilora-device-check/fakecuda/build.sh" "$fake" "$cudarc" || return 1
+export MULTILORA_FAKE_CUDA="$fake"
 
 export CUDA_HOME="$cu"
 export PATH="$cu/bin:$tools/nvidia/cu13/bin:$PATH"

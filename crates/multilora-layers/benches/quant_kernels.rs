@@ -12,7 +12,9 @@
 //!
 //! `cargo bench -p multilora-layers --bench quant_kernels` (about three minutes; set
 //! `RAYON_NUM_THREADS` to compare thread counts, `QUANT_BENCH_TYPES=Q4_1,Q8_0` and
-//! `QUANT_BENCH_ROWS=1,512` to run only some cases, `QUANT_BENCH_ISAS=Avx2,Avx512Vnni` only some
+//! `QUANT_BENCH_ROWS=1,512` to run only some cases, `QUANT_BENCH_SHAPES=4096x14336,6144x4096`
+//! (`n`x`k`) to run each chosen type at users' shapes instead (an 8B model's down and q/k/v
+//! here), `QUANT_BENCH_ISAS=Avx2,Avx512Vnni` only some
 //! instruction sets in the summary, `QUANT_BENCH_SUMMARY_ONLY=1` to skip criterion,
 //! `QUANT_BENCH_BASELINES=0` to leave candle and the f32 kernel out of the summary).
 
@@ -29,10 +31,30 @@ use multilora_layers::{PackedWeight, QuantWeight};
 const ROWS: [usize; 4] = [1, 16, 64, 512];
 
 /// `(type, n, k)`: SmolLM2-135M's MLP shapes (the K-quants need `k` a multiple of 256: only the
-/// down projection has it) and the Q8_0 `lm_head`.
+/// down projection has it) and the Q8_0 `lm_head`; or every type at each of `QUANT_BENCH_SHAPES`.
 fn cases() -> Vec<(QuantType, usize, usize)> {
     let only = std::env::var("QUANT_BENCH_TYPES").unwrap_or_default();
     let mut v = Vec::new();
+    if let Ok(shapes) = std::env::var("QUANT_BENCH_SHAPES") {
+        let all = [
+            QuantType::Q4_1,
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q5_0,
+            QuantType::Q5_1,
+            QuantType::Q4K,
+            QuantType::Q6K,
+            QuantType::Q5K,
+            QuantType::Q3K,
+            QuantType::Q2K,
+        ];
+        for (n, k) in shapes.split(',').filter_map(|s| s.trim().split_once('x')) {
+            let (Ok(n), Ok(k)) = (n.parse(), k.parse()) else { continue };
+            v.extend(all.iter().map(|&qt| (qt, n, k)));
+        }
+        v.retain(|(qt, _, _)| only.is_empty() || only.split(',').any(|t| t == qt.name()));
+        return v;
+    }
     for qt in [QuantType::Q4_1, QuantType::Q8_0, QuantType::Q4_0, QuantType::Q5_0, QuantType::Q5_1] {
         v.push((qt, 1536, 576));
         v.push((qt, 576, 1536));
