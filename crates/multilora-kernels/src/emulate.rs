@@ -142,6 +142,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("kv_write.cu", include_str!("kv_write.cu")),
     ("lora_bgmv.cu", include_str!("lora_bgmv.cu")),
     ("paged_decode_split.cu", include_str!("paged_decode_split.cu")),
+    ("fused.cu", include_str!("fused.cu")),
     ("emulate/emu.h", include_str!("emulate/emu.h")),
     ("emulate/views.h", include_str!("emulate/views.h")),
     ("emulate/faults.cuh", include_str!("emulate/faults.cuh")),

@@ -50,11 +50,13 @@ pub enum Module {
     LoraBgmv,
     /// `paged_decode_split.cu`.
     PagedDecodeSplit,
+    /// `fused.cu`.
+    Fused,
 }
 
 impl Module {
     /// Every module, one per `.cu` file.
-    pub const ALL: [Module; 7] = [
+    pub const ALL: [Module; 8] = [
         Module::LoraShrink,
         Module::LoraExpand,
         Module::LoraEmbed,
@@ -62,6 +64,7 @@ impl Module {
         Module::KvWrite,
         Module::LoraBgmv,
         Module::PagedDecodeSplit,
+        Module::Fused,
     ];
 
     /// A name unique to the module, under which a device caches it once loaded.
@@ -74,6 +77,7 @@ impl Module {
             Module::KvWrite => "multilora_kv_write",
             Module::LoraBgmv => "multilora_lora_bgmv",
             Module::PagedDecodeSplit => "multilora_paged_decode_split",
+            Module::Fused => "multilora_fused",
         }
     }
 
@@ -88,6 +92,7 @@ impl Module {
             Module::KvWrite => crate::fatbins::KV_WRITE,
             Module::LoraBgmv => crate::fatbins::LORA_BGMV,
             Module::PagedDecodeSplit => crate::fatbins::PAGED_DECODE_SPLIT,
+            Module::Fused => crate::fatbins::FUSED,
         }
     }
 }
@@ -116,6 +121,21 @@ pub fn lora_shrink_bgmv(tx: KernelDtype, tw: KernelDtype, rank: usize) -> String
 /// `lora_expand_bgmv_<tx>_<tw>_r<rank>`: the decode-shaped expand.
 pub fn lora_expand_bgmv(tx: KernelDtype, tw: KernelDtype, rank: usize) -> String {
     format!("lora_expand_bgmv_{}_{}_r{rank}", tx.suffix(), tw.suffix())
+}
+
+/// `rope_kv_write_<t>`: a decode layer's RoPE, query scale and K/V cache write in one launch.
+pub fn rope_kv_write(t: KernelDtype) -> String {
+    format!("rope_kv_write_{}", t.suffix())
+}
+
+/// `add_rms_norm_<t>`: the residual add and the RMS norm in one launch.
+pub fn add_rms_norm(t: KernelDtype) -> String {
+    format!("add_rms_norm_{}", t.suffix())
+}
+
+/// `silu_mul_<t>`: SiLU of the gate times the up projection in one launch.
+pub fn silu_mul(t: KernelDtype) -> String {
+    format!("silu_mul_{}", t.suffix())
 }
 
 /// The KV-cache write (one entry for every dtype: it copies bytes).

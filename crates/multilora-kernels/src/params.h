@@ -206,3 +206,47 @@ typedef struct {
     uint32_t head_groups;            // ceil((heads / kv_heads) / G), G the kernel's heads per block
     uint32_t pad;
 } MlDecodeSplitParams;
+
+// Threads of a fused block (rope_kv_write: one block per token; silu_mul: columns per block).
+// add_rms_norm runs one warp (32 threads) per row.
+#define ML_FUSED_THREADS 128
+
+// rope_kv_write: the q/k/v row of each token (grid x) rotated, q scaled into q_out, k and v into
+// the token's cache row. One dtype T for qkv, cos / sin, q_out and the caches.
+typedef struct {
+    uint64_t qkv;                    // T [tokens, qkv_stride]: q (heads * head_dim), k, v (kv_heads * head_dim)
+    uint64_t cos;                    // T [tokens, head_dim / 2]
+    uint64_t sin;                    // T [tokens, head_dim / 2]
+    uint64_t q_out;                  // T [tokens, heads * head_dim]
+    uint64_t k_cache;                // T [num_rows, kv_heads * head_dim]
+    uint64_t v_cache;                // T [num_rows, kv_heads * head_dim]
+    uint64_t slots;                  // u32 [tokens]: cache row of each token (>= num_rows: none)
+    uint32_t heads;
+    uint32_t kv_heads;
+    uint32_t head_dim;               // even
+    uint32_t qkv_stride;             // elements between rows of qkv
+    uint32_t num_rows;               // rows of each cache
+    float q_scale;
+} MlRopeKvParams;
+
+// add_rms_norm: sum = x + residual (rounded to T), out = sum / sqrt(mean(sum^2) + eps) * weight,
+// one warp per row (grid x).
+typedef struct {
+    uint64_t x;                      // T [rows, x_stride]
+    uint64_t residual;               // T [rows, residual_stride]
+    uint64_t weight;                 // T [cols]
+    uint64_t sum;                    // T [rows, cols]
+    uint64_t out;                    // T [rows, cols]
+    uint32_t cols;
+    uint32_t x_stride;
+    uint32_t residual_stride;
+    float eps;
+} MlAddNormParams;
+
+// silu_mul: out[r, j] = silu(gu[r, j]) * gu[r, inter + j]; grid (ceil(inter / ML_FUSED_THREADS), rows).
+typedef struct {
+    uint64_t gu;                     // T [rows, gu_stride]: gate then up
+    uint64_t out;                    // T [rows, inter]
+    uint32_t inter;
+    uint32_t gu_stride;
+} MlSiluMulParams;

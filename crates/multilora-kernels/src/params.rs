@@ -397,3 +397,77 @@ params!(
         pad: u32,
     }
 );
+
+/// Threads of a fused kernel's block (`ML_FUSED_THREADS`); `add_rms_norm` runs one warp a row.
+pub const FUSED_THREADS: u32 = 128;
+
+params!(
+    /// `rope_kv_write_<t>`: each token's q/k/v row rotated (RoPE, halves), q scaled into `q_out`,
+    /// k and v into the token's cache row; one block per token.
+    RopeKvParams = "MlRopeKvParams" {
+        /// `[tokens, qkv_stride]`: q (`heads · head_dim`), k, v (`kv_heads · head_dim` each).
+        qkv: u64,
+        /// `[tokens, head_dim / 2]`.
+        cos: u64,
+        /// `[tokens, head_dim / 2]`.
+        sin: u64,
+        /// `[tokens, heads · head_dim]`.
+        q_out: u64,
+        /// `[num_rows, kv_heads · head_dim]`.
+        k_cache: u64,
+        /// `[num_rows, kv_heads · head_dim]`.
+        v_cache: u64,
+        /// `u32 [tokens]`: each token's cache row (`≥ num_rows`: none).
+        slots: u64,
+        /// Query heads.
+        heads: u32,
+        /// Key / value heads.
+        kv_heads: u32,
+        /// Elements of a head (even).
+        head_dim: u32,
+        /// Elements between rows of `qkv`.
+        qkv_stride: u32,
+        /// Rows of each cache.
+        num_rows: u32,
+        /// The queries' scale, as `f32` bits (`f32::to_bits`; a `float` in C).
+        q_scale: u32,
+    }
+);
+
+params!(
+    /// `add_rms_norm_<t>`: `sum = x + residual`, `out = sum / rms(sum) · weight`, a warp a row.
+    AddNormParams = "MlAddNormParams" {
+        /// `[rows, x_stride]`.
+        x: u64,
+        /// `[rows, residual_stride]`.
+        residual: u64,
+        /// `[cols]`.
+        weight: u64,
+        /// `[rows, cols]`: the sum, rounded to the dtype.
+        sum: u64,
+        /// `[rows, cols]`: the normed sum.
+        out: u64,
+        /// Elements of a row.
+        cols: u32,
+        /// Elements between rows of `x`.
+        x_stride: u32,
+        /// Elements between rows of `residual`.
+        residual_stride: u32,
+        /// Added to the mean square, as `f32` bits (a `float` in C).
+        eps: u32,
+    }
+);
+
+params!(
+    /// `silu_mul_<t>`: `out[r, j] = silu(gu[r, j]) · gu[r, inter + j]`.
+    SiluMulParams = "MlSiluMulParams" {
+        /// `[rows, gu_stride]`: gate, then up.
+        gu: u64,
+        /// `[rows, inter]`.
+        out: u64,
+        /// Columns of the output.
+        inter: u32,
+        /// Elements between rows of `gu`.
+        gu_stride: u32,
+    }
+);

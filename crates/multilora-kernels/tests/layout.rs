@@ -4,8 +4,8 @@
 
 use multilora_kernels::Emulator;
 use multilora_kernels::params::{
-    BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams, ExpandParams,
-    KvWriteParams, ShrinkParams, Tile,
+    AddNormParams, BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams,
+    ExpandParams, KvWriteParams, RopeKvParams, ShrinkParams, SiluMulParams, Tile,
 };
 
 fn check(c: &[(String, usize)], name: &str, size: usize, fields: &[(&str, usize)], bytes: usize) {
@@ -37,6 +37,9 @@ fn rust_mirrors_match_the_c_header() {
     check_struct!(&c, KvWriteParams);
     check_struct!(&c, BgmvShrinkParams);
     check_struct!(&c, BgmvExpandParams);
+    check_struct!(&c, RopeKvParams);
+    check_struct!(&c, AddNormParams);
+    check_struct!(&c, SiluMulParams);
     check_struct!(&c, DecodeSplitParams);
 }
 

@@ -24,6 +24,7 @@
 #include "../kv_write.cu"
 #include "../lora_bgmv.cu"
 #include "../paged_decode_split.cu"
+#include "../fused.cu"
 #ifdef MULTILORA_EMULATE_FAULTS
 #include "faults.cuh"
 #endif
@@ -92,6 +93,21 @@ MlDecodeSplitParams fix_ptrs(MlDecodeSplitParams p) {
     return p;
 }
 
+MlRopeKvParams fix_ptrs(MlRopeKvParams p) {
+    p.qkv = fix(p.qkv, "qkv"); p.cos = fix(p.cos, "cos"); p.sin = fix(p.sin, "sin"); p.q_out = fix(p.q_out, "q_out");
+    p.k_cache = fix(p.k_cache, "k_cache"); p.v_cache = fix(p.v_cache, "v_cache"); p.slots = fix(p.slots, "slots");
+    return p;
+}
+MlAddNormParams fix_ptrs(MlAddNormParams p) {
+    p.x = fix(p.x, "x"); p.residual = fix(p.residual, "residual"); p.weight = fix(p.weight, "weight");
+    p.sum = fix(p.sum, "sum"); p.out = fix(p.out, "out");
+    return p;
+}
+MlSiluMulParams fix_ptrs(MlSiluMulParams p) {
+    p.gu = fix(p.gu, "gu"); p.out = fix(p.out, "out");
+    return p;
+}
+
 #ifdef MULTILORA_EMULATE_FAULTS
 MlFaultParams fix_ptrs(MlFaultParams p) {
     p.in = fix(p.in, "in"); p.out = fix(p.out, "out");
@@ -148,6 +164,11 @@ std::map<std::string, Runner> kernels() {
     k["paged_decode_reduce_" #t "_d" #d] = runner(paged_decode_reduce_##t##_d##d);
 #define ML_REG_SPLITS(t) ML_REG_SPLIT(t, 32) ML_REG_SPLIT(t, 64) ML_REG_SPLIT(t, 128) ML_REG_SPLIT(t, 256)
     ML_REG_SPLITS(f32) ML_REG_SPLITS(bf16) ML_REG_SPLITS(f16)
+#define ML_REG_FUSED(t) \
+    k["rope_kv_write_" #t] = runner(rope_kv_write_##t); \
+    k["add_rms_norm_" #t] = runner(add_rms_norm_##t); \
+    k["silu_mul_" #t] = runner(silu_mul_##t);
+    ML_REG_FUSED(f32) ML_REG_FUSED(bf16) ML_REG_FUSED(f16)
 #ifdef MULTILORA_EMULATE_FAULTS
     ML_FAULT_KERNELS(ML_REG_FAULT)
 #endif
@@ -214,6 +235,17 @@ void layout() {
     ML_FIELD(MlBgmvExpandParams, y) ML_FIELD(MlBgmvExpandParams, b) ML_FIELD(MlBgmvExpandParams, s)
     ML_FIELD(MlBgmvExpandParams, col_off) ML_FIELD(MlBgmvExpandParams, s_stride) ML_FIELD(MlBgmvExpandParams, s_split_stride)
     ML_FIELD(MlBgmvExpandParams, y_stride) ML_FIELD(MlBgmvExpandParams, col_chunks) ML_FIELD(MlBgmvExpandParams, pad)
+    ML_SIZE(MlRopeKvParams)
+    ML_FIELD(MlRopeKvParams, qkv) ML_FIELD(MlRopeKvParams, cos) ML_FIELD(MlRopeKvParams, sin) ML_FIELD(MlRopeKvParams, q_out)
+    ML_FIELD(MlRopeKvParams, k_cache) ML_FIELD(MlRopeKvParams, v_cache) ML_FIELD(MlRopeKvParams, slots)
+    ML_FIELD(MlRopeKvParams, heads) ML_FIELD(MlRopeKvParams, kv_heads) ML_FIELD(MlRopeKvParams, head_dim)
+    ML_FIELD(MlRopeKvParams, qkv_stride) ML_FIELD(MlRopeKvParams, num_rows) ML_FIELD(MlRopeKvParams, q_scale)
+    ML_SIZE(MlAddNormParams)
+    ML_FIELD(MlAddNormParams, x) ML_FIELD(MlAddNormParams, residual) ML_FIELD(MlAddNormParams, weight)
+    ML_FIELD(MlAddNormParams, sum) ML_FIELD(MlAddNormParams, out) ML_FIELD(MlAddNormParams, cols)
+    ML_FIELD(MlAddNormParams, x_stride) ML_FIELD(MlAddNormParams, residual_stride) ML_FIELD(MlAddNormParams, eps)
+    ML_SIZE(MlSiluMulParams)
+    ML_FIELD(MlSiluMulParams, gu) ML_FIELD(MlSiluMulParams, out) ML_FIELD(MlSiluMulParams, inter) ML_FIELD(MlSiluMulParams, gu_stride)
 }
 
 }  // namespace

@@ -19,8 +19,8 @@ use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, Lau
 use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
 use multilora_kernels::params::{
-    BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams, ExpandParams,
-    KvWriteParams, ShrinkParams,
+    AddNormParams, BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams,
+    ExpandParams, KvWriteParams, RopeKvParams, ShrinkParams, SiluMulParams,
 };
 use multilora_kernels::{KernelDtype, Module};
 
@@ -49,6 +49,12 @@ unsafe impl DeviceRepr for KernelArg<BgmvShrinkParams> {}
 unsafe impl DeviceRepr for KernelArg<BgmvExpandParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for KernelArg<DecodeSplitParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<RopeKvParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<AddNormParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<SiluMulParams> {}
 
 /// `len` values of `dtype` on `dev`, not zeroed: for a kernel output whose every element read is
 /// written by the kernel first (the BGMV shrink writes all of it; the segmented shrink of the
@@ -134,6 +140,12 @@ pub(crate) fn kernel_dtype(d: DType) -> candle_core::Result<KernelDtype> {
         DType::F16 => KernelDtype::F16,
         other => candle_core::bail!("the multilora CUDA kernels take f32, bf16 or f16, not {other:?}"),
     })
+}
+
+/// `t` with its rows' elements adjacent (stride 1 along dimension 1), as the kernels read rows:
+/// itself when they already are (rows may still be strided), else a contiguous copy.
+pub(crate) fn row_major(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.stride().get(1) == Some(&1) { Ok(t.clone()) } else { t.contiguous() }
 }
 
 /// The CUDA storage behind a locked tensor.

@@ -14,6 +14,7 @@ pub(crate) mod bgmv;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 pub(crate) mod expand;
+pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod kv_write;
 pub(crate) mod norm;

@@ -36,6 +36,12 @@ pub fn add_rms_norm(x: &Tensor, delta: &Tensor, alpha: &Tensor, eps: f32) -> Res
 
 /// [`add_rms_norm`], or [`rms_norm`] without `delta` (its sum then `x` itself).
 fn norm(x: &Tensor, delta: Option<&Tensor>, alpha: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    // On CUDA the add and the norm are one launch (`fused.cu`).
+    if let Some(d) = delta
+        && let Some(both) = crate::ops::fused::add_rms_norm(x, d, alpha, eps)?
+    {
+        return Ok(both);
+    }
     let n = x.dims().last().copied().unwrap_or(0);
     let fits = x.device().is_cpu()
         && alpha.device().is_cpu()

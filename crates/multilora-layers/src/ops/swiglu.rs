@@ -11,7 +11,8 @@ use multilora_cpu::Isa;
 use multilora_cpu::float as gemm;
 
 /// `silu(gu[:, ..inter]) · gu[:, inter..]` → `[rows, inter]`, for an f32 `gu: [rows, 2 · inter]`
-/// on the CPU; `None` for any other (the caller then uses tensor ops).
+/// on the CPU, or on CUDA in one launch (`fused.cu`); `None` for any other (the caller then uses
+/// tensor ops).
 ///
 /// # Errors
 /// When `gu` is not `[rows, 2 · inter]`.
@@ -38,6 +39,10 @@ fn gated(
     let (rows, width) = gu.dims2().map_err(|_| Error::shape(op, "gate_up", gu.dims(), &[0, 2 * inter]))?;
     if width != 2 * inter {
         return Err(Error::shape(op, "gate_up", gu.dims(), &[rows, 2 * inter]));
+    }
+    if gu.device().is_cuda() && op == "silu_mul" {
+        // One launch on CUDA (`fused.cu`).
+        return crate::ops::fused::silu_mul(gu, inter);
     }
     if gu.dtype() != DType::F32 || !gu.device().is_cpu() {
         return Ok(None);

@@ -4,6 +4,7 @@
 mod attention_cpu;
 mod emulated;
 mod emulated_fast;
+mod emulated_fused;
 mod gemm;
 mod layers;
 mod ops;

@@ -112,13 +112,13 @@ impl<'a> RowGroup<'a> {
             _ => (&self.cos, &self.sin),
         };
         let writes = self.plan.kv_writes(sliding);
-        // On the CPU, the rotation, the queries' scale and the cache write in one pass;
-        // elsewhere as tensor ops.
+        // The rotation, the queries' scale and the cache write in one pass on the CPU, in one
+        // launch on CUDA; otherwise as tensor ops.
         let fused = match writes {
             KvWrites::Host(rows) => {
                 multilora_layers::rope_write_kv(&qkv, (cos, sin), d, (ck, cv), rows, Some(q_scale))?
             }
-            _ => None,
+            KvWrites::Rows(slots) => multilora_layers::rope_kv_write(&qkv, (cos, sin), d, (ck, cv), slots, q_scale)?,
         };
         let q = match fused {
             Some(q) => q,

@@ -8,7 +8,7 @@ use multilora_kernels::{Module, kernel};
 
 use super::kv_write_launch;
 use crate::error::Result;
-use crate::ops::cuda::{launch, read_ptr, write_ptr};
+use crate::ops::cuda::{launch, read_ptr, row_major, write_ptr};
 
 /// `cache[slots[t]] = src[t]`: the cache is the op's in-place operand, then `src`, then `slots`.
 struct KvWriteOp;
@@ -61,8 +61,6 @@ impl InplaceOp3 for KvWriteOp {
 /// [`super::paged_kv_write`] on CUDA: one launch for K, one for V.
 pub(crate) fn kv_write(cache_k: &Tensor, cache_v: &Tensor, k: &Tensor, v: &Tensor, slots: &Tensor) -> Result<()> {
     let slots = slots.contiguous()?;
-    let row_major =
-        |t: &Tensor| -> Result<Tensor> { Ok(if t.stride().get(1) == Some(&1) { t.clone() } else { t.contiguous()? }) };
     cache_k.inplace_op3(&row_major(k)?, &slots, &KvWriteOp)?;
     cache_v.inplace_op3(&row_major(v)?, &slots, &KvWriteOp)?;
     Ok(())
