@@ -2,14 +2,16 @@
 //! segmented shrink (public op), the fused shrink + expand of a layer (the K split and its
 //! in-order reduction), base-model rows untouched bit for bit, on Llama-3-8B's shapes, for
 //! 1…4096 tokens over 1…16 adapters of mixed ranks 4…64 in rank-64 slots, in f32, bf16 and f16;
-//! and the paged decode attention against its gathered reference.
+//! the paged decode attention against its gathered reference; and a decode layer's fused kernels
+//! (`fused.cu`: RoPE + query scale + K/V write, add + RMS norm, SiLU · up) against the tensor ops
+//! they replace.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::ModuleId;
 use multilora_layers::{
-    LoraMapping, LoraSlots, PagedDecodeDims, lora_apply, lora_expand_slow, lora_shrink, lora_shrink_slow,
-    paged_decode_attention, paged_decode_attention_slow,
+    LoraMapping, LoraSlots, PagedDecodeDims, add_rms_norm, lora_apply, lora_expand_slow, lora_shrink, lora_shrink_slow,
+    paged_decode_attention, paged_decode_attention_slow, paged_kv_write_slow, rope_kv_write, silu_mul,
 };
 use multilora_types::{ModuleKind, SlotId};
 
@@ -205,5 +207,71 @@ pub(crate) fn attention(report: &mut Report, dev: &Device, quick: bool) -> Resul
         key.push(format!("{dtype:?} {worst:.0e}"));
     }
     report.key(SECTION, format!("paged decode attention vs gathered, worst: {}", key.join(", ")));
+    Ok(())
+}
+
+/// The fused kernels of a decode layer against the tensor ops they replace, at Llama-3-8B's shapes:
+/// the rotated and scaled queries and both caches, the residual sum and its norm, SiLU · up.
+pub(crate) fn fused(report: &mut Report, dev: &Device, quick: bool) -> Result<()> {
+    let (heads, kv_heads, hd, hidden, inter) = (32, 8, 128, 4096, 14336);
+    let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: 16 };
+    let (qs, kvs, half) = (heads * hd, kv_heads * hd, hd / 2);
+    let tokens: &[usize] = if quick { &[1, 16] } else { &[1, 16, 64, 300] };
+    let mut key = Vec::new();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let mut worst: f64 = 0.0;
+        for &n in tokens {
+            // RoPE + scale + K/V write: every token's row, caches of 2n + 5 rows.
+            let rows = 2 * n + 5;
+            let qkv = randn(&[n, qs + 2 * kvs], 1.0, dtype, dev)?;
+            let angles: Vec<f32> = (0..n * half).map(|i| (i % 997) as f32 * 0.37).collect();
+            let cos = Tensor::from_vec(angles.iter().map(|a| a.cos()).collect::<Vec<_>>(), (n, half), dev)?
+                .to_dtype(dtype)?;
+            let sin = Tensor::from_vec(angles.iter().map(|a| a.sin()).collect::<Vec<_>>(), (n, half), dev)?
+                .to_dtype(dtype)?;
+            let slots = Tensor::from_vec((0..n as u32).map(|t| 2 * t + 1).collect::<Vec<_>>(), n, dev)?;
+            let (k0, v0) = (randn(&[rows, kvs], 1.0, dtype, dev)?, randn(&[rows, kvs], 1.0, dtype, dev)?);
+            let (kf, vf, ks, vs) = (k0.copy()?, v0.copy()?, k0.copy()?, v0.copy()?);
+            let scale = 1.0 / (hd as f64).sqrt();
+            let q = rope_kv_write(&qkv, (&cos, &sin), d, (&kf, &vf), &slots, scale)?
+                .ok_or_else(|| anyhow::anyhow!("rope_kv_write did not take {dtype:?} on this device"))?;
+            let heads_of = |at: usize, h: usize| -> Result<Tensor> {
+                Ok(qkv.narrow(1, at, h * hd)?.contiguous()?.reshape((1, n, h, hd))?)
+            };
+            let q_want = (candle_nn::rotary_emb::rope_thd(&heads_of(0, heads)?, &cos, &sin)? * scale)?
+                .reshape((n, heads, hd))?;
+            let k_rot = candle_nn::rotary_emb::rope_thd(&heads_of(qs, kv_heads)?, &cos, &sin)?.reshape((n, kvs))?;
+            paged_kv_write_slow(&ks, &vs, &k_rot, &qkv.narrow(1, qs + kvs, kvs)?.contiguous()?, &slots)?;
+            for e in [rel_err(&q, &q_want)?, rel_err(&kf, &ks)?, rel_err(&vf, &vs)?] {
+                worst = worst.max(e);
+            }
+            // The residual add and the norm; SiLU · up.
+            let (x, r, w) = (
+                randn(&[n, hidden], 1.0, dtype, dev)?,
+                randn(&[n, hidden], 1.0, dtype, dev)?,
+                randn(&[hidden], 1.0, dtype, dev)?,
+            );
+            let (sum, normed) = add_rms_norm(&x, &r, &w, 1e-5)?;
+            let sum_want = (&x + &r)?;
+            worst = worst
+                .max(rel_err(&sum, &sum_want)?)
+                .max(rel_err(&normed, &candle_nn::ops::rms_norm(&sum_want, &w, 1e-5)?)?);
+            let gu = randn(&[n, 2 * inter], 2.0, dtype, dev)?;
+            let act = silu_mul(&gu, inter)?
+                .ok_or_else(|| anyhow::anyhow!("silu_mul did not take {dtype:?} on this device"))?;
+            let act_want = (candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?)?;
+            worst = worst.max(rel_err(&act, &act_want)?);
+        }
+        let tol = tolerance(dtype);
+        report.check(
+            SECTION,
+            format!("fused RoPE + KV write, add + norm, SiLU · up {dtype:?} vs tensor ops"),
+            format!("{worst:.2e}"),
+            &format!("≤ {tol:.0e} relative"),
+            worst <= tol,
+        );
+        key.push(format!("{dtype:?} {worst:.0e}"));
+    }
+    report.key(SECTION, format!("fused kernels vs tensor ops, worst: {}", key.join(", ")));
     Ok(())
 }

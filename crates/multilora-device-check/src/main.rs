@@ -129,6 +129,9 @@ fn main() -> ExitCode {
         if let Err(e) = kernels::attention(&mut report, &dev, args.quick) {
             report.error("kernels", &e);
         }
+        if let Err(e) = kernels::fused(&mut report, &dev, args.quick) {
+            report.error("kernels", &e);
+        }
     }
     if wants("timing")
         && let Err(e) = timing::run(&mut report, &dev)

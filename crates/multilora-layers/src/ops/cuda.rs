@@ -221,7 +221,9 @@ struct Loaded {
     functions: HashMap<String, CudaFunction>,
 }
 
-/// [`Loaded`] per device (candle's `DeviceId`, unique for the process).
+/// [`Loaded`] per device (candle's `DeviceId`, unique for the process). Process-wide: a device's
+/// modules, and with them its context, stay loaded until the process ends, as the engine keeps
+/// its one device for its whole life (candle's own per-device modules go with the device).
 static LOADED: LazyLock<Mutex<HashMap<DeviceId, Loaded>>> = LazyLock::new(Default::default);
 
 /// The cache, locked. A panic while it was held left at worst a module or function not yet
