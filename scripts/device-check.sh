@@ -223,7 +223,7 @@ attempt() {
     case "$kind" in
         blocking)
             suffix=".rerun" blocking=1 label="rerun, CUDA_LAUNCH_BLOCKING=1: "
-            if [ -n "$SANITIZER" ] && [ "$name" != peft ]; then label="rerun, compute-sanitizer memcheck: "; fi
+            if sanitized "$name"; then label="rerun, compute-sanitizer memcheck: "; fi
             ;;
         longer) suffix=".rerun" label="rerun, a longer budget: " ;;
     esac
@@ -232,6 +232,10 @@ attempt() {
     A_ST="$(status_of "$RC")" A_RC="$RC" A_TIME="$(fmt_s "$TOOK_MS")"
     printf '%s in %s s\n' "$A_ST" "$A_TIME"
 }
+
+# Whether a blocking rerun of section $1 runs under compute-sanitizer: the binary's sections, where
+# the image has one (the PEFT bench never).
+sanitized() { [ -n "$SANITIZER" ] && [ "$1" != peft ]; }
 
 # The budget of section $1 (DEVICE_CHECK_BUDGETS overrides).
 budget_of() {
@@ -269,7 +273,7 @@ run_section() {
             done
         fi
     fi
-    if [ "$blocking" = 1 ] && [ -n "$SANITIZER" ] && [ "$name" != peft ]; then
+    if [ "$blocking" = 1 ] && sanitized "$name"; then
         cmd=("$SANITIZER" --tool memcheck --print-limit 20 --error-exitcode 1 "${cmd[@]}")
     fi
     # The stub is given the command it stands in for, after the section and the prefix.
@@ -458,7 +462,7 @@ write_json() {
                 local env=null
                 if [ "${RKIND[$name]}" = blocking ]; then
                     env='"CUDA_LAUNCH_BLOCKING=1"'
-                    if [ -n "$SANITIZER" ] && [ "$name" != peft ]; then env='"CUDA_LAUNCH_BLOCKING=1, compute-sanitizer --tool memcheck"'; fi
+                    if sanitized "$name"; then env='"CUDA_LAUNCH_BLOCKING=1, compute-sanitizer --tool memcheck"'; fi
                 fi
                 printf '\n     "rerun": {"kind": %s, "env": %s, "budget_s": %s, "status": %s, "rc": %s, "time_s": %s, "log": %s, "report": %s}}' \
                     "$(json_str "${RKIND[$name]}")" "$env" "${RBUDGET[$name]}" \

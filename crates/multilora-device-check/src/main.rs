@@ -33,6 +33,7 @@ mod golden;
 #[cfg(feature = "cuda")]
 mod jit;
 mod kernels;
+mod llama8b;
 mod report;
 mod timing;
 mod util;

@@ -8,10 +8,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-/// `N(0, scale²)` values of `shape` in `dtype` on `dev` (drawn on the device).
-pub(crate) fn randn(shape: &[usize], scale: f32, dtype: DType, dev: &Device) -> Result<Tensor> {
-    Ok(Tensor::randn(0f32, scale, shape, dev)?.to_dtype(dtype)?)
-}
+pub(crate) use crate::llama8b::randn;
 
 /// `‖a − b‖ / ‖b‖` computed in f32 on the device (0 when both are zero).
 pub(crate) fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {

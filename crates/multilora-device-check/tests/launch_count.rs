@@ -1,7 +1,8 @@
 //! What one decode step asks of a GPU, counted on a machine without one (feature `cuda`): a
 //! Llama-3-8B-shaped bf16 model of 32 layers with 8 rank-16 adapters on all seven projections runs
 //! its decode steps on the counting fake driver (`fakecuda/`: host memory for device memory,
-//! kernels counted and never run, one log line per launch, GEMM, memset, copy and sync), in a child
+//! kernels counted and never run, one log line per launch, GEMM, memset, copy and sync; its cuRAND
+//! draws nothing, so the random weights stay unwritten and cost no memory), in a child
 //! process of this test started with the fake first on `LD_LIBRARY_PATH`. The child writes a mark
 //! into the same log before each step, so each step's events are the lines between two marks.
 //!
@@ -12,15 +13,17 @@
 #![cfg(feature = "cuda")]
 
 use std::collections::BTreeMap;
-use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 use std::process::Command;
 
-use candle_core::{DType, Device, Tensor};
-use multilora_adapter::{AdapterConfig, LoraAdapter, LoraModule, ModuleId};
-use multilora_models::{Batch, KvCacheConfig, Model, ModelConfig, ModelOptions, SeqInput};
-use multilora_types::{Fingerprint, LoraLimits, ModuleKind, SlotId};
+use candle_core::{DType, Device};
+use multilora_models::{Batch, KvCacheConfig, Model, ModelOptions, SeqInput};
+use multilora_types::{LoraLimits, ModuleKind, SlotId};
+
+/// The model and adapters the device check's `decode` section times (the binary's own file).
+#[path = "../src/llama8b.rs"]
+mod llama8b;
 
 /// The child test, run only under the fake.
 const CHILD: &str = "decode_steps_under_the_counting_driver";
@@ -165,22 +168,6 @@ fn a_32_layer_decode_step_with_lora_on_7_projections_is_counted() {
     assert_eq!(get("lora 16"), get("lora 16 again"), "the same step asks the same of the device twice");
 }
 
-/// A Llama-3-8B config of [`LAYERS`] layers.
-fn config() -> ModelConfig {
-    ModelConfig::from_json(&serde_json::json!({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": LAYERS, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": false, "torch_dtype": "bfloat16"
-    }))
-    .expect("the config")
-}
-
-/// A bf16 tensor of `shape` on `dev` (curand's normal draw, which the fake leaves unwritten).
-fn random(shape: &[usize], dev: &Device) -> Tensor {
-    Tensor::randn(0f32, 0.02, shape, dev).and_then(|t| t.to_dtype(DType::BF16)).expect("a tensor")
-}
-
 #[test]
 #[ignore = "runs under the counting fake driver only, as a_32_layer_decode_step_with_lora_on_7_projections_is_counted's child"]
 fn decode_steps_under_the_counting_driver() {
@@ -190,49 +177,15 @@ fn decode_steps_under_the_counting_driver() {
         f.write_all(format!("mark {name}\n").as_bytes()).expect("a mark");
     };
     let dev = Device::new_cuda_with_stream(0).expect("the fake device");
-    let cfg = config();
-    let (h, i, v, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size(), cfg.kv_size());
-    let projections = [
-        (ModuleKind::QProj, "self_attn.q_proj", h, q),
-        (ModuleKind::KProj, "self_attn.k_proj", h, kv),
-        (ModuleKind::VProj, "self_attn.v_proj", h, kv),
-        (ModuleKind::OProj, "self_attn.o_proj", q, h),
-        (ModuleKind::GateProj, "mlp.gate_proj", h, i),
-        (ModuleKind::UpProj, "mlp.up_proj", h, i),
-        (ModuleKind::DownProj, "mlp.down_proj", i, h),
-    ];
-    let mut w = HashMap::new();
-    w.insert("model.embed_tokens.weight".to_string(), random(&[v, h], &dev));
-    w.insert("lm_head.weight".to_string(), random(&[v, h], &dev));
-    w.insert("model.norm.weight".to_string(), random(&[h], &dev));
-    for l in 0..LAYERS {
-        for (_, name, inp, out) in projections {
-            w.insert(format!("model.layers.{l}.{name}.weight"), random(&[out, inp], &dev));
-        }
-        for norm in ["input_layernorm", "post_attention_layernorm"] {
-            w.insert(format!("model.layers.{l}.{norm}.weight"), random(&[h], &dev));
-        }
-    }
+    let cfg = llama8b::config(LAYERS).expect("the config");
+    let w = llama8b::random_weights(&cfg, DType::BF16, &dev).expect("the weights");
     let opts = ModelOptions::default()
         .dtype(DType::BF16)
         .device(dev.clone())
         .lora(LoraLimits::new(ADAPTERS, RANK, &ModuleKind::PROJECTIONS).expect("limits"));
-    let mut model = Model::from_tensors(cfg.clone(), w, &opts).expect("the model");
+    let mut model = Model::from_tensors(cfg, w, &opts).expect("the model");
     for k in 0..ADAPTERS {
-        let mut modules = BTreeMap::new();
-        for l in 0..LAYERS {
-            for (kind, _, inp, out) in projections {
-                let (a, b) = (random(&[RANK, inp], &dev), random(&[out, RANK], &dev));
-                let m = LoraModule::new(a, &b, RANK, 2.0 * RANK as f64, 2.0).expect("a module");
-                modules.insert(ModuleId::layer(l, kind), m);
-            }
-        }
-        let config = AdapterConfig::parse(&format!(
-            r#"{{"r": {RANK}, "lora_alpha": {}, "target_modules": "all-linear"}}"#,
-            2 * RANK
-        ))
-        .expect("an adapter config");
-        let adapter = LoraAdapter::new(format!("a{k}"), config, modules, Fingerprint([k as u8; 32]));
+        let adapter = llama8b::random_adapter(model.config(), k, RANK, DType::BF16, &dev).expect("an adapter");
         model.write_slot(SlotId::new(k), &adapter).expect("a slot");
     }
     let per_seq = CTX / BLOCK;

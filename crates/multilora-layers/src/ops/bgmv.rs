@@ -20,7 +20,7 @@ use candle_core::Tensor;
 use crate::error::{Error, Result};
 use crate::mapping::LoraMapping;
 use crate::ops::check_y;
-use crate::ops::plan::{Launch, SliceShape};
+use crate::ops::plan::{Launch, SliceShape, u32_of};
 use crate::ops::shrink::Shrink;
 use crate::slots::LoraSlots;
 
@@ -51,13 +51,6 @@ pub(crate) struct BgmvPlan {
     in_features: usize,
     max_rank: usize,
     widths: Vec<usize>,
-}
-
-fn u32_of(what: &str, v: usize) -> Result<u32> {
-    u32::try_from(v).map_err(|_| Error::InvalidLayer {
-        module: "lora kernels".to_string(),
-        reason: format!("{what} of {v} does not fit the kernels' 32-bit sizes"),
-    })
 }
 
 impl BgmvPlan {

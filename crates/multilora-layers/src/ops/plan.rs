@@ -155,11 +155,17 @@ pub(crate) struct Launch<P> {
     pub(crate) params: P,
 }
 
-fn u32_of(what: &str, v: usize) -> Result<u32> {
+/// `v` as a kernel parameter's `u32`, or the error of `module` that says `what` does not fit.
+pub(crate) fn kernel_u32(module: &str, what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::InvalidLayer {
-        module: "lora kernels".to_string(),
+        module: module.to_string(),
         reason: format!("{what} of {v} does not fit the kernels' 32-bit sizes"),
     })
+}
+
+/// [`kernel_u32`] for the LoRA kernels' plans.
+pub(crate) fn u32_of(what: &str, v: usize) -> Result<u32> {
+    kernel_u32("lora kernels", what, v)
 }
 
 impl SegmentedPlan {

@@ -17,7 +17,7 @@ use multilora_cpu::float as gemm;
 /// # Errors
 /// When `gu` is not `[rows, 2 · inter]`.
 pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
-    gated(gu, inter, "silu_mul", gemm::silu_mul)
+    gated(gu, inter, "silu_mul", gemm::silu_mul, crate::ops::fused::silu_mul)
 }
 
 /// `gelu_tanh(gu[:, ..inter]) · gu[:, inter..]` (`gelu_pytorch_tanh`) → `[rows, inter]`, as
@@ -26,23 +26,24 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
 /// # Errors
 /// When `gu` is not `[rows, 2 · inter]`.
 pub fn gelu_tanh_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
-    gated(gu, inter, "gelu_tanh_mul", gemm::gelu_tanh_mul)
+    gated(gu, inter, "gelu_tanh_mul", gemm::gelu_tanh_mul, |_, _| Ok(None))
 }
 
-/// One of the gated activations, `kernel(isa, gate row, up row, out row)`, over the rows.
+/// One of the gated activations, `kernel(isa, gate row, up row, out row)`, over the rows on the
+/// CPU; on a device, `device(gu, inter)`, its one launch where there is one (`None`: none).
 fn gated(
     gu: &Tensor,
     inter: usize,
     op: &'static str,
     kernel: fn(Isa, &[f32], &[f32], &mut [f32]),
+    device: fn(&Tensor, usize) -> Result<Option<Tensor>>,
 ) -> Result<Option<Tensor>> {
     let (rows, width) = gu.dims2().map_err(|_| Error::shape(op, "gate_up", gu.dims(), &[0, 2 * inter]))?;
     if width != 2 * inter {
         return Err(Error::shape(op, "gate_up", gu.dims(), &[rows, 2 * inter]));
     }
-    if gu.device().is_cuda() && op == "silu_mul" {
-        // One launch on CUDA (`fused.cu`).
-        return crate::ops::fused::silu_mul(gu, inter);
+    if !gu.device().is_cpu() {
+        return device(gu, inter);
     }
     if gu.dtype() != DType::F32 || !gu.device().is_cpu() {
         return Ok(None);

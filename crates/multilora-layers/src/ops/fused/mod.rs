@@ -18,15 +18,7 @@ use multilora_kernels::params::{AddNormParams, FUSED_THREADS, RopeKvParams, Silu
 
 use crate::error::{Error, Result};
 use crate::ops::attention::PagedDecodeDims;
-use crate::ops::plan::Launch;
-
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn u32_of(op: &str, what: &str, v: usize) -> Result<u32> {
-    u32::try_from(v).map_err(|_| Error::InvalidLayer {
-        module: op.to_string(),
-        reason: format!("{what} of {v} does not fit the kernel's 32-bit sizes"),
-    })
-}
+use crate::ops::plan::{Launch, kernel_u32};
 
 /// `rope_kv_write`'s launch for `tokens` rows of `qkv` (`qkv_stride` elements apart) into caches
 /// of `num_rows` rows, every pointer left null: one block of [`FUSED_THREADS`] per token.
@@ -46,14 +38,14 @@ pub(crate) fn rope_kv_launch(
         });
     }
     let mut p = RopeKvParams::zeroed();
-    p.heads = u32_of(OP, "heads", d.heads)?;
-    p.kv_heads = u32_of(OP, "kv heads", d.kv_heads)?;
-    p.head_dim = u32_of(OP, "head size", d.head_dim)?;
-    u32_of(OP, "q/k/v width", (d.heads + 2 * d.kv_heads) * d.head_dim)?;
-    p.qkv_stride = u32_of(OP, "q/k/v stride", qkv_stride)?;
-    p.num_rows = u32_of(OP, "cache rows", num_rows)?;
+    p.heads = kernel_u32(OP, "heads", d.heads)?;
+    p.kv_heads = kernel_u32(OP, "kv heads", d.kv_heads)?;
+    p.head_dim = kernel_u32(OP, "head size", d.head_dim)?;
+    kernel_u32(OP, "q/k/v width", (d.heads + 2 * d.kv_heads) * d.head_dim)?;
+    p.qkv_stride = kernel_u32(OP, "q/k/v stride", qkv_stride)?;
+    p.num_rows = kernel_u32(OP, "cache rows", num_rows)?;
     p.q_scale = q_scale.to_bits();
-    Ok(Launch { grid: [u32_of(OP, "tokens", tokens)?, 1, 1], block: [FUSED_THREADS, 1, 1], params: p })
+    Ok(Launch { grid: [kernel_u32(OP, "tokens", tokens)?, 1, 1], block: [FUSED_THREADS, 1, 1], params: p })
 }
 
 /// `add_rms_norm`'s launch for `rows` rows of `cols`: one warp per row.
@@ -66,12 +58,12 @@ pub(crate) fn add_norm_launch(
 ) -> Result<Launch<AddNormParams>> {
     const OP: &str = "add_rms_norm";
     let mut p = AddNormParams::zeroed();
-    p.cols = u32_of(OP, "row width", cols)?;
-    p.x_stride = u32_of(OP, "x stride", x_stride)?;
-    p.residual_stride = u32_of(OP, "residual stride", residual_stride)?;
-    u32_of(OP, "elements", rows * cols)?;
+    p.cols = kernel_u32(OP, "row width", cols)?;
+    p.x_stride = kernel_u32(OP, "x stride", x_stride)?;
+    p.residual_stride = kernel_u32(OP, "residual stride", residual_stride)?;
+    kernel_u32(OP, "elements", rows * cols)?;
     p.eps = eps.to_bits();
-    Ok(Launch { grid: [u32_of(OP, "rows", rows)?, 1, 1], block: [32, 1, 1], params: p })
+    Ok(Launch { grid: [kernel_u32(OP, "rows", rows)?, 1, 1], block: [32, 1, 1], params: p })
 }
 
 /// `silu_mul`'s launch for `rows` rows of `[gate | up]` (`gu_stride` apart) into `[rows, inter]`.
@@ -79,12 +71,12 @@ pub(crate) fn add_norm_launch(
 pub(crate) fn silu_mul_launch(rows: usize, inter: usize, gu_stride: usize) -> Result<Launch<SiluMulParams>> {
     const OP: &str = "silu_mul";
     let mut p = SiluMulParams::zeroed();
-    p.inter = u32_of(OP, "inter width", inter)?;
-    p.gu_stride = u32_of(OP, "gate/up stride", gu_stride)?;
-    u32_of(OP, "elements", rows * inter)?;
+    p.inter = kernel_u32(OP, "inter width", inter)?;
+    p.gu_stride = kernel_u32(OP, "gate/up stride", gu_stride)?;
+    kernel_u32(OP, "elements", rows * inter)?;
     let blocks = inter.div_ceil(FUSED_THREADS as usize);
     Ok(Launch {
-        grid: [u32_of(OP, "column blocks", blocks)?, u32_of(OP, "rows", rows)?, 1],
+        grid: [kernel_u32(OP, "column blocks", blocks)?, kernel_u32(OP, "rows", rows)?, 1],
         block: [FUSED_THREADS, 1, 1],
         params: p,
     })

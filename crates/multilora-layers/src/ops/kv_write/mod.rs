@@ -20,7 +20,7 @@ use candle_core::{DType, Tensor};
 use multilora_kernels::params::{KV_WRITE_THREADS, KvWriteParams};
 
 use crate::error::{Error, Result};
-use crate::ops::plan::Launch;
+use crate::ops::plan::{Launch, kernel_u32};
 
 fn bad(reason: String) -> Error {
     Error::InvalidLayer { module: "paged_kv_write".to_string(), reason }
@@ -63,9 +63,7 @@ pub(crate) fn kv_write_launch(
     dtype: DType,
     num_rows: usize,
 ) -> Result<Launch<KvWriteParams>> {
-    let u32_of = |what: &str, v: usize| {
-        u32::try_from(v).map_err(|_| bad(format!("{what} of {v} does not fit the kernel's 32-bit sizes")))
-    };
+    let u32_of = |what: &str, v: usize| kernel_u32("paged_kv_write", what, v);
     let elem = dtype.size_in_bytes();
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(bad(format!("the kernel writes f32, bf16 or f16 caches, not {dtype:?}")));
