@@ -4,6 +4,11 @@
  * (build.sh makes the ones not here fail with CUDA_ERROR_NOT_SUPPORTED): the binaries link the
  * driver with BIND_NOW, and `LD_LIBRARY_PATH` puts this one in front of .ci/cuda-env.sh's stubs.
  *
+ * Stream capture makes a graph of the launches (only those: what else a capture meets is done at
+ * once), which each graph launch counts again. As in the driver, a capture breaks (its end fails
+ * with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, the call with ..._UNSUPPORTED) on a synchronisation,
+ * a synchronous allocation, or a copy to or from host memory that cuMemHostAlloc did not give.
+ *
  * FAKE_CUDA_LOG=FILE appends one line per event to FILE as it happens ("launch NAME", "memset",
  * "htod BYTES", "dtoh BYTES", "dtod", "sync"; cuBLAS adds "gemm"), so a test can write its own
  * marks between steps into the same file. FAKE_CUDA_MEM_GIB sets the memory reported (80).
@@ -51,6 +56,25 @@ static void logf_line(const char *fmt, ...) {
     if (write(g_log, line, (size_t)n) < 0) { /* a lost line shows as a wrong count */ }
 }
 
+/* Stream capture: the captured stream, its graph so far, whether something broke it. */
+struct graph { struct fn **fns; size_t n, cap; };
+static CUstream g_cap_stream; static struct graph *g_cap; static int g_cap_broken;
+#define CAPTURE_UNSUPPORTED 900
+#define CAPTURE_INVALIDATED 901
+/* Whether an operation on `s` (or on every stream: `any`) meets a capture it must break. */
+static int breaks_capture(CUstream s, int any) {
+    if (!g_cap || !(any || s == g_cap_stream)) return 0;
+    g_cap_broken = 1; return 1;
+}
+/* Page-locked host blocks (cuMemHostAlloc's), the only host memory a captured copy may use. */
+struct pinned { struct pinned *next; char *p; size_t n; };
+static struct pinned *g_pinned;
+static int is_pinned(const void *p, size_t n) {
+    for (struct pinned *x = g_pinned; x; x = x->next)
+        if ((const char *)p >= x->p && (const char *)p + n <= x->p + x->n) return 1;
+    return 0;
+}
+
 static double now_ms(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e3 + t.tv_nsec / 1e6; }
 
 CUresult cuInit(unsigned flags) {
@@ -86,14 +110,41 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { (void)d; *c = &g_c
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return 0; }
 CUresult cuCtxGetCurrent(CUcontext *c) { *c = t_current; return 0; }
 CUresult cuCtxSetCurrent(CUcontext c) { t_current = c; return 0; }
-CUresult cuCtxSynchronize(void) { n_sync++; logf_line("sync"); return 0; }
+CUresult cuCtxSynchronize(void) { if (breaks_capture(0, 1)) return CAPTURE_UNSUPPORTED; n_sync++; logf_line("sync"); return 0; }
 CUresult cuCtxDestroy_v2(CUcontext c) { (void)c; return 0; }
 
 CUresult cuStreamCreate(CUstream *s, unsigned flags) { (void)flags; *s = malloc(16); return 0; }
 CUresult cuStreamDestroy_v2(CUstream s) { free(s); return 0; }   /* never called for NULL / 0x2 */
-CUresult cuStreamSynchronize(CUstream s) { (void)s; n_sync++; logf_line("sync"); return 0; }
+CUresult cuStreamSynchronize(CUstream s) { if (breaks_capture(s, 0)) return CAPTURE_UNSUPPORTED; n_sync++; logf_line("sync"); return 0; }
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned f) { (void)s; (void)e; (void)f; n_wait++; return 0; }
-CUresult cuStreamIsCapturing(CUstream s, int *status) { (void)s; *status = 0; /* NONE */ return 0; }
+CUresult cuStreamIsCapturing(CUstream s, int *status) {
+    *status = g_cap && s == g_cap_stream ? (g_cap_broken ? 2 /* INVALIDATED */ : 1 /* ACTIVE */) : 0; return 0;
+}
+CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
+    (void)mode;
+    if (g_cap) return CAPTURE_UNSUPPORTED; /* one capture at a time here */
+    g_cap = calloc(1, sizeof *g_cap); g_cap_stream = s; g_cap_broken = 0; return 0;
+}
+CUresult cuStreamEndCapture(CUstream s, void **graph) {
+    if (!g_cap || s != g_cap_stream) return 1; /* INVALID_VALUE: not capturing */
+    struct graph *g = g_cap; g_cap = NULL;
+    if (g_cap_broken) { free(g->fns); free(g); *graph = NULL; return CAPTURE_INVALIDATED; }
+    *graph = g; return 0;
+}
+CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
+    (void)flags; struct graph *g = graph, *e = calloc(1, sizeof *e);
+    e->n = e->cap = g->n; e->fns = malloc((g->n ? g->n : 1) * sizeof *e->fns);
+    memcpy(e->fns, g->fns, g->n * sizeof *e->fns); *exec = e; return 0;
+}
+CUresult cuGraphUpload(void *exec, CUstream s) { (void)exec; (void)s; return 0; }
+CUresult cuGraphLaunch(void *exec, CUstream s) {
+    (void)s; struct graph *e = exec;
+    for (size_t i = 0; i < e->n; i++) { e->fns[i]->launches++; n_launch++; logf_line("launch %s", e->fns[i]->name); }
+    return 0;
+}
+static void graph_free(void *g) { if (g) { free(((struct graph *)g)->fns); free(g); } }
+CUresult cuGraphExecDestroy(void *exec) { graph_free(exec); return 0; }
+CUresult cuGraphDestroy(void *graph) { graph_free(graph); return 0; }
 
 CUresult cuEventCreate(CUevent *e, unsigned flags) { (void)flags; *e = calloc(1, sizeof(struct ev)); n_evcreate++; return 0; }
 CUresult cuEventRecord(CUevent e, CUstream s) { (void)s; ((struct ev *)e)->t_ms = now_ms(); n_evrecord++; return 0; }
@@ -130,12 +181,23 @@ static CUresult fake_free(CUdeviceptr p) {
     return 0;
 }
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { (void)s; return fake_alloc(p, n); }
-CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return fake_alloc(p, n); }
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { if (breaks_capture(0, 1)) return CAPTURE_UNSUPPORTED; return fake_alloc(p, n); }
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return fake_free(p); }
 CUresult cuMemFree_v2(CUdeviceptr p) { return fake_free(p); }
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) { *free_ = g_total - g_used; *total = g_total; return 0; }
-CUresult cuMemHostAlloc(void **pp, size_t n, unsigned flags) { (void)flags; return posix_memalign(pp, 4096, n ? n : 1) ? 2 : 0; }
-CUresult cuMemFreeHost(void *p) { free(p); return 0; }
+CUresult cuMemHostAlloc(void **pp, size_t n, unsigned flags) {
+    (void)flags; if (posix_memalign(pp, 4096, n ? n : 1)) return 2;
+    struct pinned *x = malloc(sizeof *x); x->p = *pp; x->n = n;
+    pthread_mutex_lock(&g_lock); x->next = g_pinned; g_pinned = x; pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+CUresult cuMemFreeHost(void *p) {
+    pthread_mutex_lock(&g_lock);
+    for (struct pinned **x = &g_pinned; *x; x = &(*x)->next)
+        if ((*x)->p == p) { struct pinned *d = *x; *x = d->next; free(d); break; }
+    pthread_mutex_unlock(&g_lock);
+    free(p); return 0;
+}
 CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d) { (void)d; *pool = &g_pool_obj; return 0; }
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d) { (void)d; *pool = &g_pool_obj; return 0; }
 CUresult cuMemPoolSetAttribute(CUmemoryPool p, int attr, void *v) { (void)p; (void)attr; (void)v; return 0; }
@@ -151,10 +213,16 @@ CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) {
     (void)s; unsigned *p = (unsigned *)(uintptr_t)d; for (size_t i = 0; i < n; i++) p[i] = v;
     n_memset++; logf_line("memset"); return 0;
 }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st) { (void)st; do_htod(d, s, n); return 0; }
-CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { do_htod(d, s, n); return 0; }
-CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st) { (void)st; do_dtoh(d, s, n); return 0; }
-CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { do_dtoh(d, s, n); return 0; }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st) {
+    if (!is_pinned(s, n) && breaks_capture(st, 0)) return CAPTURE_UNSUPPORTED;
+    do_htod(d, s, n); return 0;
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { if (breaks_capture(0, 1)) return CAPTURE_UNSUPPORTED; do_htod(d, s, n); return 0; }
+CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st) {
+    if (!is_pinned(d, n) && breaks_capture(st, 0)) return CAPTURE_UNSUPPORTED;
+    do_dtoh(d, s, n); return 0;
+}
+CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { if (breaks_capture(0, 1)) return CAPTURE_UNSUPPORTED; do_dtoh(d, s, n); return 0; }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { (void)st; do_dtod(d, s, n); return 0; }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { do_dtod(d, s, n); return 0; }
 CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st) { (void)dc; (void)sc; (void)st; do_dtod(d, s, n); return 0; }
@@ -178,6 +246,11 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
                         unsigned smem, CUstream s, void **params, void **extra) {
     (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)smem; (void)s; (void)params; (void)extra;
     if (!f) return 400; /* INVALID_HANDLE */
+    if (g_cap && s == g_cap_stream) { /* captured: counted when the graph is launched */
+        struct graph *g = g_cap;
+        if (g->n == g->cap) { g->cap = g->cap ? 2 * g->cap : 16; g->fns = realloc(g->fns, g->cap * sizeof *g->fns); }
+        g->fns[g->n++] = f; return 0;
+    }
     ((struct fn *)f)->launches++; n_launch++; logf_line("launch %s", ((struct fn *)f)->name); return 0;
 }
 

@@ -61,13 +61,13 @@ pub(crate) fn decode(report: &mut Report, dev: &Device, quick: bool) -> Result<(
         let base_v = report.timed(
             SECTION,
             format!("batch {batch} base step"),
-            t_base,
+            &t_base,
             decode_step_bytes(layers, batch, ctx, None),
         );
         let lora_v = report.timed(
             SECTION,
             format!("batch {batch} LoRA step"),
-            t_lora,
+            &t_lora,
             decode_step_bytes(layers, batch, ctx, Some(DECODE)),
         );
         let ratio = t_lora.device / t_base.device;

@@ -84,6 +84,29 @@ pub(crate) const LLAMA3_8B_LAYERS: [(&str, usize, &[usize]); 4] = [
     ("down", 14336, &[4096]),
 ];
 
+/// Llama-3-8B's hidden and MLP widths.
+pub(crate) const LLAMA3_8B_HIDDEN: usize = 4096;
+pub(crate) const LLAMA3_8B_INTERMEDIATE: usize = 14336;
+
+/// The fused RoPE + query scale + K/V write of `a.n` tokens: each token's q, k and v read from
+/// the projection's output, its angles' cos and sin read, the scaled q written, its k and v rows
+/// written into the caches, its slot read.
+pub(crate) fn rope_kv_bytes(a: AttnShape) -> u64 {
+    let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+    (a.n * ((q + 2 * kv) + a.head_dim + q + 2 * kv) * a.elem + a.n * 4) as u64
+}
+
+/// The fused residual add + RMS norm of `rows` rows of `width`: both inputs read, the sum and its
+/// norm written, the norm's weight read.
+pub(crate) fn add_norm_bytes(rows: usize, width: usize, elem: usize) -> u64 {
+    ((4 * rows * width + width) * elem) as u64
+}
+
+/// The fused SiLU · up of `rows` rows: the gate and up halves (`2 · inter`) read, `inter` written.
+pub(crate) fn silu_mul_bytes(rows: usize, inter: usize, elem: usize) -> u64 {
+    (3 * rows * inter * elem) as u64
+}
+
 /// Llama-3-8B's attention at the timed shapes (32 heads over 8 KV heads of 128, blocks of 16).
 pub(crate) const fn llama3_8b_attention(n: usize, ctx: usize) -> AttnShape {
     AttnShape { n, ctx, heads: 32, kv_heads: 8, head_dim: 128, block_size: 16, elem: 2 }
@@ -151,5 +174,10 @@ mod tests {
         let a = llama3_8b_attention(1, 1024);
         let b = AttnShape { heads: 8, ..a };
         assert_eq!(attention_bytes(a) - attention_bytes(b), (2 * 24 * 128 * 2) as u64);
+        // A token's fused RoPE + KV write reads q, k, v (6144 wide), cos and sin (64 each), writes
+        // q (4096) and k, v (2048), reads its slot.
+        assert_eq!(rope_kv_bytes(llama3_8b_attention(1, 512)), ((6144 + 128 + 4096 + 2048) * 2 + 4) as u64);
+        assert_eq!(add_norm_bytes(1, 4096, 2), ((4 * 4096 + 4096) * 2) as u64);
+        assert_eq!(silu_mul_bytes(1, 14336, 2), (3 * 14336 * 2) as u64);
     }
 }

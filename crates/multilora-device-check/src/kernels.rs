@@ -1,7 +1,8 @@
 //! Every kernel against its slow reference built from plain tensor ops, on the GPU: the
 //! segmented shrink (public op), the fused shrink + expand of a layer (the K split and its
 //! in-order reduction), base-model rows untouched bit for bit, on Llama-3-8B's shapes, for
-//! 1…4096 tokens over 1…16 adapters of mixed ranks 4…64 in rank-64 slots, in f32, bf16 and f16;
+//! 1…4096 tokens over 1…16 adapters of mixed ranks 4…64 in rank-64 slots, and in slots of rank
+//! 8, 16 and 32 (the decode-shaped kernels are built per slot rank), in f32, bf16 and f16;
 //! the paged decode attention against its gathered reference; and a decode layer's fused kernels
 //! (`fused.cu`: RoPE + query scale + K/V write, add + RMS norm, SiLU · up) against the tensor ops
 //! they replace.
@@ -62,17 +63,18 @@ fn slow(x: &Tensor, slices: &[&LoraSlots], slot_list: &[Option<SlotId>], l: usiz
     Ok((s, Tensor::cat(&d_parts, 0)?))
 }
 
-/// Worst errors of one configuration: `(shrink, fused delta, base rows changed)`.
+/// Worst errors of one configuration (`max_rank`-wide slots): `(shrink, fused delta, base rows
+/// changed)`.
 fn check_layer(
     dev: &Device,
     (inp, outs): (usize, &[usize]),
-    tokens: usize,
-    adapters: usize,
+    (max_rank, tokens, adapters): (usize, usize, usize),
     dtype: DType,
     seed: u64,
 ) -> Result<(f64, f64, usize)> {
-    let max_rank = 64;
-    let ranks: Vec<usize> = (0..adapters).map(|k| [4, 8, 16, 32, 64][k % 5]).collect();
+    // Mixed ranks up to the slots' own.
+    let fit: Vec<usize> = [4, 8, 16, 32, 64].into_iter().filter(|&r| r <= max_rank).collect();
+    let ranks: Vec<usize> = (0..adapters).map(|k| fit[k % fit.len()]).collect();
     let kinds = [ModuleKind::QProj, ModuleKind::KProj, ModuleKind::VProj];
     let slots: Vec<LoraSlots> = outs
         .iter()
@@ -129,19 +131,33 @@ fn check_layer(
 }
 
 /// The segmented LoRA kernels over the grid.
+/// `(slot rank, tokens, adapters)` of the LoRA kernels' checks: the whole grid in rank-64 slots,
+/// a decode row, a decode step and a prefill in the smaller slots.
+fn lora_grid(quick: bool) -> Vec<(usize, usize, usize)> {
+    let (full, small): (&[(usize, usize)], &[usize]) = if quick {
+        (&[(1, 1), (64, 16), (512, 4)], &[16])
+    } else {
+        (&[(1, 1), (7, 4), (64, 16), (512, 16), (4096, 16)], &[8, 16, 32])
+    };
+    let mut grid: Vec<_> = full.iter().map(|&(t, a)| (64, t, a)).collect();
+    for &r in small {
+        grid.extend([(r, 1, 1), (r, 64, 16), (r, 512, 4)]);
+    }
+    grid
+}
+
 pub(crate) fn lora(report: &mut Report, dev: &Device, quick: bool) -> Result<()> {
-    let grid: &[(usize, usize)] =
-        if quick { &[(1, 1), (64, 16), (512, 4)] } else { &[(1, 1), (7, 4), (64, 16), (512, 16), (4096, 16)] };
+    let grid = lora_grid(quick);
     let mut key = Vec::new();
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let tol = tolerance(dtype);
         let (mut worst_s, mut worst_f, mut changed, mut at) = (0f64, 0f64, 0usize, String::new());
         for (name, inp, outs) in LLAMA3_8B_LAYERS {
-            for &(tokens, adapters) in grid {
-                let (s, f, c) =
-                    check_layer(dev, (inp, outs), tokens, adapters, dtype, (tokens * 31 + adapters) as u64)?;
+            for &(max_rank, tokens, adapters) in &grid {
+                let seed = (tokens * 31 + adapters + max_rank * 7) as u64;
+                let (s, f, c) = check_layer(dev, (inp, outs), (max_rank, tokens, adapters), dtype, seed)?;
                 if f > worst_f {
-                    at = format!("{name}, {tokens} tokens, {adapters} adapters");
+                    at = format!("{name}, rank-{max_rank} slots, {tokens} tokens, {adapters} adapters");
                 }
                 worst_s = worst_s.max(s);
                 worst_f = worst_f.max(f);

@@ -7,10 +7,14 @@
 //! - `jit`: loads every module the others launch from (ours from their fatbins, candle's PTX,
 //!   which the driver compiles once and caches for the later processes), each timed;
 //! - `kernels`: every CUDA kernel against its slow tensor-op reference (Llama-3-8B shapes, 1…4096
-//!   tokens, 1…16 adapters of ranks 4…64 in rank-64 slots, base-model rows, f32 / bf16 / f16);
-//! - `timing`: each kernel of a decode step by CUDA events over back-to-back launches (shrink,
-//!   expand, base GEMM, KV write, attention), as measured / floor (bytes at the device's bandwidth: its datasheet figure by its name, else a timed copy's), beside the
-//!   host's enqueue time;
+//!   tokens, 1…16 adapters of ranks 4…64 in slots of rank 64, and 32, 16, 8, base-model rows,
+//!   f32 / bf16 / f16);
+//! - `timing`: each kernel of a decode step (shrink, expand, base GEMM, KV write, attention, the
+//!   fused RoPE + KV write, add + norm and SiLU · up) by CUDA events over replays of the call
+//!   captured into a CUDA graph (the kernel's time) and over back-to-back calls (with the host's
+//!   cost), as the kernel's time / floor (bytes at the device's bandwidth: its datasheet figure by
+//!   its name, else a timed copy's), beside the host's enqueue time; and the `ncu` command line
+//!   for each kernel's DRAM bytes where Nsight Compute is installed;
 //! - `golden`: the PEFT fixtures through the engine on CUDA, f32 and bf16;
 //! - `decode`: a Llama-3-8B-shaped bf16 decode step, LoRA / base at batch 1, 16, 64, against
 //!   its floor;

@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
-use crate::clock::Timed;
+use crate::clock::{Replay, Timed};
 use crate::floor::floor_secs;
 
 /// How a line counts.
@@ -89,21 +89,30 @@ impl Report {
         self.push(section, name.into(), value, String::new(), Verdict::Info);
     }
 
-    /// A timed operation that must move `bytes`: device time against its floor (its bytes at the device's bandwidth), beside the
-    /// host's enqueue time. Returns the line's value, for a key figure.
-    pub(crate) fn timed(&mut self, section: &str, name: impl Into<String>, t: Timed, bytes: u64) -> String {
+    /// A timed operation that must move `bytes`: the kernels' device time against its floor (its
+    /// bytes at the device's bandwidth), the graph replays' where they were measured, beside the
+    /// candle calls' device time and the host's enqueue time per call. Returns the line's value,
+    /// for a key figure.
+    pub(crate) fn timed(&mut self, section: &str, name: impl Into<String>, t: &Timed, bytes: u64) -> String {
         let floor = floor_secs(bytes);
-        let value = format!(
-            "{} / {} floor ({:.1}×), host {} per call",
-            secs(t.device),
-            secs(floor),
-            t.device / floor,
-            secs(t.host)
-        );
+        let kernel = t.kernel();
+        let head = format!("{} / {} floor ({:.1}×)", secs(kernel), secs(floor), kernel / floor);
+        let calls = format!("host {} per call", secs(t.host));
+        let value = match &t.replay {
+            Replay::Device(_) => format!("{head} in graph replays; candle calls {}, {calls}", secs(t.device)),
+            Replay::Failed(why) => format!("{head}, {calls}; no graph replay: {why}"),
+            Replay::NotAsked => format!("{head}, {calls}"),
+        };
         self.push(section, name.into(), value.clone(), String::new(), Verdict::Info);
         if let Some(line) = self.lines.last_mut() {
+            let (replay, replay_error) = match &t.replay {
+                Replay::Device(s) => (json!(s), Value::Null),
+                Replay::Failed(why) => (Value::Null, json!(why)),
+                Replay::NotAsked => (Value::Null, Value::Null),
+            };
             line.figures = Some(json!({
-                "device_s": t.device, "host_s": t.host, "floor_s": floor, "bytes": bytes,
+                "device_s": t.device, "host_s": t.host, "replay_s": replay, "replay_error": replay_error,
+                "floor_s": floor, "bytes": bytes,
             }));
         }
         value
@@ -240,10 +249,19 @@ mod tests {
     #[test]
     fn timed_lines_carry_their_figures() {
         let mut r = Report::default();
-        let v = r.timed("timing", "kv write", Timed { device: 2e-6, host: 5e-6 }, 4_800_000);
-        assert_eq!(v, "2.0 µs / 1.0 µs floor (2.0×), host 5.0 µs per call");
+        let calls = |replay| Timed { device: 8e-6, host: 5e-6, replay };
+        let v = r.timed("timing", "kv write", &calls(Replay::NotAsked), 4_800_000);
+        assert_eq!(v, "8.0 µs / 1.0 µs floor (8.0×), host 5.0 µs per call");
+        // Measured replays are the kernel's figure; the calls' stay beside them.
+        let v = r.timed("timing", "kv write", &calls(Replay::Device(2e-6)), 4_800_000);
+        assert_eq!(v, "2.0 µs / 1.0 µs floor (2.0×) in graph replays; candle calls 8.0 µs, host 5.0 µs per call");
+        let v = r.timed("timing", "kv write", &calls(Replay::Failed("capture invalidated".into())), 4_800_000);
+        assert_eq!(v, "8.0 µs / 1.0 µs floor (8.0×), host 5.0 µs per call; no graph replay: capture invalidated");
         let j = r.to_json();
         assert_eq!(j["lines"][0]["figures"]["bytes"], 4_800_000);
+        assert_eq!(j["lines"][0]["figures"]["replay_s"], Value::Null);
+        assert_eq!(j["lines"][1]["figures"]["replay_s"], 2e-6);
+        assert_eq!(j["lines"][2]["figures"]["replay_error"], "capture invalidated");
         assert_eq!(secs(0.0123), "12.30 ms");
         assert_eq!(secs(3.0), "3.00 s");
     }

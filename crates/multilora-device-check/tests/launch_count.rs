@@ -12,9 +12,10 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::Path;
 use std::process::Command;
 
 use candle_core::{DType, Device};
@@ -92,20 +93,11 @@ fn steps(log: &str) -> Vec<(String, Step)> {
 
 #[test]
 fn a_32_layer_decode_step_with_lora_on_7_projections_is_counted() {
-    let Some(fake) = std::env::var_os("MULTILORA_FAKE_CUDA") else {
-        assert!(
-            std::env::var_os("MULTILORA_REQUIRE_FAKE_CUDA").is_none(),
-            "MULTILORA_REQUIRE_FAKE_CUDA is set but MULTILORA_FAKE_CUDA names no counting driver (.ci/cuda-env.sh)"
-        );
-        println!("SKIPPED the launch count: no counting fake driver (MULTILORA_FAKE_CUDA, built by .ci/cuda-env.sh)");
+    let Some(path) = common::fake_library_path("the launch count") else {
         return;
     };
     let dir = tempfile::tempdir().expect("a temporary folder");
     let log = dir.path().join("events.log");
-    let path = match std::env::var_os("LD_LIBRARY_PATH") {
-        Some(old) => format!("{}:{}", Path::new(&fake).display(), Path::new(&old).display()),
-        None => Path::new(&fake).display().to_string(),
-    };
     let out = Command::new(std::env::current_exe().expect("the test executable"))
         .args([CHILD, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env("LD_LIBRARY_PATH", path)
