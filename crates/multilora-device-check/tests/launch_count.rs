@@ -12,11 +12,11 @@
 
 #![cfg(feature = "cuda")]
 
+#[path = "common/child.rs"]
+mod child;
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::process::Command;
 
 use candle_core::{DType, Device};
 use multilora_models::{Batch, KvCacheConfig, Model, ModelOptions, SeqInput};
@@ -96,19 +96,7 @@ fn a_32_layer_decode_step_with_lora_on_7_projections_is_counted() {
     let Some(path) = common::fake_library_path("the launch count") else {
         return;
     };
-    let dir = tempfile::tempdir().expect("a temporary folder");
-    let log = dir.path().join("events.log");
-    let out = Command::new(std::env::current_exe().expect("the test executable"))
-        .args([CHILD, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("LD_LIBRARY_PATH", path)
-        .env("FAKE_CUDA_LOG", &log)
-        .env(LOG_VAR, &log)
-        .output()
-        .expect("running the child");
-    let child_out = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "the child under the fake driver failed:\n{child_out}");
-    assert!(child_out.contains("1 passed"), "the child test did not run:\n{child_out}");
-    let text = std::fs::read_to_string(&log).expect("the fake's log");
+    let text = child::run_child(CHILD, LOG_VAR, &path);
     let steps = steps(&text);
     let get = |name: &str| steps.iter().find(|(n, _)| n == name).map(|(_, s)| s.clone()).expect(name);
 
@@ -164,10 +152,7 @@ fn a_32_layer_decode_step_with_lora_on_7_projections_is_counted() {
 #[ignore = "runs under the counting fake driver only, as a_32_layer_decode_step_with_lora_on_7_projections_is_counted's child"]
 fn decode_steps_under_the_counting_driver() {
     let Some(log) = std::env::var_os(LOG_VAR) else { return };
-    let mark = |name: &str| {
-        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&log).expect("the log");
-        f.write_all(format!("mark {name}\n").as_bytes()).expect("a mark");
-    };
+    let mark = |name: &str| child::mark(&log, name);
     let dev = Device::new_cuda_with_stream(0).expect("the fake device");
     let cfg = llama8b::config(LAYERS).expect("the config");
     let w = llama8b::random_weights(&cfg, DType::BF16, &dev).expect("the weights");

@@ -5,14 +5,17 @@
 //                       v_cache[slots[t]] = v[t]          (q, k, v: the q/k/v projection's row)
 //   add_rms_norm_<t>:   sum[r] = x[r] + residual[r] (rounded);  out[r] = sum[r] / rms(sum[r]) * w
 //   silu_mul_<t>:       out[r, j] = silu(gu[r, j]) * gu[r, inter + j]
+//   greedy_rows_f32:    out[i] = (first argmax of logits[rows[i]], its log probability): a greedy
+//                       row sampled on the device, so that 8 bytes come back instead of the row
 //
 // RoPE rotates the two halves of each head (`rotate_half`, candle-nn's non-interleaved `rope`):
 // element i < d/2 pairs with i + d/2 under the token's cos[i], sin[i]. A slot at or past
 // `num_rows` (the padding value) writes no cache row; its query is still written.
 //
 // Grids: rope_kv_write x = tokens; add_rms_norm x = rows, one warp each; silu_mul x = column
-// blocks of ML_FUSED_THREADS, y = rows.
+// blocks of ML_FUSED_THREADS, y = rows; greedy_rows x = selected rows, ML_GREEDY_THREADS each.
 #include "multilora.cuh"
+#include "vec.cuh"
 
 namespace {
 
@@ -80,7 +83,72 @@ __device__ void silu_mul(const MlSiluMulParams& p) {
     reinterpret_cast<T*>(p.out)[(size_t)blockIdx.y * p.inter + j] = ml::from_f32<T>(g / (1.f + expf(-g)) * u);
 }
 
+// The better of two (value, index) candidates: the larger value, the lower index among equals; an
+// index of UINT32_MAX is no candidate (values are never NaN: NaN never becomes a candidate).
+__device__ __forceinline__ void greedy_merge(float& m, uint32_t& at, float m2, uint32_t at2) {
+    if (at2 == UINT32_MAX) return;
+    if (at == UINT32_MAX || m2 > m || (m2 == m && at2 < at)) {
+        m = m2;
+        at = at2;
+    }
+}
+
+__device__ void greedy_rows(const MlGreedyParams& p) {
+    __shared__ float s_m[ML_GREEDY_THREADS];
+    __shared__ uint32_t s_at[ML_GREEDY_THREADS];
+    __shared__ float s_sum[ML_GREEDY_THREADS];
+    const uint32_t t = threadIdx.x;
+    const uint32_t row = reinterpret_cast<const uint32_t*>(p.rows)[blockIdx.x];
+    const float* x = reinterpret_cast<const float*>(p.logits) + (size_t)row * p.stride;
+    // Each thread's values in increasing index: the first of equal values stays.
+    float m = -INFINITY;
+    uint32_t at = UINT32_MAX;
+    for (uint32_t j = t; j < p.vocab; j += ML_GREEDY_THREADS) {
+        const float v = x[j];
+        if (v > m || (v == m && at == UINT32_MAX)) {
+            m = v;
+            at = j;
+        }
+    }
+    s_m[t] = m;
+    s_at[t] = at;
+    __syncthreads();
+    for (uint32_t half = ML_GREEDY_THREADS / 2; half > 0; half /= 2) {
+        if (t < half) {
+            float a = s_m[t];
+            uint32_t ai = s_at[t];
+            greedy_merge(a, ai, s_m[t + half], s_at[t + half]);
+            s_m[t] = a;
+            s_at[t] = ai;
+        }
+        __syncthreads();
+    }
+    const float mx = s_m[0];
+    const uint32_t best = s_at[0];
+    const bool finite = best != UINT32_MAX && mx > -INFINITY && mx < INFINITY;  // mx is never NaN
+    float sum = 0.f;
+    if (finite)
+        for (uint32_t j = t; j < p.vocab; j += ML_GREEDY_THREADS) {
+            const float v = x[j];
+            if (v > -INFINITY) sum += expf(v - mx);  // NaN and -inf weigh nothing
+        }
+    s_sum[t] = sum;
+    __syncthreads();
+    for (uint32_t half = ML_GREEDY_THREADS / 2; half > 0; half /= 2) {
+        if (t < half) s_sum[t] += s_sum[t + half];
+        __syncthreads();
+    }
+    if (t == 0) {
+        uint32_t* out = reinterpret_cast<uint32_t*>(p.out) + 2 * (size_t)blockIdx.x;
+        // max - (max + log sum): the max weighs exactly 1, so the sum is at least 1.
+        out[0] = best == UINT32_MAX ? 0u : best;
+        out[1] = ml::bits_of_f32(finite ? -logf(s_sum[0]) : NAN);
+    }
+}
+
 }  // namespace
+
+extern "C" __global__ void greedy_rows_f32(const MlGreedyParams p) { greedy_rows(p); }
 
 #define ML_FUSED_ENTRIES(T, t)                                                                     \
     extern "C" __global__ void rope_kv_write_##t(const MlRopeKvParams p) { rope_kv_write<T>(p); } \

@@ -133,6 +133,9 @@ pub fn add_rms_norm(t: KernelDtype) -> String {
     format!("add_rms_norm_{}", t.suffix())
 }
 
+/// `greedy_rows_f32`: greedy picks and their logprobs from chosen f32 logit rows, in `Module::Fused`.
+pub const GREEDY_ROWS: &str = "greedy_rows_f32";
+
 /// `silu_mul_<t>`: SiLU of the gate times the up projection in one launch.
 pub fn silu_mul(t: KernelDtype) -> String {
     format!("silu_mul_{}", t.suffix())

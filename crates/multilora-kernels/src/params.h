@@ -250,3 +250,17 @@ typedef struct {
     uint32_t inter;
     uint32_t gu_stride;
 } MlSiluMulParams;
+
+// Threads of a greedy_rows block (one block per selected row).
+#define ML_GREEDY_THREADS 256
+
+// greedy_rows: for each selected row (grid x) of f32 logits, the first index of its largest
+// value (NaN passed over; 0 for a row of NaN alone) and that value's log probability,
+// -log(sum(exp(x - max))) over the row's numbers (NaN where the max is not finite).
+typedef struct {
+    uint64_t logits;                 // f32 [.., stride]
+    uint64_t rows;                   // u32 [count]: the rows to take
+    uint64_t out;                    // u32 [count, 2]: the index, then its log probability's f32 bits
+    uint32_t vocab;                  // values of a row
+    uint32_t stride;                 // elements between rows
+} MlGreedyParams;

@@ -400,6 +400,8 @@ params!(
 
 /// Threads of a fused kernel's block (`ML_FUSED_THREADS`); `add_rms_norm` runs one warp a row.
 pub const FUSED_THREADS: u32 = 128;
+/// Threads of a `greedy_rows` block, one block a selected row (`ML_GREEDY_THREADS`).
+pub const GREEDY_THREADS: u32 = 256;
 
 params!(
     /// `rope_kv_write_<t>`: each token's q/k/v row rotated (RoPE, halves), q scaled into `q_out`,
@@ -469,5 +471,23 @@ params!(
         inter: u32,
         /// Elements between rows of `gu`.
         gu_stride: u32,
+    }
+);
+
+params!(
+    /// `greedy_rows_f32`: each selected row's first index of its largest logit (NaN passed
+    /// over; 0 for a row of NaN alone) and that logit's log probability (NaN where the max is
+    /// not finite).
+    GreedyParams = "MlGreedyParams" {
+        /// f32 `[.., stride]`.
+        logits: u64,
+        /// `u32 [count]`: the rows to take.
+        rows: u64,
+        /// `u32 [count, 2]`: the index, then its log probability's `f32` bits.
+        out: u64,
+        /// Values of a row.
+        vocab: u32,
+        /// Elements between rows.
+        stride: u32,
     }
 );

@@ -5,7 +5,7 @@
 use multilora_kernels::Emulator;
 use multilora_kernels::params::{
     AddNormParams, BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams,
-    ExpandParams, KvWriteParams, RopeKvParams, ShrinkParams, SiluMulParams, Tile,
+    ExpandParams, GreedyParams, KvWriteParams, RopeKvParams, ShrinkParams, SiluMulParams, Tile,
 };
 
 fn check(c: &[(String, usize)], name: &str, size: usize, fields: &[(&str, usize)], bytes: usize) {
@@ -40,6 +40,7 @@ fn rust_mirrors_match_the_c_header() {
     check_struct!(&c, RopeKvParams);
     check_struct!(&c, AddNormParams);
     check_struct!(&c, SiluMulParams);
+    check_struct!(&c, GreedyParams);
     check_struct!(&c, DecodeSplitParams);
 }
 

@@ -73,7 +73,7 @@ pub use ops::bgmv::{lora_bgmv_expand, lora_bgmv_shrink};
 #[cfg(feature = "cuda")]
 pub use ops::cuda::{ModuleLoad, load_kernel_modules, prepare_cuda_device};
 pub use ops::expand::lora_expand;
-pub use ops::fused::rope_kv_write;
+pub use ops::fused::{GreedyPick, greedy_rows, rope_kv_write};
 pub use ops::gemm::{PackedWeight, linear, linear_with};
 pub use ops::kv_write::cpu::{rope_write_kv, write_kv_rows};
 pub use ops::kv_write::{paged_kv_write, paged_kv_write_slow};

@@ -63,13 +63,16 @@ impl RowsToHost {
         // before it returns, so none is in flight. Flags 0: cached page-locked memory
         // (write-combined memory is slow for the host to read).
         let buf = unsafe { crate::ops::cuda::kept_pinned(&mut guard, n, 1, 0, &stream) }?;
-        stream.memcpy_dtoh(&src, buf).map_err(candle_core::Error::wrap)?;
+        // The first `n` values alone: cudarc's copy into a host slice moves the slice's length,
+        // and the kept buffer may be longer than the rows (past them it would read beyond `src`
+        // on the device). A plain slice of page-locked memory is still copied by DMA.
+        let pinned = buf.as_mut_slice().map_err(candle_core::Error::wrap)?;
+        stream.memcpy_dtoh(&src, &mut pinned[..n]).map_err(candle_core::Error::wrap)?;
         // The copy is asynchronous into page-locked memory. The buffer's own event cannot be
         // waited on: cudarc records it only while it manages stream synchronization, which the
         // model turns off (`prepare_cuda_device`). So wait for the stream itself.
         stream.synchronize().map_err(candle_core::Error::wrap)?;
-        let host = buf.as_slice().map_err(candle_core::Error::wrap)?;
-        Ok(host[..n].chunks_exact(cols).map(<[f32]>::to_vec).collect())
+        Ok(pinned[..n].chunks_exact(cols).map(<[f32]>::to_vec).collect())
     }
 }
 

@@ -54,4 +54,5 @@ pub use kv_cache::{
     step_activation_bytes,
 };
 pub use llama::{Model, ModelOptions};
+pub use multilora_layers::GreedyPick;
 pub use weights::{Checkpoint, CheckpointFiles, ModelSource, write_checkpoint_copy};

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::{LoraAdapter, ModelShapes, ModuleId};
 use multilora_adapter::{embedding_digest_of_rows, with_embedding_digest};
-use multilora_layers::{LinearWeight, LoraEmbedding, LoraLinear, ReadAhead, SlotConfig};
+use multilora_layers::{GreedyPick, LinearWeight, LoraEmbedding, LoraLinear, ReadAhead, SlotConfig};
 use multilora_types::{LoraLimits, ModuleKind, SlotId};
 
 use crate::batch::{Batch, Limits, StepPlan};
@@ -561,6 +561,46 @@ impl Model {
     /// buffer the model keeps, so the copy runs at the link's speed).
     pub fn logits_to_host(&self, logits: &Tensor) -> Result<Vec<Vec<f32>>> {
         Ok(self.readback.read(logits)?)
+    }
+
+    /// Whether [`Model::greedy_on_device`] picks on this model's device (CUDA).
+    pub fn picks_on_device(&self) -> bool {
+        self.device.is_cuda()
+    }
+
+    /// On CUDA, `rows` of [`Model::forward`]'s logits picked greedily on the device with their
+    /// logprobs (one launch; 8 bytes a row come back); `None` elsewhere.
+    pub fn greedy_on_device(&self, logits: &Tensor, rows: &[usize]) -> Result<Option<Vec<GreedyPick>>> {
+        Ok(multilora_layers::greedy_rows(logits, rows)?)
+    }
+
+    /// [`Model::logits_to_host`] but for the rows in `skip` (picked on the device), which come
+    /// back empty and are never copied.
+    pub fn logits_to_host_except(&self, logits: &Tensor, skip: &[usize]) -> Result<Vec<Vec<f32>>> {
+        if skip.is_empty() {
+            return self.logits_to_host(logits);
+        }
+        let n = logits.dim(0)?;
+        let mut skipped = vec![false; n];
+        for &r in skip {
+            let Some(s) = skipped.get_mut(r) else {
+                return Err(Error::Layer(multilora_layers::Error::InvalidLayer {
+                    module: "logits".into(),
+                    reason: format!("row {r} of {n} logit rows skipped"),
+                }));
+            };
+            *s = true;
+        }
+        let kept: Vec<u32> = (0..n as u32).filter(|&r| !skipped[r as usize]).collect();
+        let mut read = if kept.is_empty() {
+            Vec::new()
+        } else {
+            let len = kept.len();
+            let idx = Tensor::from_vec(kept, len, logits.device())?;
+            self.readback.read(&logits.index_select(&idx, 0)?)?
+        }
+        .into_iter();
+        Ok(skipped.iter().map(|&s| if s { Vec::new() } else { read.next().unwrap_or_default() }).collect())
     }
 
     /// Places `adapter` in `slot` at every LoRA site, zeroing the modules it does not target.

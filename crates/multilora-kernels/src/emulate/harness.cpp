@@ -107,6 +107,10 @@ MlSiluMulParams fix_ptrs(MlSiluMulParams p) {
     p.gu = fix(p.gu, "gu"); p.out = fix(p.out, "out");
     return p;
 }
+MlGreedyParams fix_ptrs(MlGreedyParams p) {
+    p.logits = fix(p.logits, "logits"); p.rows = fix(p.rows, "rows"); p.out = fix(p.out, "out");
+    return p;
+}
 
 #ifdef MULTILORA_EMULATE_FAULTS
 MlFaultParams fix_ptrs(MlFaultParams p) {
@@ -169,6 +173,7 @@ std::map<std::string, Runner> kernels() {
     k["add_rms_norm_" #t] = runner(add_rms_norm_##t); \
     k["silu_mul_" #t] = runner(silu_mul_##t);
     ML_REG_FUSED(f32) ML_REG_FUSED(bf16) ML_REG_FUSED(f16)
+    k["greedy_rows_f32"] = runner(greedy_rows_f32);
 #ifdef MULTILORA_EMULATE_FAULTS
     ML_FAULT_KERNELS(ML_REG_FAULT)
 #endif
@@ -246,6 +251,9 @@ void layout() {
     ML_FIELD(MlAddNormParams, x_stride) ML_FIELD(MlAddNormParams, residual_stride) ML_FIELD(MlAddNormParams, eps)
     ML_SIZE(MlSiluMulParams)
     ML_FIELD(MlSiluMulParams, gu) ML_FIELD(MlSiluMulParams, out) ML_FIELD(MlSiluMulParams, inter) ML_FIELD(MlSiluMulParams, gu_stride)
+    ML_SIZE(MlGreedyParams)
+    ML_FIELD(MlGreedyParams, logits) ML_FIELD(MlGreedyParams, rows) ML_FIELD(MlGreedyParams, out)
+    ML_FIELD(MlGreedyParams, vocab) ML_FIELD(MlGreedyParams, stride)
 }
 
 }  // namespace

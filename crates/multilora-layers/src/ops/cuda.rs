@@ -20,7 +20,7 @@ use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
 use multilora_kernels::params::{
     AddNormParams, BgmvExpandParams, BgmvShrinkParams, DecodeAttnParams, DecodeSplitParams, EmbedShrinkParams,
-    ExpandParams, KvWriteParams, RopeKvParams, ShrinkParams, SiluMulParams,
+    ExpandParams, GreedyParams, KvWriteParams, RopeKvParams, ShrinkParams, SiluMulParams,
 };
 use multilora_kernels::{KernelDtype, Module};
 
@@ -55,6 +55,8 @@ unsafe impl DeviceRepr for KernelArg<RopeKvParams> {}
 unsafe impl DeviceRepr for KernelArg<AddNormParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for KernelArg<SiluMulParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for KernelArg<GreedyParams> {}
 
 /// `len` values of `dtype` on `dev`, not zeroed: for a kernel output whose every element read is
 /// written by the kernel first (the BGMV shrink writes all of it; the segmented shrink of the
@@ -185,6 +187,7 @@ pub(crate) fn write_ptr<'a>(
         DType::F32 => s.as_cuda_slice_mut::<f32>()?.device_ptr_mut(stream),
         DType::BF16 => s.as_cuda_slice_mut::<half::bf16>()?.device_ptr_mut(stream),
         DType::F16 => s.as_cuda_slice_mut::<half::f16>()?.device_ptr_mut(stream),
+        DType::U32 => s.as_cuda_slice_mut::<u32>()?.device_ptr_mut(stream),
         other => candle_core::bail!("no kernel writes {other:?}"),
     };
     Ok((ptr + layout.start_offset() as u64 * elem, guard))

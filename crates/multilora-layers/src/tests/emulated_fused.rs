@@ -168,3 +168,61 @@ fn emulated_silu_mul_matches_silu_times_up() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The greedy picks: the host's `argmax` exactly (first of equal values, NaN passed over, 0 for a
+/// row of NaN alone) and the pick's logprob as the host's `x − lse` gives it, within f32's summing
+/// error, on rows with ties, NaN, −∞, +∞ and a row of NaN; rows picked out of order, one twice,
+/// from strided logits.
+#[test]
+fn emulated_greedy_rows_match_the_host_argmax_and_logprob() -> anyhow::Result<()> {
+    let Some(emu) = Emulator::for_tests() else { return Ok(()) };
+    let mut rng = Rng::new(41);
+    let (n, vocab, stride) = (7usize, 1000usize, 1003usize);
+    let mut x: Vec<f32> = (0..n * stride).map(|_| rng.unit() * 8.0).collect();
+    let row = |r: usize| -> std::ops::Range<usize> { r * stride..r * stride + vocab };
+    // Row 1: a tie for the largest, the first one wins; row 2: NaN everywhere but two values;
+    // row 3: −∞ and a +∞; row 4: NaN alone; row 5: −∞ alone.
+    let r1 = row(1);
+    x[r1.start + 500] = 40.0;
+    x[r1.start + 17] = 40.0;
+    let r2 = row(2);
+    x[r2.clone()].fill(f32::NAN);
+    (x[r2.start + 3], x[r2.start + 900]) = (-2.0, 1.5);
+    let r3 = row(3);
+    x[r3.start + 10] = f32::NEG_INFINITY;
+    x[r3.start + 700] = f32::INFINITY;
+    x[row(4)].fill(f32::NAN);
+    x[row(5)].fill(f32::NEG_INFINITY);
+    let rows: Vec<u32> = vec![6, 1, 2, 3, 4, 5, 0, 1];
+    let mut l = crate::ops::fused::greedy_launch(rows.len(), vocab, stride)?;
+    let mut bufs = Buffers::default();
+    l.params.logits = bufs.add(x.iter().flat_map(|v| v.to_le_bytes()).collect());
+    l.params.rows = bufs.add(rows.iter().flat_map(|v| v.to_le_bytes()).collect());
+    l.params.out = bufs.add(vec![0xff; rows.len() * 8]);
+    emu.launch(kernel::GREEDY_ROWS, l.grid, l.block, &l.params.to_bytes(), &mut bufs.0)?;
+    let out: Vec<u32> =
+        bufs.get(l.params.out).chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    for (i, &r) in rows.iter().enumerate() {
+        let xs = &x[row(r as usize)];
+        let (token, logprob) = (out[2 * i], f32::from_bits(out[2 * i + 1]));
+        assert_eq!(token as usize, multilora_cpu::logits::argmax(xs), "row {r}: the pick");
+        // The host's: x[token] − (max + ln Σ exp(x − max)), or `max` for the log-sum-exp where the
+        // max is not finite (so NaN here).
+        let max = xs.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+        let lse = if max.is_finite() {
+            max as f64
+                + xs.iter().filter(|v| **v > f32::NEG_INFINITY).map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln()
+        } else {
+            max as f64
+        };
+        let want = xs[token as usize] as f64 - lse;
+        if want.is_nan() {
+            assert!(logprob.is_nan(), "row {r}: {logprob}, the host's NaN");
+        } else {
+            assert!((logprob as f64 - want).abs() <= 1e-5 * want.abs().max(1.0), "row {r}: {logprob}, want {want}");
+        }
+    }
+    assert_eq!((out[2], out[3]), (out[14], out[15]), "the same row twice, the same answer");
+    assert_eq!(out[2], 17, "the first of the tied largest values");
+    Ok(())
+}

@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use multilora_models::GreedyPick;
 use multilora_scheduler::{RequestResult, ScheduledRequest};
 use multilora_types::LogitsWanted;
 use tokenizers::Tokenizer;
@@ -67,10 +68,22 @@ impl Live {
         self.max_new.saturating_sub(self.sampler.num_generated)
     }
 
+    /// Whether its sampled row this step may be picked on the device: one logit row (no prompt
+    /// logprobs), no grammar, and a greedy pick of the raw row ([`SamplerState::greedy_raw`]).
+    pub(super) fn picks_on_device(&self, s: &ScheduledRequest) -> bool {
+        s.sample && s.logits == LogitsWanted::Last && self.guide.is_none() && self.sampler.greedy_raw(&self.sub.params)
+    }
+
     /// Prompt logprobs and sampling for this request's share of a step (`rows`: its logit rows,
-    /// raw again when it returns): computation on the request's own state alone, so the step
-    /// runs it for its requests side by side on the pool's threads.
-    pub(super) fn compute(&mut self, s: &ScheduledRequest, rows: &mut [Vec<f32>]) -> Computed {
+    /// raw again when it returns; `on_device`: the pick the device made of its sampled row, which
+    /// then came back empty): computation on the request's own state alone, so the step runs it
+    /// for its requests side by side on the pool's threads.
+    pub(super) fn compute(
+        &mut self,
+        s: &ScheduledRequest,
+        rows: &mut [Vec<f32>],
+        on_device: Option<GreedyPick>,
+    ) -> Computed {
         let mut out = Computed::default();
         if s.logits == LogitsWanted::AllPrompt
             && let Some(entries) = self.prompt_lp.as_mut()
@@ -91,9 +104,13 @@ impl Live {
         {
             let left = self.tokens_left();
             let params = &self.sub.params;
-            let picked = match self.guide.as_mut() {
-                None => self.sampler.pick(raw, params, None),
-                Some(g) => match pick_guided(&mut self.sampler, g, raw, params, left) {
+            let picked = match (self.guide.as_mut(), on_device) {
+                // Only rows `picks_on_device` allowed: greedy on the raw row, no top logprobs.
+                (None, Some(p)) => {
+                    Picked { token: p.token, logprob: params.logprobs.map(|_| p.logprob), top_logprobs: Vec::new() }
+                }
+                (None, None) => self.sampler.pick(raw, params, None),
+                (Some(g), _) => match pick_guided(&mut self.sampler, g, raw, params, left) {
                     Ok(p) => p,
                     Err(e) => {
                         out.error = Some(e);

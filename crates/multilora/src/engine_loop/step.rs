@@ -1,14 +1,15 @@
 //! One engine step: schedule → pin the slots of requests that start running (and unpin the
 //! preempted) → activate the step's generations into slots → one forward over the flat
-//! batch → prompt logprobs and sampling (the requests side by side on the pool's threads), stop
-//! strings → the scheduler's update → stream the events and count the step. Also the warm-up
-//! that seeds the step cost model.
+//! batch (on CUDA the rows a greedy pick serves picked on the device, only the other rows'
+//! logits read back) → prompt logprobs and sampling (the requests side by side on the pool's
+//! threads), stop strings → the scheduler's update → stream the events and count the step. Also
+//! the warm-up that seeds the step cost model.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use multilora_models::{Batch, SeqInput};
+use multilora_models::{Batch, GreedyPick, SeqInput};
 use multilora_scheduler::{ScheduledRequest, SchedulerOutput};
 use multilora_types::{AdapterGen, SlotId};
 
@@ -26,8 +27,8 @@ use crate::guided::Guide;
 const PARALLEL_SAMPLING_ENTRIES: usize = 1 << 15;
 
 /// One request's share of a step's sampling: its schedule, its live entry (`None` once it is
-/// gone) and its logit rows.
-type RowWork<'a> = (&'a ScheduledRequest, Option<&'a mut Live>, &'a mut [Vec<f32>]);
+/// gone), its logit rows and the pick the device made of its sampled row.
+type RowWork<'a> = (&'a ScheduledRequest, Option<&'a mut Live>, &'a mut [Vec<f32>], Option<GreedyPick>);
 
 impl EngineLoop {
     /// Seeds the step cost model before the first request: a 32-token prefill and decode steps
@@ -118,6 +119,7 @@ impl EngineLoop {
             return true;
         }
         let batch = Batch::new(seqs);
+        let device_rows = self.device_rows(&kept, &batch);
         // The masks of the constrained rows that sample this step and will need one (see
         // `Guide`) are computed on the pool's other thread while this one runs the forward pass
         // (whose parallel regions it then takes alone for that long): a mask needs only the
@@ -141,16 +143,25 @@ impl EngineLoop {
                 // An error here comes back when the row samples (`Live::compute` prepares again).
                 scope.spawn(move |_| guides.into_iter().for_each(|(g, left)| drop(g.prepare(left))));
             }
-            model.forward(&batch, kv).and_then(|t| model.logits_to_host(&t))
+            model.forward(&batch, kv).and_then(|t| {
+                let rows: Vec<usize> = device_rows.iter().flatten().copied().collect();
+                match model.greedy_on_device(&t, &rows)? {
+                    Some(picks) if !rows.is_empty() => Ok((model.logits_to_host_except(&t, &rows)?, picks)),
+                    _ => Ok((model.logits_to_host(&t)?, Vec::new())),
+                }
+            })
         });
-        let mut logits = match logits {
+        let (mut logits, picks) = match logits {
             Ok(l) => l,
             Err(e) => {
                 self.fail_step(&kept, "forward", Arc::new(e));
                 return true;
             }
         };
-        let computed = self.compute_rows(&kept, &batch, &mut logits);
+        // Each request's pick made on the device, in the order of `device_rows`.
+        let mut picks = picks.into_iter();
+        let on_device: Vec<Option<GreedyPick>> = device_rows.iter().map(|r| r.and_then(|_| picks.next())).collect();
+        let computed = self.compute_rows(&kept, &batch, &mut logits, &on_device);
         let mut results = Vec::new();
         let mut token_events = Vec::new();
         let mut failed = Vec::new();
@@ -208,25 +219,46 @@ impl EngineLoop {
         true
     }
 
+    /// For each of the step's requests, the logit row the device picks for it (its sampled row,
+    /// where the model picks on the device and the request allows a greedy pick of the raw row:
+    /// `Live::picks_on_device`), else `None`; rows counted in sequence order.
+    fn device_rows(&self, kept: &[&ScheduledRequest], batch: &Batch) -> Vec<Option<usize>> {
+        let mut at = 0;
+        kept.iter()
+            .zip(&batch.seqs)
+            .map(|(s, seq)| {
+                let rows = seq.num_logit_rows();
+                let here = at;
+                at += rows;
+                let device = self.model.picks_on_device()
+                    && rows == 1
+                    && self.live.get(&s.id).is_some_and(|l| l.picks_on_device(s));
+                device.then_some(here)
+            })
+            .collect()
+    }
+
     /// Prompt logprobs and sampling for each of the step's requests (`None` for one no longer
     /// live), side by side on the pool's threads when the step has enough logit entries to pay
-    /// for waking them: each request's rows and state are its own.
+    /// for waking them: each request's rows and state are its own (`on_device`: its pick made on
+    /// the device, if any).
     fn compute_rows(
         &mut self,
         kept: &[&ScheduledRequest],
         batch: &Batch,
         logits: &mut [Vec<f32>],
+        on_device: &[Option<GreedyPick>],
     ) -> Vec<Option<Computed>> {
         let entries: usize = logits.iter().map(Vec::len).sum();
         let mut rest = logits;
         let mut lives: HashMap<u64, &mut Live> = self.live.iter_mut().map(|(&id, l)| (id, l)).collect();
         let mut work: Vec<RowWork<'_>> = Vec::with_capacity(kept.len());
-        for (s, seq) in kept.iter().zip(&batch.seqs) {
+        for ((s, seq), &pick) in kept.iter().zip(&batch.seqs).zip(on_device) {
             let (rows, tail) = std::mem::take(&mut rest).split_at_mut(seq.num_logit_rows());
             rest = tail;
-            work.push((s, lives.remove(&s.id), rows));
+            work.push((s, lives.remove(&s.id), rows, pick));
         }
-        let one = |(s, live, rows): &mut RowWork<'_>| live.as_mut().map(|l| l.compute(s, rows));
+        let one = |(s, live, rows, pick): &mut RowWork<'_>| live.as_mut().map(|l| l.compute(s, rows, *pick));
         if work.len() > 1 && entries >= PARALLEL_SAMPLING_ENTRIES {
             work.par_iter_mut().with_max_len(1).map(one).collect()
         } else {

@@ -111,6 +111,20 @@ impl SamplerState {
         self.stop_ids.contains(&token)
     }
 
+    /// Whether the next pick under `p` is the raw row's greedy pick with at most its own logprob:
+    /// temperature 0, no processor that would change the row (no logit bias, no penalties,
+    /// `min_tokens` met or no stop token to mask) and no top logprobs asked for. Such a pick
+    /// can be made where the logits are (the device) and only it brought back.
+    pub(crate) fn greedy_raw(&self, p: &SamplingParams) -> bool {
+        p.temperature == 0.0
+            && p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.frequency_penalty == 0.0
+            && p.presence_penalty == 0.0
+            && (self.num_generated >= p.min_tokens || self.stop_ids.is_empty())
+            && p.logprobs.is_none_or(|n| n == 0)
+    }
+
     /// Records a generated token.
     pub(crate) fn push(&mut self, token: u32) {
         *self.output_counts.entry(token).or_default() += 1;

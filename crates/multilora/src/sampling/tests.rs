@@ -182,3 +182,51 @@ fn penalties_follow_vllm() {
     s.sample(&mut row, &p);
     assert_eq!(row, [4.0, 3.0]);
 }
+
+/// What a pick on the device may stand in for (`greedy_raw`): exactly the settings whose host pick
+/// is the raw row's first argmax with the raw logprob and no alternatives. Every processor, a
+/// temperature, top logprobs, or `min_tokens` with stop tokens to mask rules it out.
+#[test]
+fn greedy_raw_is_the_raw_argmax_and_nothing_else() {
+    let x = logits(3000, 9);
+    let max = x.iter().copied().filter(|v| v.is_finite()).fold(f64::NEG_INFINITY, |m, v| m.max(v as f64));
+    let lse = max + x.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+    let allowed = [
+        greedy.clone(),
+        SamplingParams { logprobs: Some(0), ..greedy.clone() },
+        SamplingParams { min_tokens: 3, ..greedy.clone() },
+        SamplingParams { top_k: 5, top_p: 0.5, ..greedy.clone() },
+    ];
+    for (i, p) in allowed.iter().enumerate() {
+        // `min_tokens` with no stop token to mask changes nothing.
+        let mut s = SamplerState::new(1, &[1, 2], vec![], p);
+        assert!(s.greedy_raw(p), "case {i}");
+        let mut row = x.clone();
+        let got = s.pick(&mut row, p, None);
+        assert_eq!(got.token as usize, multilora_cpu::logits::argmax(&x), "case {i}");
+        assert!(got.top_logprobs.is_empty(), "case {i}");
+        if let Some(lp) = got.logprob {
+            assert!((lp as f64 - (x[got.token as usize] as f64 - lse)).abs() < 1e-5, "case {i}");
+        }
+    }
+    let ruled_out = [
+        SamplingParams { temperature: 0.7, ..greedy.clone() },
+        SamplingParams { logprobs: Some(1), ..greedy.clone() },
+        SamplingParams { repetition_penalty: 1.1, ..greedy.clone() },
+        SamplingParams { frequency_penalty: 0.5, ..greedy.clone() },
+        SamplingParams { presence_penalty: -0.5, ..greedy.clone() },
+        SamplingParams { logit_bias: [(4, 1.0)].into_iter().collect(), ..greedy.clone() },
+    ];
+    for (i, p) in ruled_out.iter().enumerate() {
+        assert!(!SamplerState::new(1, &[1, 2], vec![], p).greedy_raw(p), "case {i}");
+    }
+    // `min_tokens` masking a stop token: ruled out until that many tokens were generated.
+    let p = SamplingParams { min_tokens: 2, ..greedy };
+    let mut s = SamplerState::new(1, &[1, 2], vec![0], &p);
+    assert!(!s.greedy_raw(&p));
+    s.push(5);
+    assert!(!s.greedy_raw(&p));
+    s.push(6);
+    assert!(s.greedy_raw(&p));
+}

@@ -10,7 +10,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, CustomOp1, Layout, Shape, Tensor};
 use multilora_kernels::{Module, kernel};
 
-use super::{add_norm_launch, rope_kv_launch, silu_mul_launch};
+use super::{GreedyPick, add_norm_launch, greedy_launch, rope_kv_launch, silu_mul_launch};
 use crate::error::Result;
 use crate::ops::attention::PagedDecodeDims;
 use crate::ops::cuda::{Locked, alloc_written, kernel_dtype, launch, read_ptr, row_major, write_ptr};
@@ -170,4 +170,50 @@ impl CustomOp1 for SiluMul {
 /// `silu(gu[:, ..inter]) · gu[:, inter..]` on CUDA.
 pub(crate) fn silu_mul(gu: &Tensor, inter: usize) -> Result<Tensor> {
     Ok(row_major(gu)?.apply_op1_no_bwd(&SiluMul { inter })?)
+}
+
+/// The greedy picks' launch, on the logits.
+struct Greedy<'a> {
+    rows: &'a Tensor,
+}
+
+impl CustomOp1 for Greedy<'_> {
+    fn name(&self) -> &'static str {
+        "multilora-greedy-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("multilora-greedy-rows is the CUDA launch; the CPU reads the rows and picks on the host")
+    }
+
+    fn cuda_fwd(&self, logits: &CudaStorage, ll: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = logits.device.clone();
+        let stream = dev.cuda_stream();
+        let vocab = ll.shape().dims2()?.1;
+        let count = self.rows.dim(0)?;
+        let shape = Shape::from((count, 2));
+        // Every selected row's two words are written.
+        let mut out = alloc_written(&dev, shape.elem_count(), candle_core::DType::U32)?;
+        let locked = Locked::new(&[self.rows]);
+        let (ptrs, _syncs) = locked.ptrs(&stream)?;
+        let (lp, _ls) = read_ptr(logits, ll, &stream)?;
+        let mut l = greedy_launch(count, vocab, ll.stride()[0]).map_err(candle_core::Error::wrap)?;
+        let (op, _os) = write_ptr(&mut out, &Layout::contiguous(&shape), &stream)?;
+        (l.params.logits, l.params.rows, l.params.out) = (lp, ptrs[0], op);
+        launch(&dev, Module::Fused, kernel::GREEDY_ROWS, &l)?;
+        drop((_os, _ls, _syncs));
+        Ok((out, shape))
+    }
+}
+
+/// [`super::greedy_rows`] on CUDA: the rows uploaded, one launch, `count · 8` bytes back.
+pub(crate) fn greedy_rows(logits: &Tensor, rows: &[usize]) -> Result<Vec<GreedyPick>> {
+    let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    let idx = Tensor::from_vec(idx, rows.len(), logits.device())?;
+    let out = row_major(logits)?.apply_op1_no_bwd(&Greedy { rows: &idx })?;
+    Ok(out.to_vec2::<u32>()?.into_iter().map(|w| GreedyPick { token: w[0], logprob: f32::from_bits(w[1]) }).collect())
 }

@@ -5,7 +5,9 @@
 //!   and values written into their cache rows (was: two copies, two rotations, a scale, two
 //!   writes);
 //! - the residual add and RMS norm (`norm::add_rms_norm` on CUDA; was an add and a norm);
-//! - SiLU times up (`swiglu::silu_mul` on CUDA; was a SiLU and a product).
+//! - SiLU times up (`swiglu::silu_mul` on CUDA; was a SiLU and a product);
+//! - [`greedy_rows`]: a greedy row's pick and its logprob on the device, so that a step reads
+//!   back 8 bytes for it instead of its whole f32 row.
 //!
 //! Here the launch plans (pure: grid, block, sizes; tested on every machine through the
 //! emulator) and the operand checks; `cuda.rs` takes the device addresses and launches.
@@ -14,7 +16,9 @@
 pub(crate) mod cuda;
 
 use candle_core::{DType, Tensor};
-use multilora_kernels::params::{AddNormParams, FUSED_THREADS, RopeKvParams, SiluMulParams};
+use multilora_kernels::params::{
+    AddNormParams, FUSED_THREADS, GREEDY_THREADS, GreedyParams, RopeKvParams, SiluMulParams,
+};
 
 use crate::error::{Error, Result};
 use crate::ops::attention::PagedDecodeDims;
@@ -80,6 +84,17 @@ pub(crate) fn silu_mul_launch(rows: usize, inter: usize, gu_stride: usize) -> Re
         block: [FUSED_THREADS, 1, 1],
         params: p,
     })
+}
+
+/// `greedy_rows`' launch for `count` selected rows of `vocab` logits (`stride` apart): one block
+/// of [`GREEDY_THREADS`] a row.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn greedy_launch(count: usize, vocab: usize, stride: usize) -> Result<Launch<GreedyParams>> {
+    const OP: &str = "greedy_rows";
+    let mut p = GreedyParams::zeroed();
+    p.vocab = kernel_u32(OP, "row width", vocab)?;
+    p.stride = kernel_u32(OP, "row stride", stride)?;
+    Ok(Launch { grid: [kernel_u32(OP, "rows", count)?, 1, 1], block: [GREEDY_THREADS, 1, 1], params: p })
 }
 
 /// Whether the fused kernels take tensors of `dtype` (the kernels' f32, bf16 and f16).
@@ -162,4 +177,39 @@ pub(crate) fn silu_mul(gu: &Tensor, inter: usize) -> Result<Option<Tensor>> {
         let _ = inter;
         Ok(None)
     }
+}
+
+/// A greedy row sampled on the device: its pick and the pick's log probability.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GreedyPick {
+    /// The first index of the row's largest logit (NaN passed over; 0 for a row of NaN alone),
+    /// as the host's `argmax`.
+    pub token: u32,
+    /// `−ln Σ exp(x − max)` over the row's numbers (summed in f32), the pick's log probability
+    /// under the raw logits; NaN where the max is not finite, as the host's `x − lse` gives.
+    pub logprob: f32,
+}
+
+/// On CUDA, each of `rows` of the f32 `logits` (`[n, vocab]`) picked greedily with its
+/// log probability, in one launch, and only those 8 bytes a row read back; `None` elsewhere (the
+/// caller reads the rows and picks on the host).
+///
+/// # Errors
+/// When `logits` is not `[n, vocab]` or a row is past `n`.
+pub fn greedy_rows(logits: &Tensor, rows: &[usize]) -> Result<Option<Vec<GreedyPick>>> {
+    const OP: &str = "greedy_rows";
+    if !logits.device().is_cuda() || logits.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let (n, vocab) = logits.dims2().map_err(|_| Error::shape(OP, "logits", logits.dims(), &[0, 0]))?;
+    if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+        return Err(Error::InvalidLayer { module: OP.into(), reason: format!("row {r} of {n} logit rows") });
+    }
+    if rows.is_empty() || vocab == 0 {
+        return Ok(Some(vec![GreedyPick { token: 0, logprob: f32::NAN }; rows.len()]));
+    }
+    #[cfg(feature = "cuda")]
+    return Ok(Some(cuda::greedy_rows(logits, rows)?));
+    #[cfg(not(feature = "cuda"))]
+    Ok(None)
 }
