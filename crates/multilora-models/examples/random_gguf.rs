@@ -17,7 +17,10 @@
 //! ```
 //!
 //! Shapes (`llama` architecture; Qwen2.5-7B's without its q/k/v biases):
-//! `llama-3.2-1b`, `llama-3-8b`, `qwen2.5-7b`.
+//! `llama-3.2-1b`, `llama-3-8b`, `qwen2.5-7b`; and `gemma-3-4b` (`gemma3` architecture: heads of
+//! 256, q/k norms, four norms a layer, a 1024-token window on five layers of six, RoPE scaled
+//! linearly by 8 on the others as the real file's `rope.scaling.*` say, the tied embedding in
+//! Q6_K as `llama-quantize` keeps an output matrix).
 
 use std::path::{Path, PathBuf};
 
@@ -41,9 +44,18 @@ struct Shape {
     context: usize,
     rope_theta: f32,
     tied: bool,
+    /// Gemma 3's head size (else `hidden / heads`), sliding window and linear RoPE factor.
+    gemma: Option<Gemma>,
 }
 
-const SHAPES: [Shape; 3] = [
+/// What a Gemma 3 shape has beyond the Llama family's.
+struct Gemma {
+    head_dim: usize,
+    window: usize,
+    rope_factor: f32,
+}
+
+const SHAPES: [Shape; 4] = [
     Shape {
         name: "llama-3.2-1b",
         layers: 16,
@@ -55,6 +67,7 @@ const SHAPES: [Shape; 3] = [
         context: 131072,
         rope_theta: 500000.0,
         tied: true,
+        gemma: None,
     },
     Shape {
         name: "llama-3-8b",
@@ -67,6 +80,7 @@ const SHAPES: [Shape; 3] = [
         context: 8192,
         rope_theta: 500000.0,
         tied: false,
+        gemma: None,
     },
     Shape {
         name: "qwen2.5-7b",
@@ -79,6 +93,20 @@ const SHAPES: [Shape; 3] = [
         context: 32768,
         rope_theta: 1000000.0,
         tied: false,
+        gemma: None,
+    },
+    Shape {
+        name: "gemma-3-4b",
+        layers: 34,
+        hidden: 2560,
+        ffn: 10240,
+        heads: 8,
+        kv_heads: 4,
+        vocab: 262144,
+        context: 131072,
+        rope_theta: 1000000.0,
+        tied: true,
+        gemma: Some(Gemma { head_dim: 256, window: 1024, rope_factor: 8.0 }),
     },
 ];
 
@@ -145,9 +173,12 @@ fn main() -> Result<()> {
     })?;
     let layers = flag("--layers").map(|v| v.parse()).transpose()?.unwrap_or(shape.layers);
     let from = flag("--tokenizer-from").ok_or(usage)?;
-    let (h, hd) = (shape.hidden, shape.hidden / shape.heads);
+    let h = shape.hidden;
+    let hd = shape.gemma.as_ref().map_or(shape.hidden / shape.heads, |g| g.head_dim);
+    // A tied Gemma embedding is the output matrix too: Q6_K, as llama-quantize keeps `output`.
+    let embd = if shape.gemma.is_some() { GgmlDType::Q6K } else { GgmlDType::Q4K };
     let mut tensors: Vec<(String, QTensor)> = vec![
-        ("token_embd.weight".into(), random(shape.vocab, h, 0.02, GgmlDType::Q4K)?),
+        ("token_embd.weight".into(), random(shape.vocab, h, 0.02, embd)?),
         ("output_norm.weight".into(), norm(h)?),
     ];
     if !shape.tied {
@@ -168,12 +199,21 @@ fn main() -> Result<()> {
             (blk("ffn_up"), random(shape.ffn, h, 0.02, GgmlDType::Q4K)?),
             (blk("ffn_down"), random(h, shape.ffn, 0.02, wide)?),
         ]);
+        if shape.gemma.is_some() {
+            tensors.extend([
+                (blk("attn_q_norm"), norm(hd)?),
+                (blk("attn_k_norm"), norm(hd)?),
+                (blk("post_attention_norm"), norm(h)?),
+                (blk("post_ffw_norm"), norm(h)?),
+            ]);
+        }
         eprint!("\rlayer {}/{layers}", l + 1);
     }
     eprintln!();
-    let k = |key: &str| format!("llama.{key}");
+    let arch = if shape.gemma.is_some() { "gemma3" } else { "llama" };
+    let k = |key: &str| format!("{arch}.{key}");
     let mut meta: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("llama".into())),
+        ("general.architecture".into(), Value::String(arch.into())),
         ("general.name".into(), Value::String(format!("random {} ({layers} layers)", shape.name))),
         // llama.cpp's file type 15: MOSTLY_Q4_K_M.
         ("general.file_type".into(), Value::U32(15)),
@@ -183,11 +223,20 @@ fn main() -> Result<()> {
         (k("feed_forward_length"), Value::U32(shape.ffn as u32)),
         (k("attention.head_count"), Value::U32(shape.heads as u32)),
         (k("attention.head_count_kv"), Value::U32(shape.kv_heads as u32)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(if shape.gemma.is_some() { 1e-6 } else { 1e-5 })),
         (k("rope.freq_base"), Value::F32(shape.rope_theta)),
         (k("rope.dimension_count"), Value::U32(hd as u32)),
         (k("vocab_size"), Value::U32(shape.vocab as u32)),
     ];
+    if let Some(g) = &shape.gemma {
+        meta.extend([
+            (k("attention.key_length"), Value::U32(g.head_dim as u32)),
+            (k("attention.value_length"), Value::U32(g.head_dim as u32)),
+            (k("attention.sliding_window"), Value::U32(g.window as u32)),
+            (k("rope.scaling.type"), Value::String("linear".into())),
+            (k("rope.scaling.factor"), Value::F32(g.rope_factor)),
+        ]);
+    }
     meta.extend(tokenizer(Path::new(&from), shape.vocab)?);
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
@@ -202,7 +251,11 @@ fn main() -> Result<()> {
 /// Eight random llama.cpp LoRA files of rank 16 on all seven projections, `r0.gguf` … `r7.gguf`.
 fn loras(shape: &Shape, layers: usize, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    let shapes = ModelShapes::llama(layers, shape.hidden, shape.ffn, shape.vocab, shape.heads, shape.kv_heads);
+    let mut shapes = ModelShapes::llama(layers, shape.hidden, shape.ffn, shape.vocab, shape.heads, shape.kv_heads);
+    if let Some(g) = &shape.gemma {
+        (shapes.architecture, shapes.model_type) = ("Gemma3ForCausalLM".into(), "gemma3_text".into());
+        (shapes.head_dim, shapes.tie_word_embeddings) = (g.head_dim, true);
+    }
     let tmp = tempfile::tempdir()?;
     for i in 0..8u64 {
         let name = format!("r{i}");

@@ -92,6 +92,12 @@ impl Architecture {
 pub enum RopeScaling {
     /// Plain RoPE.
     Default,
+    /// Position interpolation (`rope_type: linear`): every frequency divided by `factor`, as if
+    /// positions were `factor` times closer (Gemma 3 4B–27B, on their full-attention layers only).
+    Linear {
+        /// `factor`.
+        factor: f64,
+    },
     /// Llama 3.1's frequency-dependent scaling.
     Llama3 {
         /// `factor`.
@@ -186,7 +192,7 @@ pub enum ConfigError {
         name: String,
     },
     /// A RoPE scaling type this engine does not implement.
-    #[error("{}: field \"rope_type\": unsupported rope scaling type {kind:?} (supported: default, llama3)", path.display())]
+    #[error("{}: field \"rope_type\": unsupported rope scaling type {kind:?} (supported: default, linear, llama3, longrope)", path.display())]
     UnsupportedRopeScaling {
         /// The file.
         path: PathBuf,
@@ -647,6 +653,11 @@ fn rope_scaling(p: &RawRope, raw: &RawConfig, head_dim: usize, path: &Path) -> R
     let field = |field: &'static str, reason: String| ConfigError::Field { path: path.to_path_buf(), field, reason };
     match kind {
         "default" => Ok(RopeScaling::Default),
+        "linear" => match p.factor {
+            Some(factor) if factor.is_finite() && factor > 0.0 => Ok(RopeScaling::Linear { factor }),
+            Some(factor) => Err(field("factor", format!("is {factor}; linear rope scaling needs a positive one"))),
+            None => Err(field("factor", "is missing; linear rope scaling needs it".into())),
+        },
         "longrope" => {
             let factors = |v: &Option<Vec<f64>>, name: &'static str| -> Result<Vec<f32>, ConfigError> {
                 let v = v.as_ref().ok_or_else(|| field(name, "is missing; longrope needs it".into()))?;

@@ -154,9 +154,15 @@ impl GgufFile {
                 self.bad(format!("{a}.rope.dimension_count is {rot}: partial rotary over a head of {d} is not served"))
             );
         }
-        if let Some(kind) = self.string(&format!("{a}.rope.scaling.type")).filter(|t| *t != "none") {
-            return Err(self.bad(format!("{a}.rope.scaling.type {kind:?} is not served")));
-        }
+        // Linear scaling (Gemma 3 4B–27B: factor 8 on the full-attention layers, as llama.cpp
+        // applies it) is the config's `rope_scaling`; any other kind is refused.
+        let linear = match self.string(&format!("{a}.rope.scaling.type")).filter(|t| *t != "none") {
+            None => None,
+            Some("linear") => Some(self.number(&format!("{a}.rope.scaling.factor")).ok_or_else(|| {
+                self.bad(format!("{a}.rope.scaling.type is \"linear\" but {a}.rope.scaling.factor is missing"))
+            })?),
+            Some(kind) => return Err(self.bad(format!("{a}.rope.scaling.type {kind:?} is not served"))),
+        };
         let vocab = self.info("token_embd.weight").map(|i| i.shape.dims()[0]).or(int("vocab_size").map(|v| v as usize));
         let mut eos: Vec<u64> = Vec::new();
         for key in ["eos_token_id", "eot_token_id", "eom_token_id"] {
@@ -167,7 +173,11 @@ impl GgufFile {
             }
         }
         let gemma = a == "gemma3";
-        let long_rope = self.long_rope()?;
+        let long_rope = match (self.long_rope()?, linear) {
+            (serde_json::Value::Null, Some(factor)) => json!({"rope_type": "linear", "factor": factor}),
+            (long, None) => long,
+            (_, Some(_)) => return Err(self.bad("it has both linear rope scaling and LongRoPE factors".into())),
+        };
         let value = json!({
             "model_type": model_type,
             "hidden_size": hidden,
@@ -443,6 +453,7 @@ pub fn write_gguf_as_checkpoint(path: &Path, dst: &Path, dtype: DType) -> Result
         "eos_token_id": cfg.eos_token_ids,
         "torch_dtype": torch_dtype,
         "rope_scaling": match &cfg.rope_scaling {
+            RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
             RopeScaling::LongRope { short_factor, long_factor, attention_factor, .. } => json!({
                 "rope_type": "longrope",
                 "short_factor": short_factor,

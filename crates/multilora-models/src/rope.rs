@@ -32,6 +32,8 @@ pub(crate) fn inv_freq(cfg: &ModelConfig, local: bool) -> Vec<f32> {
     }
     match &cfg.rope_scaling {
         RopeScaling::Default => plain,
+        // transformers' `inv_freq / factor`, in f32.
+        &RopeScaling::Linear { factor } => plain.iter().map(|&f| f / factor as f32).collect(),
         // llama.cpp divides each frequency's angle by its factor.
         RopeScaling::Factors(factors) => plain.iter().zip(factors).map(|(&f, &d)| f / d).collect(),
         RopeScaling::LongRope { short_factor, .. } => scaled_by(cfg, short_factor),

@@ -430,3 +430,46 @@ fn gemma3_llama_cpp_lora_files_give_their_peft_twins_logits() -> Result<()> {
     assert!(d <= 0.05, "the GGUF twins' logits differ by {d}");
     Ok(())
 }
+
+/// A GGUF file's linear RoPE scaling (`rope.scaling.type` "linear" and its factor, as llama.cpp's
+/// converter writes Gemma 3 4B–27B) is read as the config's `rope_scaling`; without its factor,
+/// or of any other kind, the file is refused by name.
+#[test]
+fn linear_rope_scaling_is_read_and_other_kinds_refused() -> Result<()> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+    use multilora_models::RopeScaling;
+    let dir = tempfile::tempdir()?;
+    let embd = QTensor::quantize(&Tensor::ones((8, 32), DType::F32, &Device::Cpu)?, GgmlDType::F32)?;
+    let write = |name: &str, scaling: &[(&str, Value)]| -> Result<std::path::PathBuf> {
+        let mut meta: Vec<(&str, Value)> = vec![
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.block_count", Value::U32(1)),
+            ("llama.context_length", Value::U32(256)),
+            ("llama.embedding_length", Value::U32(32)),
+            ("llama.feed_forward_length", Value::U32(64)),
+            ("llama.attention.head_count", Value::U32(4)),
+            ("llama.attention.head_count_kv", Value::U32(4)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+            ("llama.rope.freq_base", Value::F32(10_000.0)),
+        ];
+        meta.extend(scaling.iter().map(|(k, v)| (*k, v.clone())));
+        let refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+        let path = dir.path().join(name);
+        gguf_file::write(&mut std::fs::File::create(&path)?, &refs, &[("token_embd.weight", &embd)])?;
+        Ok(path)
+    };
+    let linear =
+        [("llama.rope.scaling.type", Value::String("linear".into())), ("llama.rope.scaling.factor", Value::F32(8.0))];
+    let cfg = multilora_models::GgufFile::open(&write("linear.gguf", &linear)?)?.config()?;
+    assert_eq!(cfg.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+    let plain = multilora_models::GgufFile::open(&write("plain.gguf", &[])?)?.config()?;
+    assert_eq!(plain.rope_scaling, RopeScaling::Default);
+    let no_factor = write("no-factor.gguf", &linear[..1])?;
+    let err = multilora_models::GgufFile::open(&no_factor)?.config().unwrap_err().to_string();
+    assert!(err.contains("no-factor.gguf") && err.contains("rope.scaling.factor is missing"), "{err}");
+    let yarn = write("yarn.gguf", &[("llama.rope.scaling.type", Value::String("yarn".into()))])?;
+    let err = multilora_models::GgufFile::open(&yarn)?.config().unwrap_err().to_string();
+    assert!(err.contains("yarn.gguf") && err.contains("\"yarn\" is not served"), "{err}");
+    Ok(())
+}

@@ -63,6 +63,11 @@ fn variants_real_checkpoints_use() {
             |c| assert_eq!((c.rope_theta, c.rope_scaling.clone()), (5e5, RopeScaling::Default)),
         ),
         (
+            "linear rope scaling (legacy rope_scaling)",
+            json!({"rope_parameters": null, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+            |c| assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 }),
+        ),
+        (
             "rope_parameters with llama3 scaling (transformers 5)",
             json!({"rope_theta": null, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
                    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -165,6 +170,8 @@ fn refusals_name_the_field() {
         (json!({"model_type": null, "architectures": null}), "config", "model_type"),
         (json!({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}), "unsupported_rope_scaling", "yarn"),
         (json!({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}), "config", "low_freq_factor"),
+        (json!({"rope_parameters": {"rope_type": "linear"}}), "config", "factor"),
+        (json!({"rope_parameters": {"rope_type": "linear", "factor": 0.0}}), "config", "factor"),
         (json!({"vocab_size": null}), "config", "vocab_size"),
         (json!({"hidden_size": "big"}), "config", "hidden_size"),
         (json!({"num_hidden_layers": -1}), "config", "num_hidden_layers"),
@@ -236,4 +243,28 @@ fn longrope_is_read_with_its_attention_factor() {
     given["rope_scaling"]["attention_factor"] = json!(1.0);
     let c = ModelConfig::from_json(&given).unwrap();
     assert!(matches!(c.rope_scaling, RopeScaling::LongRope { attention_factor: 1.0, .. }));
+}
+
+/// Gemma 3 4B–27B scale the full-attention layers' RoPE linearly (factor 8) and leave the sliding
+/// layers' alone (their own base): transformers' `inv_freq / factor` on the first, the plain
+/// frequencies on the second, to the bit in f32.
+#[test]
+fn gemma3_linear_scaling_applies_to_the_full_attention_layers_only() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/families/gemma3/base/config.json");
+    let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    raw["rope_parameters"]["full_attention"] = json!({"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6});
+    let c = ModelConfig::from_json(&raw).unwrap();
+    assert_eq!(
+        (c.rope_scaling.clone(), c.rope_theta, c.rope_local_theta),
+        (RopeScaling::Linear { factor: 8.0 }, 1e6, Some(1e4))
+    );
+    let d = c.head_dim;
+    let plain = |base: f32| -> Vec<f32> { (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32)).collect() };
+    let global: Vec<f32> = plain(1e6).iter().map(|f| f / 8.0).collect();
+    assert_eq!(crate::rope::inv_freq(&c, false), global);
+    assert_eq!(crate::rope::inv_freq(&c, true), plain(1e4));
+    // Scaling the sliding layers' RoPE is refused, not ignored.
+    raw["rope_parameters"]["sliding_attention"] = json!({"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4});
+    let err = ModelConfig::from_json(&raw).unwrap_err().to_string();
+    assert!(err.contains("sliding layers"), "{err}");
 }
