@@ -70,9 +70,12 @@ static int breaks_capture(CUstream s, int any) {
 struct pinned { struct pinned *next; char *p; size_t n; };
 static struct pinned *g_pinned;
 static int is_pinned(const void *p, size_t n) {
-    for (struct pinned *x = g_pinned; x; x = x->next)
-        if ((const char *)p >= x->p && (const char *)p + n <= x->p + x->n) return 1;
-    return 0;
+    int found = 0;
+    pthread_mutex_lock(&g_lock);
+    for (struct pinned *x = g_pinned; x && !found; x = x->next)
+        found = (const char *)p >= x->p && (const char *)p + n <= x->p + x->n;
+    pthread_mutex_unlock(&g_lock);
+    return found;
 }
 
 static double now_ms(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e3 + t.tv_nsec / 1e6; }
