@@ -66,6 +66,19 @@ pub(crate) struct AttnShape {
     pub(crate) elem: usize,
 }
 
+impl AttnShape {
+    /// The attention kernels' dimensions of this shape.
+    pub(crate) fn dims(&self) -> multilora_layers::PagedDecodeDims {
+        let a = self;
+        multilora_layers::PagedDecodeDims {
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            block_size: a.block_size,
+        }
+    }
+}
+
 /// Paged decode attention: every context's keys and values read once per KV head (under GQA
 /// a KV head's query heads share that read), the queries read, the outputs written, and the
 /// block tables and context lengths (u32).

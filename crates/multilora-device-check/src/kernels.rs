@@ -16,7 +16,7 @@ use multilora_layers::{
 };
 use multilora_types::{ModuleKind, SlotId};
 
-use crate::floor::LLAMA3_8B_LAYERS;
+use crate::floor::{LLAMA3_8B_HIDDEN, LLAMA3_8B_INTERMEDIATE, LLAMA3_8B_LAYERS, llama3_8b_attention};
 use crate::report::Report;
 use crate::util::{randn, rel_err};
 
@@ -229,8 +229,10 @@ pub(crate) fn attention(report: &mut Report, dev: &Device, quick: bool) -> Resul
 /// The fused kernels of a decode layer against the tensor ops they replace, at Llama-3-8B's shapes:
 /// the rotated and scaled queries and both caches, the residual sum and its norm, SiLU · up.
 pub(crate) fn fused(report: &mut Report, dev: &Device, quick: bool) -> Result<()> {
-    let (heads, kv_heads, hd, hidden, inter) = (32, 8, 128, 4096, 14336);
-    let d = PagedDecodeDims { heads, kv_heads, head_dim: hd, block_size: 16 };
+    let a = llama3_8b_attention(1, 1);
+    let (heads, kv_heads, hd, hidden, inter) =
+        (a.heads, a.kv_heads, a.head_dim, LLAMA3_8B_HIDDEN, LLAMA3_8B_INTERMEDIATE);
+    let d = a.dims();
     let (qs, kvs, half) = (heads * hd, kv_heads * hd, hd / 2);
     let tokens: &[usize] = if quick { &[1, 16] } else { &[1, 16, 64, 300] };
     let mut key = Vec::new();

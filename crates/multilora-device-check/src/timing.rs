@@ -23,8 +23,8 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use multilora_adapter::ModuleId;
 use multilora_layers::{
-    LoraMapping, LoraSlots, PagedDecodeDims, add_rms_norm, linear, lora_bgmv_expand, lora_bgmv_shrink, lora_expand,
-    lora_shrink, paged_decode_attention, paged_kv_write, paged_kv_write_slow, rope_kv_write, silu_mul,
+    LoraMapping, LoraSlots, add_rms_norm, linear, lora_bgmv_expand, lora_bgmv_shrink, lora_expand, lora_shrink,
+    paged_decode_attention, paged_kv_write, paged_kv_write_slow, rope_kv_write, silu_mul,
 };
 use multilora_types::{ModuleKind, SlotId};
 
@@ -172,8 +172,7 @@ fn kv(report: &mut Report, dev: &Device) -> Result<()> {
 fn attention(report: &mut Report, dev: &Device) -> Result<()> {
     for (n, ctx) in ATTENTION_CASES {
         let a = llama3_8b_attention(n, ctx);
-        let d =
-            PagedDecodeDims { heads: a.heads, kv_heads: a.kv_heads, head_dim: a.head_dim, block_size: a.block_size };
+        let d = a.dims();
         let max_blocks = ctx.div_ceil(a.block_size);
         let num_blocks = n * max_blocks;
         // Each block used once, handed out in a scrambled order (an odd multiplier modulo a
@@ -200,7 +199,7 @@ fn attention(report: &mut Report, dev: &Device) -> Result<()> {
 fn fused(report: &mut Report, dev: &Device) -> Result<()> {
     let attn = llama3_8b_attention(DECODE.rows, 512);
     let (n, hd, dtype) = (attn.n, attn.head_dim, DType::BF16);
-    let d = PagedDecodeDims { heads: attn.heads, kv_heads: attn.kv_heads, head_dim: hd, block_size: attn.block_size };
+    let d = attn.dims();
     let (qs, kvs) = (attn.heads * hd, attn.kv_heads * hd);
     let qkv = randn(&[n, qs + 2 * kvs], 1.0, dtype, dev)?;
     let (cos, sin) = (randn(&[n, hd / 2], 1.0, dtype, dev)?, randn(&[n, hd / 2], 1.0, dtype, dev)?);

@@ -173,7 +173,7 @@ impl GgufFile {
             }
         }
         let gemma = a == "gemma3";
-        let long_rope = match (self.long_rope()?, linear) {
+        let rope_scaling = match (self.long_rope()?, linear) {
             (serde_json::Value::Null, Some(factor)) => json!({"rope_type": "linear", "factor": factor}),
             (long, None) => long,
             (_, Some(_)) => return Err(self.bad("it has both linear rope scaling and LongRoPE factors".into())),
@@ -206,7 +206,7 @@ impl GgufFile {
             },
             "bos_token_id": self.integer("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
-            "rope_scaling": long_rope,
+            "rope_scaling": rope_scaling,
             "original_max_position_embeddings": int("rope.scaling.original_context_length"),
         });
         // `null` stands for absent: the reader's defaults apply.

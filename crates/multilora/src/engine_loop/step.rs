@@ -223,6 +223,7 @@ impl EngineLoop {
     /// where the model picks on the device and the request allows a greedy pick of the raw row:
     /// `Live::picks_on_device`), else `None`; rows counted in sequence order.
     fn device_rows(&self, kept: &[&ScheduledRequest], batch: &Batch) -> Vec<Option<usize>> {
+        let on_device = self.model.picks_on_device();
         let mut at = 0;
         kept.iter()
             .zip(&batch.seqs)
@@ -230,9 +231,7 @@ impl EngineLoop {
                 let rows = seq.num_logit_rows();
                 let here = at;
                 at += rows;
-                let device = self.model.picks_on_device()
-                    && rows == 1
-                    && self.live.get(&s.id).is_some_and(|l| l.picks_on_device(s));
+                let device = on_device && rows == 1 && self.live.get(&s.id).is_some_and(|l| l.picks_on_device(s));
                 device.then_some(here)
             })
             .collect()
