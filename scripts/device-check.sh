@@ -52,10 +52,12 @@ MAX_BYTES=$((64 << 20))
 
 # The sections in the order they run, with their budgets in seconds: 445 s of the 480, the
 # rest for the preflight, the probe and reruns (a rerun spends from the same 480 s, so the
-# sections after it get what is left: PEFT and the engine come last). `jit` comes first: it loads
+# sections after it get what is left: PEFT and the engine come last). `replay` comes first: our
+# kernels against the emulator's recorded launches with nothing but the driver (it runs, as PEFT
+# does, when the binary cannot start). Then `jit`: it loads
 # our fatbins and has the driver compile candle's PTX into its cache, so that no later section
 # pays for that compile inside its own budget.
-SECTIONS=(jit:45 kernels:60 timing:40 golden:40 decode:60 gguf:40 peft:110 engine:50)
+SECTIONS=(replay:20 jit:45 kernels:60 timing:40 golden:40 decode:50 gguf:40 peft:100 engine:50)
 TOTAL_BUDGET=480
 # Below this many seconds left, a section or a rerun is not started.
 MIN_START=5
@@ -93,6 +95,7 @@ build() {
     strip -o "$dir/multilora-device-check" "$target/$out_dir/multilora-device-check"
     xz -6 -T0 "$dir/multilora-device-check"
     cp -r tests/fixtures/peft-tiny "$dir/fixtures/"
+    replay_build "$dir/replay" "$target/$out_dir/multilora-device-check"
     cp benches/bench_peft_cuda.py "$dir/"
     cp scripts/device-check.sh "$dir/"
     {
@@ -106,6 +109,39 @@ build() {
         echo "error: $dir is $bytes bytes, over the 64 MiB that travel to the GPU machine" >&2
         exit 1
     fi
+}
+
+# The device replay in $1 (crates/multilora-kernels/src/emulate/replay.cpp): our kernels run from
+# their fatbins (written by the binary $2) on launches the emulator recorded, with nothing but the
+# driver, so that an image the binary cannot start on still has them checked. The corpus is
+# $DEVICE_CHECK_CORPUS when given (CI records it during its test run), else recorded here by the
+# emulated kernel tests (`MULTILORA_EMU_RECORD`). The source goes too, to be built there again if
+# this build of it cannot start.
+replay_build() {
+    local rp="$1" bin="$2" src=crates/multilora-kernels/src
+    mkdir -p "$rp/src/emulate"
+    cp "$src/params.h" "$rp/src/"
+    cp "$src/emulate/replay.cpp" "$src/emulate/kernels.h" "$src/emulate/fix_ptrs.h" "$rp/src/emulate/"
+    "${CXX:-c++}" -std=c++17 -O2 -o "$rp/replay" "$rp/src/emulate/replay.cpp" -ldl
+    "$bin" --fixtures tests/fixtures/peft-tiny --write-fatbins "$rp/fatbins"
+    if ! compgen -G "$rp/fatbins/*.fatbin" >/dev/null; then
+        echo "error: $bin wrote no fatbin for the replay" >&2
+        exit 1
+    fi
+    if [ -n "${DEVICE_CHECK_CORPUS:-}" ]; then
+        cp -r "$DEVICE_CHECK_CORPUS" "$rp/corpus"
+    else
+        echo "== recording the emulated kernel tests' launches for the replay"
+        MULTILORA_EMU_RECORD="$rp/corpus" MULTILORA_REQUIRE_EMULATION=1 \
+            cargo test --locked -q -p multilora-layers --lib -- emulated >/dev/null
+    fi
+    local n
+    n="$(find "$rp/corpus" -name '*.launch' 2>/dev/null | wc -l)"
+    if [ "$n" -eq 0 ]; then
+        echo "error: no recorded launch in $rp/corpus for the replay" >&2
+        exit 1
+    fi
+    echo "== the replay: $n launches of $(find "$rp/corpus" -name '*.launch' -printf '%f\n' | cut -d. -f1 | sort -u | wc -l) kernels, $(($(du -sb "$rp/corpus" | cut -f1) / 1024)) KiB"
 }
 
 # Directories that may hold the CUDA libraries: the driver's, the toolkit's, PyTorch's and the
@@ -259,6 +295,8 @@ run_section() {
     local name="$1" limit="$2" blocking="$3" log="$4" prefix="$5" start cmd=()
     if [ "$name" = peft ]; then
         cmd=(python3 "$DIR/bench_peft_cuda.py" --workdir "$WORK" --json "$prefix.json")
+    elif [ "$name" = replay ]; then
+        cmd=("$REPLAY" --fatbins "$DIR/replay/fatbins" --corpus "$DIR/replay/corpus" --report "$prefix")
     else
         cmd=("$BIN" --fixtures "$DIR/fixtures/peft-tiny" --only "$name" --report "$prefix")
         if [ "$name" != none ]; then cmd+=("${EXTRA[@]}"); fi
@@ -413,6 +451,30 @@ plan() {
         sum=$((sum + b))
     done
     echo "== sections, each in its own process (budget):${line%,} = ${sum} s of ${TOTAL} s"
+}
+
+# Sets REPLAY to the device replay that starts here: the one built with the binary, else one
+# built now from its source with the image's compiler (a loader that cannot start the first:
+# another glibc), else empty (its section is then not run, and says why).
+replay_ready() {
+    REPLAY="$DIR/replay/replay"
+    if [ -n "$STUB" ]; then return; fi
+    local rc=0
+    "$REPLAY" >/dev/null 2>&1 || rc=$?
+    # Without arguments it prints its usage and exits 4: it started.
+    if [ "$rc" = 4 ]; then return; fi
+    echo "  the replay built with the binary cannot start here (exit $rc): building it from its source"
+    REPLAY="$OUT_DIR/replay"
+    local cxx
+    for cxx in "${CXX:-}" c++ g++ clang++; do
+        if [ -n "$cxx" ] && command -v "$cxx" >/dev/null &&
+            "$cxx" -std=c++17 -O2 -o "$REPLAY" "$DIR/replay/src/emulate/replay.cpp" -ldl >"$OUT_DIR/replay-build.log" 2>&1; then
+            echo "  built with $cxx"
+            return
+        fi
+    done
+    echo "  no compiler here could build it (replay-build.log): the replay section is not run"
+    REPLAY=""
 }
 
 # The binary, unpacked once.
@@ -570,6 +632,7 @@ run() {
         fi
     fi
 
+    replay_ready
     echo "== device probe (the binary opens the device and stops)"
     BINARY_OK=1
     run_section none 60 0 "$OUT_DIR/probe.log" "$OUT_DIR/probe"
@@ -599,7 +662,9 @@ run() {
         budget="$(budget_of "$name")"
         if [ "$name" = peft ] && [ "${MULTILORA_SKIP_PEFT:-0}" = 1 ]; then
             ST[$name]="skipped"
-        elif [ "$name" != peft ] && [ "$BINARY_OK" = 0 ]; then
+        elif [ "$name" = replay ] && [ -z "$REPLAY" ]; then
+            ST[$name]="not run: no replay"
+        elif [ "$name" != peft ] && [ "$name" != replay ] && [ "$BINARY_OK" = 0 ]; then
             ST[$name]="not run: no binary"
         else
             attempt "$name" "$budget" "$deadline" first

@@ -76,6 +76,32 @@ struct Args {
     /// Smaller grids and a 4-layer decode model (a smoke test).
     #[arg(long)]
     quick: bool,
+    /// Writes our modules' fatbins to this folder (`NAME.fatbin`, for the device replay) and
+    /// stops, without opening a device.
+    #[arg(long)]
+    write_fatbins: Option<PathBuf>,
+}
+
+/// Writes every module's fatbin as `DIR/NAME.fatbin`: what the device replay loads
+/// (`scripts/device-check.sh build` lays them out beside it).
+fn write_fatbins(dir: &std::path::Path) -> Result<usize, String> {
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(format!(
+            "this multilora-device-check was built without CUDA support: no fatbins to write to {}",
+            dir.display()
+        ))
+    }
+    #[cfg(feature = "cuda")]
+    {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let modules = multilora_layers::kernel_fatbins();
+        for (name, fatbin) in &modules {
+            let path = dir.join(format!("{name}.fatbin"));
+            std::fs::write(&path, fatbin).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        Ok(modules.len())
+    }
 }
 
 fn open_device() -> Result<Device, String> {
@@ -99,6 +125,18 @@ fn open_device() -> Result<Device, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(dir) = &args.write_fatbins {
+        return match write_fatbins(dir) {
+            Ok(n) => {
+                println!("wrote {n} fatbins to {}", dir.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let dev = match open_device() {
         Ok(d) => d,
         Err(e) => {

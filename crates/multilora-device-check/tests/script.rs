@@ -40,7 +40,7 @@ if in_list "${STUB_SLOW:-}"; then exit 3; fi
 exit 0
 "#;
 
-const SECTIONS: [&str; 8] = ["jit", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"];
+const SECTIONS: [&str; 9] = ["replay", "jit", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"];
 
 struct Run {
     code: Option<i32>,
@@ -141,7 +141,7 @@ fn every_section_passing_exits_0_with_one_summary_row_each() {
     }
     let calls = r.calls();
     let order: Vec<&str> = calls.iter().map(|c| c.split(' ').next().unwrap_or_default()).collect();
-    assert_eq!(order, ["none", "jit", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"]);
+    assert_eq!(order, ["none", "replay", "jit", "kernels", "timing", "golden", "decode", "gguf", "peft", "engine"]);
     // The commands stood in for: the binary per section, the flags of `run` passed on, and the
     // engine given the PEFT bench's figures.
     let out = r.out().display().to_string();
@@ -149,6 +149,12 @@ fn every_section_passing_exits_0_with_one_summary_row_each() {
     let bin = format!("{dir}/multilora-device-check --fixtures {dir}/fixtures/peft-tiny");
     assert_eq!(r.argv("none"), format!("{bin} --only none --report {out}/probe"));
     assert_eq!(r.argv("kernels"), format!("{bin} --only kernels --report {out}/kernels --quick"));
+    assert_eq!(
+        r.argv("replay"),
+        format!(
+            "{dir}/replay/replay --fatbins {dir}/replay/fatbins --corpus {dir}/replay/corpus --report {out}/replay"
+        )
+    );
     assert!(r.argv("peft").ends_with(&format!("bench_peft_cuda.py --workdir /tmp/peft-work --json {out}/peft.json")));
     assert!(
         r.argv("engine").ends_with(&format!("--quick --peft-workdir /tmp/peft-work --peft-json {out}/peft.json")),
@@ -157,7 +163,7 @@ fn every_section_passing_exits_0_with_one_summary_row_each() {
     );
     let json = r.json();
     assert_eq!(json["exit"], 0);
-    assert_eq!(json["sections"].as_array().map(Vec::len), Some(8));
+    assert_eq!(json["sections"].as_array().map(Vec::len), Some(9));
     assert_eq!(r.section("timing")["report"]["key"][0], "timing");
 }
 
@@ -166,9 +172,9 @@ fn no_device_stops_before_any_section_with_exit_2() {
     let r = run(&[("STUB_NODEV", "none")]);
     assert_eq!(r.code, Some(2));
     assert!(r.stdout.contains("== preflight"));
-    assert!(
-        r.stdout.contains("jit 45s, kernels 60s, timing 40s, golden 40s, decode 60s, gguf 40s, peft 110s, engine 50s")
-    );
+    assert!(r.stdout.contains(
+        "replay 20s, jit 45s, kernels 60s, timing 40s, golden 40s, decode 50s, gguf 40s, peft 100s, engine 50s = 445 s"
+    ));
     assert!(r.stderr.contains("no CUDA device"));
     assert_eq!(r.calls(), ["none blocking=0"]);
     assert_eq!(r.json()["exit"], 2);
@@ -184,16 +190,17 @@ fn no_device_stops_before_any_section_with_exit_2() {
 }
 
 #[test]
-fn a_binary_that_cannot_start_still_lets_the_peft_bench_run() {
+fn a_binary_that_cannot_start_still_lets_the_replay_and_the_peft_bench_run() {
     let r = run(&[("STUB_NOLOAD", "none")]);
     assert_eq!(r.code, Some(1));
     assert!(r.stdout.contains("the binary cannot start (exit 127)"));
     assert!(r.stdout.contains("error while loading shared libraries: libcublas.so.13"));
-    assert!(r.row("peft").contains("pass"));
+    // The replay needs the driver alone, and PEFT neither: both still run.
+    assert!(r.row("replay").contains("pass") && r.row("peft").contains("pass"));
     for s in ["jit", "kernels", "timing", "golden", "decode", "gguf", "engine"] {
         assert!(r.row(s).contains("not run: no binary"), "{}", r.row(s));
     }
-    assert_eq!(r.calls(), ["none blocking=0", "peft blocking=0"]);
+    assert_eq!(r.calls(), ["none blocking=0", "replay blocking=0", "peft blocking=0"]);
 }
 
 #[test]
@@ -281,7 +288,7 @@ fn a_section_that_times_out_once_passes_on_its_longer_rerun() {
 /// No rerun when it would take the time of the sections after it: the total budget leaves none.
 #[test]
 fn a_timed_out_section_is_not_rerun_at_the_cost_of_later_ones() {
-    let env = [("STUB_HANG_ONCE", "kernels"), ("DEVICE_CHECK_BUDGETS", "kernels=2"), ("DEVICE_CHECK_TOTAL", "343")];
+    let env = [("STUB_HANG_ONCE", "kernels"), ("DEVICE_CHECK_BUDGETS", "kernels=2"), ("DEVICE_CHECK_TOTAL", "323")];
     let r = run(&env);
     assert!(r.row("kernels").contains("timeout"), "{}", r.row("kernels"));
     assert!(!r.row("kernels").contains("rerun"), "{}", r.row("kernels"));

@@ -19,6 +19,11 @@
 //! sources) with `$CXX` or `c++`. A launch is written to a file (`MLEMU2`: kernel name, grid,
 //! block, parameter bytes, buffers, views, seed, schedules), the harness runs it and writes the
 //! buffers back. Pointer fields of the parameters name views through [`Memory`].
+//!
+//! With `MULTILORA_EMU_RECORD=DIR` the launches that ran are kept there with their results (a
+//! few per kernel), for the device replay (`emulate/replay.cpp`): on a GPU machine, it runs them
+//! from the shipped fatbins with nothing but the driver and compares every buffer with what the
+//! emulator left (`scripts/device-check.sh` lays the corpus out).
 
 mod memory;
 
@@ -146,6 +151,8 @@ const SOURCES: &[(&str, &str)] = &[
     ("emulate/emu.h", include_str!("emulate/emu.h")),
     ("emulate/views.h", include_str!("emulate/views.h")),
     ("emulate/faults.cuh", include_str!("emulate/faults.cuh")),
+    ("emulate/kernels.h", include_str!("emulate/kernels.h")),
+    ("emulate/fix_ptrs.h", include_str!("emulate/fix_ptrs.h")),
     ("emulate/harness.cpp", include_str!("emulate/harness.cpp")),
 ];
 
@@ -156,6 +163,8 @@ const DEFAULT_SCHEDULES: u32 = 2;
 #[derive(Debug)]
 pub struct Emulator {
     exe: PathBuf,
+    /// Whether its launches may be recorded for the device replay (not the planted faults').
+    records: bool,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -231,8 +240,9 @@ impl Emulator {
         let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
         let dir = std::env::temp_dir().join(format!("multilora-emulator-{:016x}", sources_hash(&compiler)));
         let exe = dir.join(flavor.name);
+        let records = flavor.defines.is_empty();
         if exe.is_file() {
-            return Ok(Emulator { exe });
+            return Ok(Emulator { exe, records });
         }
         std::fs::create_dir_all(dir.join("src/emulate")).map_err(io(&dir))?;
         for (path, text) in SOURCES {
@@ -254,7 +264,7 @@ impl Emulator {
             return Err(Error::Compile { compiler, stderr: String::from_utf8_lossy(&out.stderr).into_owned() });
         }
         std::fs::rename(&tmp, &exe).map_err(io(&exe))?;
-        Ok(Emulator { exe })
+        Ok(Emulator { exe, records })
     }
 
     /// Runs `kernel` over `grid` × `block` with the parameter struct's `params` bytes, whose
@@ -285,6 +295,9 @@ impl Emulator {
         }
         let out = std::fs::read(&output).map_err(io(&output))?;
         let _ = std::fs::remove_file(&output);
+        if self.records {
+            record(kernel, id, &bytes, &out)?;
+        }
         read_buffers(&out, &mut memory.buffers).map_err(|reason| Error::Run { kernel: kernel.to_string(), reason })
     }
 
@@ -301,6 +314,42 @@ impl Emulator {
             })
             .collect())
     }
+}
+
+/// Launches recorded per kernel at most ([`record`]).
+const RECORD_PER_KERNEL: usize = 2;
+/// The largest launch file recorded: the corpus travels to the device machine, 64 MiB in all.
+const RECORD_MAX_BYTES: usize = 512 << 10;
+
+/// With `MULTILORA_EMU_RECORD=DIR`, keeps a launch that ran for the device replay
+/// (`emulate/replay.cpp`): its launch file as `DIR/KERNEL.ID.launch` and every buffer as the
+/// emulator left it as `DIR/KERNEL.ID.expect` (the harness's output), the first
+/// [`RECORD_PER_KERNEL`] of each kernel under [`RECORD_MAX_BYTES`]. The expectation is written
+/// first and each file under a temporary name, so a reader never sees half a pair.
+fn record(kernel: &str, id: u64, launch: &[u8], expect: &[u8]) -> Result<()> {
+    let Some(dir) = std::env::var_os("MULTILORA_EMU_RECORD") else { return Ok(()) };
+    let dir = PathBuf::from(dir);
+    if launch.len() > RECORD_MAX_BYTES {
+        return Ok(());
+    }
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let prefix = format!("{kernel}.");
+    let kept = std::fs::read_dir(&dir)
+        .map_err(io(&dir))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(&prefix) && n.ends_with(".launch"))
+        .count();
+    if kept >= RECORD_PER_KERNEL {
+        return Ok(());
+    }
+    let id = format!("{}-{id}", std::process::id());
+    for (ext, bytes) in [("expect", expect), ("launch", launch)] {
+        let path = dir.join(format!("{kernel}.{id}.{ext}"));
+        let tmp = dir.join(format!(".{kernel}.{id}.{ext}.tmp"));
+        std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io(&path))?;
+    }
+    Ok(())
 }
 
 /// An environment variable as a number (`0x` for hex), if set.

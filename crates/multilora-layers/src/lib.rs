@@ -71,7 +71,7 @@ pub use ops::attention::cpu::{CausalSpan, decode_attention_rows, prefill_attenti
 pub use ops::attention::{PagedDecodeDims, paged_decode_attention, paged_decode_attention_slow};
 pub use ops::bgmv::{lora_bgmv_expand, lora_bgmv_shrink};
 #[cfg(feature = "cuda")]
-pub use ops::cuda::{ModuleLoad, load_kernel_modules, prepare_cuda_device};
+pub use ops::cuda::{ModuleLoad, kernel_fatbins, load_kernel_modules, prepare_cuda_device};
 pub use ops::expand::lora_expand;
 pub use ops::fused::{GreedyPick, greedy_rows, rope_kv_write};
 pub use ops::gemm::{PackedWeight, linear, linear_with};

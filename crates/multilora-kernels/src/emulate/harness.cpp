@@ -14,9 +14,9 @@
 //
 // A pointer field of a parameter struct holds `(view + 1) << 48 | byte offset in the view's
 // buffer` instead of an address (0 = null); `fix` turns it into this run's address (views.h).
-// A new parameter struct needs a `fix_ptrs` overload passing every pointer field through
-// `fix(p.field, "field")` (the name is what a report calls it), and its kernels a line in
-// `kernels()`.
+// A new parameter struct needs a `fix_ptrs` overload in fix_ptrs.h passing every pointer field
+// through `fix(p.field, "field")` (the name is what a report calls it), and its kernels a line in
+// kernels.h (the device replay reads both too).
 #include "../lora_embed.cu"
 #include "../lora_expand.cu"
 #include "../lora_shrink.cu"
@@ -25,6 +25,7 @@
 #include "../lora_bgmv.cu"
 #include "../paged_decode_split.cu"
 #include "../fused.cu"
+#include "kernels.h"
 #ifdef MULTILORA_EMULATE_FAULTS
 #include "faults.cuh"
 #endif
@@ -50,67 +51,7 @@ P read_params(const std::vector<uint8_t>& bytes) {
     return p;
 }
 
-MlShrinkParams fix_ptrs(MlShrinkParams p) {
-    p.x = fix(p.x, "x"); p.rows = fix(p.rows, "rows"); p.tiles = fix(p.tiles, "tiles");
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.a[i] = fix(p.a[i], "a", i); p.out[i] = fix(p.out[i], "out", i); }
-    return p;
-}
-MlExpandParams fix_ptrs(MlExpandParams p) {
-    p.y = fix(p.y, "y"); p.rows = fix(p.rows, "rows"); p.tiles = fix(p.tiles, "tiles");
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.b[i] = fix(p.b[i], "b", i); p.s[i] = fix(p.s[i], "s", i); }
-    return p;
-}
-MlEmbedShrinkParams fix_ptrs(MlEmbedShrinkParams p) {
-    p.ids = fix(p.ids, "ids"); p.rows = fix(p.rows, "rows"); p.tiles = fix(p.tiles, "tiles");
-    p.a_t = fix(p.a_t, "a_t"); p.out = fix(p.out, "out");
-    return p;
-}
-MlDecodeAttnParams fix_ptrs(MlDecodeAttnParams p) {
-    p.q = fix(p.q, "q"); p.k_cache = fix(p.k_cache, "k_cache"); p.v_cache = fix(p.v_cache, "v_cache");
-    p.block_tables = fix(p.block_tables, "block_tables"); p.ctx_lens = fix(p.ctx_lens, "ctx_lens"); p.out = fix(p.out, "out");
-    return p;
-}
-
-MlKvWriteParams fix_ptrs(MlKvWriteParams p) {
-    p.src = fix(p.src, "src"); p.cache = fix(p.cache, "cache"); p.slots = fix(p.slots, "slots");
-    return p;
-}
-
-MlBgmvShrinkParams fix_ptrs(MlBgmvShrinkParams p) {
-    p.x = fix(p.x, "x"); p.rows = fix(p.rows, "rows"); p.slot_meta = fix(p.slot_meta, "slot_meta");
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.a[i] = fix(p.a[i], "a", i); p.out[i] = fix(p.out[i], "out", i); }
-    return p;
-}
-MlBgmvExpandParams fix_ptrs(MlBgmvExpandParams p) {
-    p.y = fix(p.y, "y"); p.rows = fix(p.rows, "rows"); p.slot_meta = fix(p.slot_meta, "slot_meta");
-    for (int i = 0; i < ML_MAX_SLICES; ++i) { p.b[i] = fix(p.b[i], "b", i); p.s[i] = fix(p.s[i], "s", i); }
-    return p;
-}
-
-MlDecodeSplitParams fix_ptrs(MlDecodeSplitParams p) {
-    p.q = fix(p.q, "q"); p.k_cache = fix(p.k_cache, "k_cache"); p.v_cache = fix(p.v_cache, "v_cache"); p.block_tables = fix(p.block_tables, "block_tables");
-    p.ctx_lens = fix(p.ctx_lens, "ctx_lens"); p.out = fix(p.out, "out"); p.part_acc = fix(p.part_acc, "part_acc"); p.part_ml = fix(p.part_ml, "part_ml");
-    return p;
-}
-
-MlRopeKvParams fix_ptrs(MlRopeKvParams p) {
-    p.qkv = fix(p.qkv, "qkv"); p.cos = fix(p.cos, "cos"); p.sin = fix(p.sin, "sin"); p.q_out = fix(p.q_out, "q_out");
-    p.k_cache = fix(p.k_cache, "k_cache"); p.v_cache = fix(p.v_cache, "v_cache"); p.slots = fix(p.slots, "slots");
-    return p;
-}
-MlAddNormParams fix_ptrs(MlAddNormParams p) {
-    p.x = fix(p.x, "x"); p.residual = fix(p.residual, "residual"); p.weight = fix(p.weight, "weight");
-    p.sum = fix(p.sum, "sum"); p.out = fix(p.out, "out");
-    return p;
-}
-MlSiluMulParams fix_ptrs(MlSiluMulParams p) {
-    p.gu = fix(p.gu, "gu"); p.out = fix(p.out, "out");
-    return p;
-}
-MlGreedyParams fix_ptrs(MlGreedyParams p) {
-    p.logits = fix(p.logits, "logits"); p.rows = fix(p.rows, "rows"); p.out = fix(p.out, "out");
-    return p;
-}
+#include "fix_ptrs.h"
 
 #ifdef MULTILORA_EMULATE_FAULTS
 MlFaultParams fix_ptrs(MlFaultParams p) {
@@ -134,46 +75,8 @@ Runner runner(void (*kernel)(const P)) {
 
 std::map<std::string, Runner> kernels() {
     std::map<std::string, Runner> k;
-#define ML_REG2(name, tx, tw) k[#name "_" #tx "_" #tw] = runner(name##_##tx##_##tw);
-#define ML_REG_PAIRS(name) \
-    ML_REG2(name, f32, f32) ML_REG2(name, f32, bf16) ML_REG2(name, f32, f16) \
-    ML_REG2(name, bf16, f32) ML_REG2(name, bf16, bf16) ML_REG2(name, bf16, f16) \
-    ML_REG2(name, f16, f32) ML_REG2(name, f16, bf16) ML_REG2(name, f16, f16)
-    ML_REG_PAIRS(lora_shrink)
-    ML_REG_PAIRS(lora_expand)
-    k["lora_embed_shrink_f32"] = runner(lora_embed_shrink_f32);
-    k["lora_embed_shrink_bf16"] = runner(lora_embed_shrink_bf16);
-    k["lora_embed_shrink_f16"] = runner(lora_embed_shrink_f16);
-#define ML_REG_ATTN(t) \
-    k["paged_decode_" #t "_d32"] = runner(paged_decode_##t##_d32); \
-    k["paged_decode_" #t "_d64"] = runner(paged_decode_##t##_d64); \
-    k["paged_decode_" #t "_d96"] = runner(paged_decode_##t##_d96); \
-    k["paged_decode_" #t "_d128"] = runner(paged_decode_##t##_d128); \
-    k["paged_decode_" #t "_d160"] = runner(paged_decode_##t##_d160); \
-    k["paged_decode_" #t "_d192"] = runner(paged_decode_##t##_d192); \
-    k["paged_decode_" #t "_d224"] = runner(paged_decode_##t##_d224); \
-    k["paged_decode_" #t "_d256"] = runner(paged_decode_##t##_d256);
-    ML_REG_ATTN(f32) ML_REG_ATTN(bf16) ML_REG_ATTN(f16)
-    k["paged_kv_write"] = runner(paged_kv_write);
-#define ML_REG_BGMV(tx, tw, R) \
-    k["lora_shrink_bgmv_" #tx "_" #tw "_r" #R] = runner(lora_shrink_bgmv_##tx##_##tw##_r##R); \
-    k["lora_expand_bgmv_" #tx "_" #tw "_r" #R] = runner(lora_expand_bgmv_##tx##_##tw##_r##R);
-#define ML_REG_BGMV_RANKS(tx, tw) ML_REG_BGMV(tx, tw, 8) ML_REG_BGMV(tx, tw, 16) ML_REG_BGMV(tx, tw, 32) ML_REG_BGMV(tx, tw, 64)
-    ML_REG_BGMV_RANKS(f32, f32) ML_REG_BGMV_RANKS(f32, bf16) ML_REG_BGMV_RANKS(f32, f16)
-    ML_REG_BGMV_RANKS(bf16, f32) ML_REG_BGMV_RANKS(bf16, bf16) ML_REG_BGMV_RANKS(bf16, f16)
-    ML_REG_BGMV_RANKS(f16, f32) ML_REG_BGMV_RANKS(f16, bf16) ML_REG_BGMV_RANKS(f16, f16)
-#define ML_REG_SPLIT_G(t, d, g) k["paged_decode_split_" #t "_d" #d "_g" #g] = runner(paged_decode_split_##t##_d##d##_g##g);
-#define ML_REG_SPLIT(t, d) \
-    ML_REG_SPLIT_G(t, d, 1) ML_REG_SPLIT_G(t, d, 2) ML_REG_SPLIT_G(t, d, 4) ML_REG_SPLIT_G(t, d, 8) \
-    k["paged_decode_reduce_" #t "_d" #d] = runner(paged_decode_reduce_##t##_d##d);
-#define ML_REG_SPLITS(t) ML_REG_SPLIT(t, 32) ML_REG_SPLIT(t, 64) ML_REG_SPLIT(t, 128) ML_REG_SPLIT(t, 256)
-    ML_REG_SPLITS(f32) ML_REG_SPLITS(bf16) ML_REG_SPLITS(f16)
-#define ML_REG_FUSED(t) \
-    k["rope_kv_write_" #t] = runner(rope_kv_write_##t); \
-    k["add_rms_norm_" #t] = runner(add_rms_norm_##t); \
-    k["silu_mul_" #t] = runner(silu_mul_##t);
-    ML_REG_FUSED(f32) ML_REG_FUSED(bf16) ML_REG_FUSED(f16)
-    k["greedy_rows_f32"] = runner(greedy_rows_f32);
+#define ML_REG(sym, P) k[#sym] = runner<P>(sym);
+    ML_KERNELS(ML_REG)
 #ifdef MULTILORA_EMULATE_FAULTS
     ML_FAULT_KERNELS(ML_REG_FAULT)
 #endif

@@ -285,6 +285,12 @@ pub fn load_kernel_modules(dev: &CudaDevice) -> candle_core::Result<Vec<ModuleLo
     Ok(out)
 }
 
+/// Every module of ours as `(name, fatbin)`: what the device replay loads without candle
+/// (`multilora-device-check --write-fatbins`).
+pub fn kernel_fatbins() -> Vec<(&'static str, &'static [u8])> {
+    Module::ALL.into_iter().map(|m| (m.name(), m.fatbin())).collect()
+}
+
 /// The function `name` of `module` on `dev`.
 fn function(dev: &CudaDevice, module_: Module, name: &str) -> candle_core::Result<CudaFunction> {
     let mut all = loaded();

@@ -13,6 +13,14 @@ pub(crate) trait DotSimd: Copy {
     const RM: usize;
     /// What [`DotSimd::prep_i8`] adds to each signed weight byte, taken back through `Σx`.
     const I8_BIAS: i32;
+    /// How far ahead of the record it decodes a row tile asks for the weight's bytes
+    /// (`prefetcht0`), or 0 for no such hint. A tile's records, and the tiles of a job, lie one
+    /// after the other, so this reaches into the record a few blocks on, or into the next tile.
+    /// At one row the product is bound by how fast the weight streams in from memory: on Zen 5 and
+    /// Sapphire Rapids the hardware prefetcher alone left a one-row GGUF step ~15% slower (2–16 KiB
+    /// ahead measured alike), while on Zen 3 the hints made Llama-3.2-1B's decode ~25% slower
+    /// (see docs/BENCHMARKS.md).
+    const PREFETCH: usize = 4096;
     type W: Copy;
     type I: Copy;
     type F: Copy;

@@ -168,13 +168,6 @@ pub(super) struct RowTile {
     pub(super) ahead_lines: usize,
 }
 
-/// How far ahead of the record it decodes a row tile asks for the weight's bytes. A tile's
-/// records, and the tiles of a job, lie one after the other, so this reaches into the record a
-/// few blocks on, or into the next tile. At one row the product is bound by how fast the weight
-/// streams in from memory, and the hardware prefetcher alone left a one-row GGUF step ~15%
-/// slower (2–16 KiB ahead measured alike; see docs/BENCHMARKS.md).
-const PREFETCH: usize = 4096;
-
 /// Asks for the `len` bytes from `p` to be brought into the caches (no access: never faults).
 #[inline(always)]
 fn prefetch(p: *const u8, len: usize) {
@@ -219,7 +212,9 @@ pub(super) unsafe fn rows<S: DotSimd, F: Format, const RM: usize>(t: RowTile) {
         let mut acc = [S::zero(); RM];
         for sb in 0..t.nsb {
             let r = t.w.add(sb * F::L.bytes);
-            prefetch(r.wrapping_add(PREFETCH), F::L.bytes);
+            if S::PREFETCH > 0 {
+                prefetch(r.wrapping_add(S::PREFETCH), F::L.bytes);
+            }
             if t.ahead_lines > 0 {
                 let per = t.ahead_lines.div_ceil(t.nsb);
                 let (a, b) = ((sb * per).min(t.ahead_lines), ((sb + 1) * per).min(t.ahead_lines));

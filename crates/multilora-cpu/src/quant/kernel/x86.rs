@@ -55,6 +55,10 @@ impl<const VNNI: bool> DotSimd for Avx256<VNNI> {
     // 8 weight vectors, 4 accumulators and the temporaries fill the 16 ymm registers.
     const RM: usize = 4;
     const I8_BIAS: i32 = if VNNI { 128 } else { 0 };
+    // The plain AVX2 set runs on Zen 2 / Zen 3 and older Intel cores: on Zen 3 the weight stream
+    // ran ~25% faster with the hardware prefetcher alone (Llama-3.2-1B one stream, 13 → 17
+    // tokens/s). The AVX-VNNI set (Alder Lake, Sapphire Rapids capped) keeps the hints.
+    const PREFETCH: usize = if VNNI { 4096 } else { 0 };
     type W = __m256i;
     type I = __m256i;
     type F = __m256;
