@@ -128,6 +128,7 @@ replay_build() {
         echo "error: $bin wrote no fatbin for the replay" >&2
         exit 1
     fi
+    xz -6 -T0 "$rp"/fatbins/*.fatbin
     if [ -n "${DEVICE_CHECK_CORPUS:-}" ]; then
         cp -r "$DEVICE_CHECK_CORPUS" "$rp/corpus"
     else
@@ -477,18 +478,28 @@ replay_ready() {
     REPLAY=""
 }
 
-# The binary, unpacked once.
+# The binary and the replay's fatbins, unpacked once.
 unpack() {
     if [ ! -x "$BIN" ] && [ -f "$BIN.xz" ]; then
-        local tmp="$BIN.tmp.$$"
-        if command -v xz >/dev/null; then
-            xz -dc "$BIN.xz" >"$tmp"
-        else
-            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$BIN.xz" "$tmp"
-        fi
-        chmod +x "$tmp"
-        mv "$tmp" "$BIN"
+        unxz_to "$BIN.xz" "$BIN"
+        chmod +x "$BIN"
     fi
+    # The replay's fatbins, compressed like the binary (ours: some 19 MB raw).
+    local f
+    for f in "$DIR"/replay/fatbins/*.fatbin.xz; do
+        if [ -f "$f" ] && [ ! -f "${f%.xz}" ]; then unxz_to "$f" "${f%.xz}"; fi
+    done
+}
+
+# Decompresses $1 into $2 (xz, else Python's lzma), whole or not at all.
+unxz_to() {
+    local tmp="$2.tmp.$$"
+    if command -v xz >/dev/null; then
+        xz -dc "$1" >"$tmp"
+    else
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$tmp"
+    fi
+    mv "$tmp" "$2"
 }
 
 # $OUT_DIR/device-check.json: the preflight, the probe and every section that ran, each with its

@@ -318,14 +318,17 @@ impl Emulator {
 
 /// Launches recorded per kernel at most ([`record`]).
 const RECORD_PER_KERNEL: usize = 2;
-/// The largest launch file recorded: the corpus travels to the device machine, 64 MiB in all.
-const RECORD_MAX_BYTES: usize = 512 << 10;
+/// The largest launch file recorded, and the most the corpus holds: it travels to the device
+/// machine with the device check's binary, 64 MiB in all.
+const RECORD_MAX_BYTES: usize = 256 << 10;
+const RECORD_TOTAL_BYTES: u64 = 16 << 20;
 
 /// With `MULTILORA_EMU_RECORD=DIR`, keeps a launch that ran for the device replay
 /// (`emulate/replay.cpp`): its launch file as `DIR/KERNEL.ID.launch` and every buffer as the
 /// emulator left it as `DIR/KERNEL.ID.expect` (the harness's output), the first
-/// [`RECORD_PER_KERNEL`] of each kernel under [`RECORD_MAX_BYTES`]. The expectation is written
-/// first and each file under a temporary name, so a reader never sees half a pair.
+/// [`RECORD_PER_KERNEL`] of each kernel under [`RECORD_MAX_BYTES`], while the folder holds less
+/// than [`RECORD_TOTAL_BYTES`]. The expectation is written first and each file under a temporary
+/// name, so a reader never sees half a pair.
 fn record(kernel: &str, id: u64, launch: &[u8], expect: &[u8]) -> Result<()> {
     let Some(dir) = std::env::var_os("MULTILORA_EMU_RECORD") else { return Ok(()) };
     let dir = PathBuf::from(dir);
@@ -334,12 +337,14 @@ fn record(kernel: &str, id: u64, launch: &[u8], expect: &[u8]) -> Result<()> {
     }
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
     let prefix = format!("{kernel}.");
-    let kept = std::fs::read_dir(&dir)
-        .map_err(io(&dir))?
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&prefix) && n.ends_with(".launch"))
-        .count();
-    if kept >= RECORD_PER_KERNEL {
+    let (mut kept, mut bytes) = (0, 0);
+    for entry in std::fs::read_dir(&dir).map_err(io(&dir))?.flatten() {
+        bytes += entry.metadata().map_or(0, |m| m.len());
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        kept += usize::from(name.starts_with(&prefix) && name.ends_with(".launch"));
+    }
+    if kept >= RECORD_PER_KERNEL || bytes + (launch.len() + expect.len()) as u64 > RECORD_TOTAL_BYTES {
         return Ok(());
     }
     let id = format!("{}-{id}", std::process::id());
