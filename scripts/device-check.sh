@@ -122,7 +122,7 @@ replay_build() {
     mkdir -p "$rp/src/emulate"
     cp "$src/params.h" "$rp/src/"
     cp "$src/emulate/replay.cpp" "$src/emulate/kernels.h" "$src/emulate/fix_ptrs.h" "$rp/src/emulate/"
-    "${CXX:-c++}" -std=c++17 -O2 -o "$rp/replay" "$rp/src/emulate/replay.cpp" -ldl
+    replay_compile "${CXX:-c++}" "$rp/src/emulate/replay.cpp" "$rp/replay"
     "$bin" --fixtures tests/fixtures/peft-tiny --write-fatbins "$rp/fatbins"
     if ! compgen -G "$rp/fatbins/*.fatbin" >/dev/null; then
         echo "error: $bin wrote no fatbin for the replay" >&2
@@ -143,6 +143,12 @@ replay_build() {
         exit 1
     fi
     echo "== the replay: $n launches of $(find "$rp/corpus" -name '*.launch' -printf '%f\n' | cut -d. -f1 | sort -u | wc -l) kernels, $(($(du -sb "$rp/corpus" | cut -f1) / 1024)) KiB"
+}
+
+# Builds the replay's source $2 into $3 with the C++ compiler $1 (here, and there again when the
+# carried build cannot start).
+replay_compile() {
+    "$1" -std=c++17 -O2 -o "$3" "$2" -ldl
 }
 
 # Directories that may hold the CUDA libraries: the driver's, the toolkit's, PyTorch's and the
@@ -469,7 +475,7 @@ replay_ready() {
     local cxx
     for cxx in "${CXX:-}" c++ g++ clang++; do
         if [ -n "$cxx" ] && command -v "$cxx" >/dev/null &&
-            "$cxx" -std=c++17 -O2 -o "$REPLAY" "$DIR/replay/src/emulate/replay.cpp" -ldl >"$OUT_DIR/replay-build.log" 2>&1; then
+            replay_compile "$cxx" "$DIR/replay/src/emulate/replay.cpp" "$REPLAY" >"$OUT_DIR/replay-build.log" 2>&1; then
             echo "  built with $cxx"
             return
         fi

@@ -9,6 +9,10 @@
 //! (a failure). Without the fake the test says it skipped (CI requires it); without a driver at
 //! all the replay exits 2.
 
+/// The counting fake driver's lookup, shared with the device check's tests.
+#[path = "../../multilora-device-check/tests/common/mod.rs"]
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -216,7 +220,7 @@ fn the_replay_launches_every_recorded_kernel_and_compares_what_comes_back() {
     if Emulator::for_tests().is_none() {
         return;
     }
-    let Some(path) = fake_library_path() else { return };
+    let Some(path) = common::fake_library_path("the device replay on the counting fake driver") else { return };
     let dir = scratch("fake");
     let Some(exe) = build_replay(&dir) else { return };
     let corpus = dir.join("corpus");
@@ -257,32 +261,27 @@ fn the_replay_launches_every_recorded_kernel_and_compares_what_comes_back() {
     );
 
     // What went in made the emulator's result, give or take: the buffer that comes back.
-    let edit = |kernel: &str, buffer: usize, change: &dyn Fn(&mut Vec<u8>)| {
-        let launch_path = &recorded(&corpus, kernel, ".launch")[0];
-        let expect_path = launch_path.with_extension("expect");
+    let edit = |launch_path: &Path, buffer: usize, change: &dyn Fn(&mut Vec<u8>)| {
         let mut launch = std::fs::read(launch_path).expect("the launch");
-        let mut want = expected(&std::fs::read(&expect_path).expect("the expectation"))[buffer].clone();
+        let mut want =
+            expected(&std::fs::read(launch_path.with_extension("expect")).expect("the expectation"))[buffer].clone();
         change(&mut want);
         let (at, len) = buffers(&launch)[buffer];
         assert_eq!(len, want.len());
         launch[at..at + len].copy_from_slice(&want);
         std::fs::write(launch_path, launch).expect("the launch");
     };
+    let first = |kernel: &str| recorded(&corpus, kernel, ".launch").remove(0);
     let f32_at = |b: &mut Vec<u8>, i: usize, f: &dyn Fn(u32) -> u32| {
         let v = u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"));
         b[4 * i..4 * i + 4].copy_from_slice(&f(v).to_le_bytes());
     };
-    // The KV write that writes: its cache as the emulator left it (a copy, so equal or wrong).
+    // The KV writes: their cache as the emulator left it (a copy, so equal or wrong).
     for p in &kv {
-        let launch = std::fs::read(p).expect("launch");
-        let want = expected(&std::fs::read(p.with_extension("expect")).expect("expect"));
-        let (at, len) = buffers(&launch)[1];
-        let mut launch = launch;
-        launch[at..at + len].copy_from_slice(&want[1]);
-        std::fs::write(p, launch).expect("launch");
+        edit(p, 1, &|_| {});
     }
-    edit("silu_mul_f32", 1, &|b| f32_at(b, 7, &|v| v + 1));
-    edit("greedy_rows_f32", 2, &|b| f32_at(b, 1, &|v| v + 1));
+    edit(&first("silu_mul_f32"), 1, &|b| f32_at(b, 7, &|v| v + 1));
+    edit(&first("greedy_rows_f32"), 2, &|b| f32_at(b, 1, &|v| v + 1));
     let r = replay(&exe, &dir, &corpus, &path);
     assert_eq!(r.code, Some(0), "{}", r.out);
     assert!(
@@ -296,8 +295,8 @@ fn the_replay_launches_every_recorded_kernel_and_compares_what_comes_back() {
     );
 
     // 1% off in one SiLU output, and a greedy pick one token off: failures.
-    edit("silu_mul_f32", 1, &|b| f32_at(b, 7, &|v| (f32::from_bits(v) * 1.01).to_bits()));
-    edit("greedy_rows_f32", 2, &|b| f32_at(b, 0, &|v| v + 1));
+    edit(&first("silu_mul_f32"), 1, &|b| f32_at(b, 7, &|v| (f32::from_bits(v) * 1.01).to_bits()));
+    edit(&first("greedy_rows_f32"), 2, &|b| f32_at(b, 0, &|v| v + 1));
     let r = replay(&exe, &dir, &corpus, &path);
     assert_eq!(r.code, Some(1));
     assert!(
@@ -308,23 +307,4 @@ fn the_replay_launches_every_recorded_kernel_and_compares_what_comes_back() {
         line(&r, "greedy_rows_f32", 0).contains("FAIL") && line(&r, "greedy_rows_f32", 0).contains("must be equal")
     );
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// `LD_LIBRARY_PATH` with the counting fake driver first, or `None` (the test says it skipped;
-/// CI, `MULTILORA_REQUIRE_FAKE_CUDA=1`, fails instead).
-fn fake_library_path() -> Option<String> {
-    let Some(fake) = std::env::var_os("MULTILORA_FAKE_CUDA") else {
-        assert!(
-            std::env::var_os("MULTILORA_REQUIRE_FAKE_CUDA").is_none(),
-            "MULTILORA_REQUIRE_FAKE_CUDA is set but MULTILORA_FAKE_CUDA names no counting driver (.ci/cuda-env.sh)"
-        );
-        println!(
-            "SKIPPED the device replay on the counting fake driver: MULTILORA_FAKE_CUDA is not set (.ci/cuda-env.sh)"
-        );
-        return None;
-    };
-    Some(match std::env::var_os("LD_LIBRARY_PATH") {
-        Some(old) => format!("{}:{}", Path::new(&fake).display(), Path::new(&old).display()),
-        None => Path::new(&fake).display().to_string(),
-    })
 }
