@@ -84,7 +84,7 @@ def json_object(i: int):
     r = client.chat.completions.create(
         model=models[i % len(models)],
         messages=[{"role": "user", "content": f"Give {SUBJECTS[i % len(SUBJECTS)]} as a short JSON object."}],
-        response_format={"type": "json_object"}, max_tokens=400, temperature=0.7, seed=i)
+        response_format={"type": "json_object"}, max_tokens=160, temperature=0.7, seed=i)
     c = r.choices[0]
     assert c.finish_reason in ("stop", "length"), (i, c.message.content)
     assert isinstance(json.loads(c.message.content), dict), c.message.content
