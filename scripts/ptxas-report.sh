@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # What the GPU's assembler makes of our kernels, before any GPU sees them: each `.cu` file of
 # multilora-kernels compiled to SASS for one architecture (sm_90a, H100 / H200, by default) with
-# `ptxas -v`, and per entry point its registers, stack frame, spill stores and loads, and static
+# `ptxas -v` (or, given a `.fatbin` the build made, the PTX it ships, read out with `cuobjdump`
+# and assembled by `ptxas -v` alone: what the fatbin's SASS for that architecture was made from,
+# without compiling the source again), and per entry point its registers, stack frame, spill stores and loads, and static
 # shared memory, as one table. With `cuobjdump` (and its `nvdisasm`) on PATH, the table also counts
 # in each entry point's SASS its 128-bit global loads and stores (`LDG.E.128`, `STG.E.128`) and
 # its narrower global loads. Exits 1 when any kernel spills, keeps a stack frame (local memory
 # where registers were meant) or takes over 48 KiB of static shared memory, or when a kernel of
 # the vector paths (the decode-shaped LoRA shrink and expand, split decode attention, the KV
 # write: `vec.cuh`'s 16-byte accesses) issues no 128-bit global load; 2 when nvcc is missing, a
-# file does not compile, or `--sass` was given and cuobjdump is missing.
+# file does not compile, or `--sass` was given (or a fatbin) and cuobjdump is missing.
 #
-#   scripts/ptxas-report.sh [--arch sm_90a] [--sass] [--nvcc-flag FLAG]... [FILE.cu...]
+#   scripts/ptxas-report.sh [--arch sm_90a] [--sass] [--nvcc-flag FLAG]... [FILE.cu|FILE.fatbin...]
 #
-# Without files, every `crates/multilora-kernels/src/*.cu`. Needs nvcc (`source .ci/cuda-env.sh`).
+# Without files, every `crates/multilora-kernels/src/*.cu`. CI gives it the fatbins of its CUDA
+# build (`target/debug/build/multilora-kernels-*/out/*.fatbin`). Needs nvcc (`source .ci/cuda-env.sh`).
 # CI runs it on our kernels (it must pass) and on a kernel planted to spill
 # (`crates/multilora-kernels/tests/planted_spill.cu`, it must fail), so the check itself is
 # checked.
@@ -57,13 +60,31 @@ printf '%-40s %-52s %5s %6s %7s %7s %7s' file "entry point (${arch})" regs stack
 if [ "$sass" = 2 ]; then printf ' %6s %6s %6s' ldg128 stg128 "ldg<128"; fi
 printf '\n'
 for f in "${files[@]}"; do
-    cubin="$tmp/$(basename "$f" .cu).cubin"
-    log="$(nvcc -cubin -arch="$arch" -std=c++17 -O3 --expt-relaxed-constexpr -I "$root/crates/multilora-kernels/src" \
-        "${flags[@]}" -Xptxas -v -o "$cubin" "$f" 2>&1)" || {
-        echo "$log" >&2
-        echo "error: $f does not compile for $arch" >&2
-        exit 2
-    }
+    cubin="$tmp/$(basename "${f%.*}").cubin"
+    if [[ "$f" == *.fatbin ]]; then
+        # The fatbin's one PTX text (`cuobjdump -xptx` writes it into the current folder).
+        command -v cuobjdump >/dev/null || { echo "error: $f: a fatbin needs cuobjdump" >&2; exit 2; }
+        abs="$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"
+        rm -rf "$tmp/ptx" && mkdir "$tmp/ptx"
+        (cd "$tmp/ptx" && cuobjdump -xptx all "$abs" >/dev/null) || { echo "error: cuobjdump cannot read $f" >&2; exit 2; }
+        ptx=("$tmp"/ptx/*.ptx)
+        if [ "${#ptx[@]}" != 1 ] || [ ! -f "${ptx[0]}" ]; then
+            echo "error: $f holds ${#ptx[@]} PTX texts, not one" >&2
+            exit 2
+        fi
+        log="$(ptxas -arch="$arch" -O3 -v -o "$cubin" "${ptx[0]}" 2>&1)" || {
+            echo "$log" >&2
+            echo "error: the PTX of $f does not assemble for $arch" >&2
+            exit 2
+        }
+    else
+        log="$(nvcc -cubin -arch="$arch" -std=c++17 -O3 --expt-relaxed-constexpr -I "$root/crates/multilora-kernels/src" \
+            "${flags[@]}" -Xptxas -v -o "$cubin" "$f" 2>&1)" || {
+            echo "$log" >&2
+            echo "error: $f does not compile for $arch" >&2
+            exit 2
+        }
+    fi
     # ptxas -v: "Compiling entry function 'NAME'", then "N bytes stack frame, S bytes spill
     # stores, L bytes spill loads", then "Used R registers, ... M bytes smem" (smem only when used).
     rows="$(printf '%s\n' "$log" | awk '

@@ -80,18 +80,18 @@ mod cuda {
     /// architecture-specific (`a`) instruction, so `sm_90a` code from `compute_90` PTX is what
     /// `compute_90a` would give.
     fn gencodes(sass: &[String], ptx: &str) -> Vec<String> {
-        let num = |a: &str| a.trim_end_matches(['a', 'f']).parse::<u32>().unwrap_or(0);
+        // `90a` -> `90` (`archs` has checked the form), and its number, to order them.
+        let digits = |a: &str| a.trim_end_matches(['a', 'f']).to_string();
+        let num = |a: &str| digits(a).parse::<u32>().unwrap_or(0);
         let (new, old): (Vec<&String>, Vec<&String>) = sass.iter().partition(|a| num(a) >= num(ptx));
-        let codes = |v: &[&String]| v.iter().map(|a| format!("sm_{a}")).collect::<Vec<_>>().join(",");
+        let sm = |v: &[&String]| v.iter().map(|a| format!("sm_{a}")).collect::<Vec<_>>();
         let mut gencode = Vec::new();
         if let Some(base) = old.iter().min_by_key(|a| num(a)) {
-            gencode.push(format!("arch=compute_{},code=[{}]", base.trim_end_matches(['a', 'f']), codes(&old)));
+            gencode.push(format!("arch=compute_{},code=[{}]", digits(base), sm(&old).join(",")));
         }
-        let mut top = codes(&new);
-        if !top.is_empty() {
-            top.push(',');
-        }
-        gencode.push(format!("arch=compute_{ptx},code=[{top}compute_{ptx}]"));
+        let mut top = sm(&new);
+        top.push(format!("compute_{ptx}"));
+        gencode.push(format!("arch=compute_{ptx},code=[{}]", top.join(",")));
         gencode
     }
 

@@ -151,7 +151,7 @@ impl<const VNNI: bool> DotSimd for Avx256<VNNI> {
             while g < w.len() {
                 let end = (g + per).min(w.len());
                 let mut s16 = [_mm256_setzero_si256(); R];
-                for (h, &wh) in w.iter().enumerate().take(end).skip(g) {
+                for (h, &wh) in (g..end).zip(&w[g..end]) {
                     let wa = if signed { _mm256_abs_epi8(wh) } else { wh };
                     for (s, &xr) in s16.iter_mut().zip(&x) {
                         let xb = _mm256_set1_epi32(x4(xr, h));
