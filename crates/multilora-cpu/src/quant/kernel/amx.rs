@@ -373,7 +373,7 @@ unsafe fn job_of<F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, mut pf: A
                     panel::<F>(&w, &mut bufs, act.qs.as_ptr().add(xo), act.meta.as_ptr().add(mo), (y, out.ldy, cols));
                     i += PANEL;
                 } else {
-                    i += tile_rows::<S, F>(s, act, out, (t, 0), (i, j.m1), (0, 0));
+                    i += tile_rows::<S, F, 1>(s, act, out, (t, 0), (i, j.m1), (0, 0));
                 }
             }
         }

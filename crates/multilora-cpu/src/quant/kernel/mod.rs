@@ -266,18 +266,22 @@ pub(crate) fn run(
 }
 
 /// One job of type `F`: for each tile, each `S::LANES`-column part of it, row tiles down the
-/// job's rows.
+/// job's rows. A 256-bit set's 16-column tile is two such parts; for a job of [`PAIR_ROWS`] rows
+/// or fewer (decode) both go in one pass over the tile's records.
 ///
 /// # Safety
 /// As `run` checked: the job is inside the segment, the activations and the output, nobody else
 /// writes its rectangle, and `S`'s instruction set is available.
 #[inline(always)]
 unsafe fn job_of<S: DotSimd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, mut pf: Ahead<'_>) {
-    let calls = (j.t1 - j.t0) * TN.div_ceil(S::LANES) * (j.m1 - j.m0).div_ceil(S::RM.min(8));
+    let pair = S::LANES * 2 == TN && j.m1 - j.m0 <= PAIR_ROWS;
+    let parts = if pair { 1 } else { TN.div_ceil(S::LANES) };
+    let calls = (j.t1 - j.t0) * parts * (j.m1 - j.m0).div_ceil(S::RM.min(8));
     let per_call = pf.left().div_ceil(calls.max(1));
     let mut budget = 0;
     for t in j.t0..j.t1 {
         let tile_cols = (s.n - t * TN).min(TN);
+        let both = pair && tile_cols == TN;
         let mut c0 = 0;
         while c0 < tile_cols {
             let mut i = j.m0;
@@ -285,22 +289,33 @@ unsafe fn job_of<S: DotSimd, F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Jo
                 budget += per_call;
                 let ahead = pf.take(budget);
                 budget -= ahead.1;
-                // SAFETY: tile `t` and rows `i..j.m1` are inside the job (the caller).
-                i += unsafe { tile_rows::<S, F>(s, act, out, (t, c0), (i, j.m1), ahead) };
+                // SAFETY: tile `t` and rows `i..j.m1` are inside the job (the caller); with
+                // `both`, the tile's 16 columns are all the segment's.
+                i += unsafe {
+                    if both {
+                        tile_rows::<S, F, 2>(s, act, out, (t, c0), (i, j.m1), ahead)
+                    } else {
+                        tile_rows::<S, F, 1>(s, act, out, (t, c0), (i, j.m1), ahead)
+                    }
+                };
             }
-            c0 += S::LANES;
+            c0 += if both { TN } else { S::LANES };
         }
     }
 }
 
+/// The most rows for which a 256-bit set takes both halves of a tile in one pass: the
+/// accumulators of two halves of two rows, and one half's decoded weights, fit its 16 registers.
+const PAIR_ROWS: usize = 2;
+
 /// Rows from `i` (at most to `m1`, and within row `i`'s panel) of the activations against the
-/// `S::LANES` columns from `c0` of tile `t` of the segment, asking along the way for the `ahead`
+/// `H · S::LANES` columns from `c0` of tile `t` of the segment, asking along the way for the `ahead`
 /// lines (`(address, lines)`): how many rows it took.
 ///
 /// # Safety
 /// As for [`job_of`], for a tile and rows inside the job, `c0` below the tile's columns.
 #[inline(always)]
-unsafe fn tile_rows<S: DotSimd, F: Format>(
+unsafe fn tile_rows<S: DotSimd, F: Format, const H: usize>(
     s: &Seg<'_>,
     act: &Act,
     out: Out,
@@ -324,11 +339,11 @@ unsafe fn tile_rows<S: DotSimd, F: Format>(
             slot,
             y: out.ptr.add(i * out.ldy + s.col0 + t * TN + c0),
             ldy: out.ldy,
-            cols: (tile_cols - c0).min(S::LANES),
+            cols: (tile_cols - c0).min(H * S::LANES),
             ahead,
             ahead_lines,
         };
-        rows_any::<S, F>(m1 - i, rt)
+        rows_any::<S, F, H>(m1 - i, rt)
     }
 }
 

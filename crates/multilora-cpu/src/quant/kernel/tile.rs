@@ -198,18 +198,21 @@ fn prefetch_ahead(addr: usize) {
     let _ = addr;
 }
 
-/// `RM` rows against `S::LANES` columns of one weight tile.
+/// `RM` rows against `H · S::LANES` columns of one weight tile: `H` is 1, or 2 for both halves of
+/// a 256-bit set's 16-column tile in one pass, so that each record is read once and the weight
+/// stream never waits on a second pass over what is already cached (each half's outputs are the
+/// same chain of operations either way).
 ///
 /// # Safety
 /// The tile holds `nsb` records; the `RM` rows are in one activation panel of `nsb · subs`
-/// blocks; `RM` rows of `cols <= S::LANES` outputs are writable and nobody else's; `c0 +
+/// blocks; `RM` rows of `cols <= H · S::LANES` outputs are writable and nobody else's; `c0 + H ·
 /// S::LANES <= 16`; `S`'s instruction set is available.
 #[inline(always)]
-pub(super) unsafe fn rows<S: DotSimd, F: Format, const RM: usize>(t: RowTile) {
+pub(super) unsafe fn rows<S: DotSimd, F: Format, const RM: usize, const H: usize>(t: RowTile) {
     let subs = F::L.subs;
     // SAFETY: every access below stays inside what the caller vouched for.
     unsafe {
-        let mut acc = [S::zero(); RM];
+        let mut acc = [[S::zero(); RM]; H];
         for sb in 0..t.nsb {
             let r = t.w.add(sb * F::L.bytes);
             if S::PREFETCH > 0 {
@@ -222,43 +225,50 @@ pub(super) unsafe fn rows<S: DotSimd, F: Format, const RM: usize>(t: RowTile) {
                     prefetch_ahead(t.ahead.wrapping_add(l * super::LINE));
                 }
             }
-            let sbs = F::sb::<S>(r, t.c0);
+            let sbs: [_; H] = std::array::from_fn(|h| F::sb::<S>(r, t.c0 + h * S::LANES));
             for s in 0..subs {
-                let (w, sc) = F::sub::<S>(r, t.c0, s, &sbs);
                 let b = sb * subs + s;
                 let xb = t.x.add(BLOCK * b);
-                let dots = Decoded::<S, RM> { w: &w, x: std::array::from_fn(|i| xb.add(32 * i)) };
-                block::<S, F, RM>(&mut acc, &dots, &sc, t.meta.add(b), t.slot);
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let (w, sc) = F::sub::<S>(r, t.c0 + h * S::LANES, s, &sbs[h]);
+                    let dots = Decoded::<S, RM> { w: &w, x: std::array::from_fn(|i| xb.add(32 * i)) };
+                    block::<S, F, RM>(acc, &dots, &sc, t.meta.add(b), t.slot);
+                }
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            let y = t.y.add(i * t.ldy);
-            if t.cols == S::LANES {
-                S::store(y, *a);
-            } else {
-                let mut edge = [0f32; 16];
-                S::store(edge.as_mut_ptr(), *a);
-                std::ptr::copy_nonoverlapping(edge.as_ptr(), y, t.cols);
+        for (h, acc) in acc.iter().enumerate() {
+            let cols = t.cols.saturating_sub(h * S::LANES).min(S::LANES);
+            for (i, a) in acc.iter().enumerate() {
+                let y = t.y.add(i * t.ldy + h * S::LANES);
+                if cols == S::LANES {
+                    S::store(y, *a);
+                } else {
+                    let mut edge = [0f32; 16];
+                    S::store(edge.as_mut_ptr(), *a);
+                    std::ptr::copy_nonoverlapping(edge.as_ptr(), y, cols);
+                }
             }
         }
     }
 }
 
-/// [`rows`] at a height picked at run time: the tallest of 8, 4, 2, 1 that fits `left` rows,
-/// `S::RM` and what is left of the panel after the tile's slot; returns it.
+/// [`rows`] at a height picked at run time: the tallest of 8, 4, 2, 1 (2, 1 for both halves at
+/// once: `H = 2`) that fits `left` rows, `S::RM` and what is left of the panel after the tile's
+/// slot; returns it.
 ///
 /// # Safety
 /// As for [`rows`] with that many rows.
 #[inline(always)]
-pub(super) unsafe fn rows_any<S: DotSimd, F: Format>(left: usize, t: RowTile) -> usize {
-    let h = [8, 4, 2, 1].into_iter().find(|&h| h <= left && h <= S::RM && t.slot + h <= PANEL).unwrap_or(1);
+pub(super) unsafe fn rows_any<S: DotSimd, F: Format, const H: usize>(left: usize, t: RowTile) -> usize {
+    let top = if H == 1 { 8 } else { 2 };
+    let h = [8, 4, 2, 1].into_iter().find(|&h| h <= top && h <= left && h <= S::RM && t.slot + h <= PANEL).unwrap_or(1);
     // SAFETY: forwarded from the caller, for `h <= left` rows.
     unsafe {
-        match h {
-            8 => rows::<S, F, 8>(t),
-            4 => rows::<S, F, 4>(t),
-            2 => rows::<S, F, 2>(t),
-            _ => rows::<S, F, 1>(t),
+        match (h, H) {
+            (8, 1) => rows::<S, F, 8, 1>(t),
+            (4, 1) => rows::<S, F, 4, 1>(t),
+            (2, _) => rows::<S, F, 2, H>(t),
+            _ => rows::<S, F, 1, H>(t),
         }
     }
     h
