@@ -3,8 +3,8 @@
 # multilora-kernels compiled to SASS for one architecture (sm_90a, H100 / H200, by default) with
 # `ptxas -v` (or, given a `.fatbin` the build made, the PTX it ships, read out with `cuobjdump`
 # and assembled by `ptxas -v` alone: what the fatbin's SASS for that architecture was made from,
-# without compiling the source again), and per entry point its registers, stack frame, spill stores and loads, and static
-# shared memory, as one table. With `cuobjdump` (and its `nvdisasm`) on PATH, the table also counts
+# without compiling the source again), and per entry point its registers, stack frame, spill
+# stores and loads, and static shared memory, as one table. With `cuobjdump` (and its `nvdisasm`) on PATH, the table also counts
 # in each entry point's SASS its 128-bit global loads and stores (`LDG.E.128`, `STG.E.128`) and
 # its narrower global loads. Exits 1 when any kernel spills, keeps a stack frame (local memory
 # where registers were meant) or takes over 48 KiB of static shared memory, or when a kernel of
@@ -48,6 +48,12 @@ elif [ "$sass" = 1 ]; then
     echo "error: --sass: cuobjdump (with nvdisasm) not found" >&2
     exit 2
 fi
+for f in "${files[@]}"; do
+    if [[ "$f" == *.fatbin ]] && ! command -v cuobjdump >/dev/null; then
+        echo "error: $f: a fatbin's PTX is read with cuobjdump, which was not found" >&2
+        exit 2
+    fi
+done
 # Entry points of the vector paths, which must issue 128-bit global loads.
 VECTOR='^(lora_shrink_bgmv_|lora_expand_bgmv_|paged_decode_split_|paged_kv_write$)'
 tmp="$(mktemp -d)"
@@ -63,7 +69,6 @@ for f in "${files[@]}"; do
     cubin="$tmp/$(basename "${f%.*}").cubin"
     if [[ "$f" == *.fatbin ]]; then
         # The fatbin's one PTX text (`cuobjdump -xptx` writes it into the current folder).
-        command -v cuobjdump >/dev/null || { echo "error: $f: a fatbin needs cuobjdump" >&2; exit 2; }
         abs="$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"
         rm -rf "$tmp/ptx" && mkdir "$tmp/ptx"
         (cd "$tmp/ptx" && cuobjdump -xptx all "$abs" >/dev/null) || { echo "error: cuobjdump cannot read $f" >&2; exit 2; }
