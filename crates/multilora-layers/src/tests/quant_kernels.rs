@@ -96,8 +96,10 @@ fn rows_do_not_depend_on_the_batch_the_threads_or_the_isa() -> anyhow::Result<()
         let alone_bits = bits(&alone)?;
         for isa in Isa::available_of(&Isa::QUANT) {
             anyhow::ensure!(bits(&w.forward_with(&row, isa)?)? == alone_bits, "{qt} {isa:?}: differs from portable");
-            // A decode-sized and a prefill-sized batch, the row at a random place, 1 and 3 threads.
-            for (m, threads) in [(64, 1), (64, 3), (300, 1), (300, 3)] {
+            // A decode-sized and a prefill-sized batch, the row at a random place, 1 and 3 threads;
+            // and a 16-row step's row group of 8, and a panel of 6 after a whole one (the plain
+            // AVX2 set takes a panel of 9 rows or more row-lane, fewer column-lane).
+            for (m, threads) in [(64, 1), (64, 3), (300, 1), (300, 3), (8, 1), (22, 3)] {
                 let at = rng.range(0, m - 1);
                 let others = rng.tensor(&[m, k], 1.0, DType::F32, &Device::Cpu)?;
                 let batch =

@@ -14,6 +14,8 @@ pub(crate) mod act;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod format;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod simd;
 mod tile;
 #[cfg(target_arch = "x86_64")]
@@ -347,6 +349,54 @@ unsafe fn tile_rows<S: DotSimd, F: Format, const H: usize>(
     }
 }
 
+/// `$e` with `$F` the [`Format`] of quant type `$qt`.
+macro_rules! with_format {
+    ($qt:expr, $F:ident => $e:expr) => {
+        match $qt {
+            QuantType::Q4_0 => {
+                type $F = Q4_0;
+                $e
+            }
+            QuantType::Q4_1 => {
+                type $F = Q4_1;
+                $e
+            }
+            QuantType::Q5_0 => {
+                type $F = Q5_0;
+                $e
+            }
+            QuantType::Q5_1 => {
+                type $F = Q5_1;
+                $e
+            }
+            QuantType::Q8_0 => {
+                type $F = Q8_0;
+                $e
+            }
+            QuantType::Q2K => {
+                type $F = Q2K;
+                $e
+            }
+            QuantType::Q3K => {
+                type $F = Q3K;
+                $e
+            }
+            QuantType::Q4K => {
+                type $F = Q4K;
+                $e
+            }
+            QuantType::Q5K => {
+                type $F = Q5K;
+                $e
+            }
+            QuantType::Q6K => {
+                type $F = Q6K;
+                $e
+            }
+        }
+    };
+}
+
 /// [`job_of`] for the segment's type.
 ///
 /// # Safety
@@ -354,20 +404,7 @@ unsafe fn tile_rows<S: DotSimd, F: Format, const H: usize>(
 #[inline(always)]
 unsafe fn job<S: DotSimd>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) {
     // SAFETY: forwarded from the caller.
-    unsafe {
-        match s.qt {
-            QuantType::Q4_0 => job_of::<S, Q4_0>(s, act, out, j, pf),
-            QuantType::Q4_1 => job_of::<S, Q4_1>(s, act, out, j, pf),
-            QuantType::Q5_0 => job_of::<S, Q5_0>(s, act, out, j, pf),
-            QuantType::Q5_1 => job_of::<S, Q5_1>(s, act, out, j, pf),
-            QuantType::Q8_0 => job_of::<S, Q8_0>(s, act, out, j, pf),
-            QuantType::Q2K => job_of::<S, Q2K>(s, act, out, j, pf),
-            QuantType::Q3K => job_of::<S, Q3K>(s, act, out, j, pf),
-            QuantType::Q4K => job_of::<S, Q4K>(s, act, out, j, pf),
-            QuantType::Q5K => job_of::<S, Q5K>(s, act, out, j, pf),
-            QuantType::Q6K => job_of::<S, Q6K>(s, act, out, j, pf),
-        }
-    }
+    unsafe { with_format!(s.qt, F => job_of::<S, F>(s, act, out, j, pf)) }
 }
 
 /// # Safety
@@ -393,8 +430,17 @@ unsafe fn job_avxvnni(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn job_avx2(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) {
+    // A panel of `lanes::MIN_ROWS` of the job's rows or more goes row-lane (the same bits).
+    let many = (j.m0 / act::PANEL..j.m1.div_ceil(act::PANEL))
+        .any(|p| j.m1.min((p + 1) * act::PANEL) - j.m0.max(p * act::PANEL) >= lanes::MIN_ROWS);
     // SAFETY: forwarded from the caller, which checked the features.
-    unsafe { job::<crate::isa::Avx2>(s, act, out, j, pf) }
+    unsafe {
+        if many {
+            with_format!(s.qt, F => lanes::job::<F>(s, act, out, j, pf))
+        } else {
+            job::<crate::isa::Avx2>(s, act, out, j, pf)
+        }
+    }
 }
 
 #[cfg(test)]
