@@ -1,4 +1,5 @@
-//! The plain AVX2 set's kernel for many rows: the vector lanes are 8 rows, not 8 columns.
+//! The plain AVX2 set's kernel for many rows of the K-quants and Q8_0: the vector lanes are 8
+//! rows, not 8 columns.
 //!
 //! Without VNNI every 4-value group costs a `vpmaddubsw` and a `vpaddw` a row and a plane, and
 //! in the column-lane kernel ([`super::tile`]) also a broadcast of the row's 4 activation bytes.
@@ -8,7 +9,7 @@
 //! ([`Format::sub`], as the other kernel decodes them), and then each column's 4 weight bytes of
 //! a group are broadcast once for 16 rows and both planes: a quarter of the broadcasts, and each
 //! block's decoding and epilogue shared by 16 rows. On Zen 3 the products of 16 and 512 rows ran
-//! 1.05–1.28× the column-lane kernel's (docs/BENCHMARKS.md); what is left is the integer work
+//! 1.05–1.45× the column-lane kernel's (docs/BENCHMARKS.md); what is left is the integer work
 //! itself, 4 vector operations per 32 multiply-adds of the two planes.
 //!
 //! The sums are the same exact integers, and the epilogue the same f32 operations in the same
