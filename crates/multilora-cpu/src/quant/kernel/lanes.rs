@@ -21,8 +21,12 @@ use std::cell::RefCell;
 
 use super::act::{Act, BLOCK, LO, Meta, PANEL};
 use super::format::{Format, Kind};
-use super::{Ahead, Job, LINE, Out, Seg, tile_rows};
+use super::simd::DotSimd;
+use super::tile::prefetch_share;
+use super::x86::i16_groups;
+use super::{Ahead, Job, Out, Seg, tile_rows};
 use crate::isa::Avx2;
+use crate::quant::QuantType;
 use crate::quant::layout::TN;
 
 /// Rows of a panel from which a job takes them row-lane (all 16 computed, its own written);
@@ -30,6 +34,20 @@ use crate::quant::layout::TN;
 /// column-lane kernel (Llama-3.2-1B's 8192 × 2048 in Q4_K and Q6_K on Zen 3): the per-column
 /// work of a block is then shared by too few rows.
 pub(super) const MIN_ROWS: usize = 9;
+
+/// Whether the job's rows in panel `p` go row-lane: [`MIN_ROWS`] of them or more.
+fn row_lane(j: &Job, p: usize) -> bool {
+    j.m1.min((p + 1) * PANEL).saturating_sub(j.m0.max(p * PANEL)) >= MIN_ROWS
+}
+
+/// Whether [`job`] is the one for a job of type `qt`: the K-quants and Q8_0, with a panel that goes
+/// row-lane. Q4_0, Q4_1 and Q5_1 ran 0.84–1.07× the column-lane kernel here (SmolLM2's shapes on
+/// Zen 3, 16 to 512 rows): a record of theirs is one block, whose decoding 16 rows share no
+/// better than 8.
+pub(super) fn takes(qt: QuantType, j: &Job) -> bool {
+    let types = !matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1);
+    types && (j.m0 / PANEL..j.m1.div_ceil(PANEL)).any(|p| row_lane(j, p))
+}
 
 /// Bytes of one block of a panel row-lane: `[group 8][plane 2][row vector 2][row 8][4]`.
 const XT_BLOCK: usize = 8 * 2 * 2 * 32;
@@ -74,10 +92,7 @@ pub(super) unsafe fn job<F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, m
     let nb = act.k / 32;
     let (p0, p1) = (j.m0 / PANEL, j.m1.div_ceil(PANEL));
     let span = |p: usize| (j.m0.max(p * PANEL), j.m1.min((p + 1) * PANEL));
-    let lanes = |p: usize| {
-        let (a, b) = span(p);
-        b - a >= MIN_ROWS
-    };
+    let lanes = |p: usize| row_lane(j, p);
     // Out of the thread's slot while in use, so that the work is in no closure (which would
     // not have this function's instruction sets).
     let mut xt = XT.with_borrow_mut(std::mem::take);
@@ -132,20 +147,11 @@ pub(super) unsafe fn job<F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, m
                     }
                     c0 += 8;
                 }
-                prefetch_lines(ahead);
+                prefetch_share(ahead, 0, 1);
             }
         }
     }
     XT.with_borrow_mut(|v| *v = xt);
-}
-
-/// Asks for `lines` cache lines from `addr` (hints only: never faults).
-#[inline(always)]
-fn prefetch_lines((addr, lines): (usize, usize)) {
-    for l in 0..lines {
-        // SAFETY: a prefetch hint reads nothing and cannot fault, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(addr.wrapping_add(l * LINE) as *const i8) };
-    }
 }
 
 /// Where one panel's rows meet one weight tile.
@@ -182,11 +188,7 @@ unsafe fn tile_panel<F: Format>(at: Panel) -> [[f32; PANEL]; TN] {
         let mut sd = [[[0f32; 8]; 4]; 2 * SUBS];
         for sb in 0..nsb {
             let r = w.add(sb * F::L.bytes);
-            if ahead.1 > 0 {
-                let per = ahead.1.div_ceil(nsb);
-                let (a, b) = ((sb * per).min(ahead.1), ((sb + 1) * per).min(ahead.1));
-                prefetch_lines((ahead.0.wrapping_add(a * LINE), b - a));
-            }
+            prefetch_share(ahead, sb, nsb);
             for h in 0..halves {
                 let sbs = F::sb::<Avx2>(r, 8 * h);
                 for s in 0..subs {
@@ -224,9 +226,7 @@ unsafe fn tile_panel<F: Format>(at: Panel) -> [[f32; PANEL]; TN] {
 /// `xt` is one block's row-lane quants; AVX2 is available.
 #[inline(always)]
 unsafe fn dots<F: Format>(w: &[[u8; 32]; 8], cc: usize, xt: *const u8, g0: usize, g1: usize) -> [__m256i; RV] {
-    // As the column-lane kernel: `vpmaddubsw`'s i16 sums of several groups only while they
-    // cannot saturate (a signed weight, made |w| against ±x: one group at a time).
-    let per = if F::SIGNED { 1 } else { (32767 / (254 * F::MAXW.max(1))).max(1) as usize };
+    let per = i16_groups(F::MAXW, F::SIGNED);
     // SAFETY: the caller's guarantees; `w[g]` holds 32 bytes, `4 · cc + 4 <= 32`.
     unsafe {
         let ones = _mm256_set1_epi16(1);
@@ -254,11 +254,7 @@ unsafe fn dots<F: Format>(w: &[[u8; 32]; 8], cc: usize, xt: *const u8, g0: usize
             g = end;
         }
         let [hi, lo] = acc;
-        let mut out = lo;
-        for (o, h) in out.iter_mut().zip(hi) {
-            *o = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32::<8>(h), _mm256_slli_epi32::<1>(h)), *o);
-        }
-        out
+        [Avx2::combine(hi[0], lo[0]), Avx2::combine(hi[1], lo[1])]
     }
 }
 

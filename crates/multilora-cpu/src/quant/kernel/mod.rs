@@ -349,50 +349,17 @@ unsafe fn tile_rows<S: DotSimd, F: Format, const H: usize>(
     }
 }
 
-/// `$e` with `$F` the [`Format`] of quant type `$qt`.
+/// `$e` with `$F` the [`Format`] of quant type `$qt` (each format is named as its type).
 macro_rules! with_format {
     ($qt:expr, $F:ident => $e:expr) => {
+        with_format!(@ $qt, $F => $e; Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2K Q3K Q4K Q5K Q6K)
+    };
+    (@ $qt:expr, $F:ident => $e:expr; $($t:ident)*) => {
         match $qt {
-            QuantType::Q4_0 => {
-                type $F = Q4_0;
+            $(QuantType::$t => {
+                type $F = $t;
                 $e
-            }
-            QuantType::Q4_1 => {
-                type $F = Q4_1;
-                $e
-            }
-            QuantType::Q5_0 => {
-                type $F = Q5_0;
-                $e
-            }
-            QuantType::Q5_1 => {
-                type $F = Q5_1;
-                $e
-            }
-            QuantType::Q8_0 => {
-                type $F = Q8_0;
-                $e
-            }
-            QuantType::Q2K => {
-                type $F = Q2K;
-                $e
-            }
-            QuantType::Q3K => {
-                type $F = Q3K;
-                $e
-            }
-            QuantType::Q4K => {
-                type $F = Q4K;
-                $e
-            }
-            QuantType::Q5K => {
-                type $F = Q5K;
-                $e
-            }
-            QuantType::Q6K => {
-                type $F = Q6K;
-                $e
-            }
+            })*
         }
     };
 }
@@ -430,16 +397,9 @@ unsafe fn job_avxvnni(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn job_avx2(s: &Seg<'_>, act: &Act, out: Out, j: &Job, pf: Ahead<'_>) {
-    // A panel of `lanes::MIN_ROWS` of the job's rows or more goes row-lane (the same bits), for
-    // the types of 8 blocks a record and Q8_0: Q4_0, Q4_1 and Q5_1 ran 0.84–1.07× there (SmolLM2's
-    // shapes on Zen 3, 16 to 512 rows; a block a record, whose decoding 16 rows share no better).
-    let types = !matches!(s.qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1);
-    let many = types
-        && (j.m0 / act::PANEL..j.m1.div_ceil(act::PANEL))
-            .any(|p| j.m1.min((p + 1) * act::PANEL) - j.m0.max(p * act::PANEL) >= lanes::MIN_ROWS);
     // SAFETY: forwarded from the caller, which checked the features.
     unsafe {
-        if many {
+        if lanes::takes(s.qt, j) {
             with_format!(s.qt, F => lanes::job::<F>(s, act, out, j, pf))
         } else {
             job::<crate::isa::Avx2>(s, act, out, j, pf)

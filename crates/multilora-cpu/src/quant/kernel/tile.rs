@@ -198,6 +198,16 @@ fn prefetch_ahead(addr: usize) {
     let _ = addr;
 }
 
+/// Asks for share `i` of `n` (as even as whole lines allow) of the `lines` cache lines from `addr`
+/// ([`prefetch_ahead`]): a tile spreads what it was handed over its records.
+#[inline(always)]
+pub(super) fn prefetch_share((addr, lines): (usize, usize), i: usize, n: usize) {
+    let per = lines.div_ceil(n.max(1));
+    for l in (i * per).min(lines)..((i + 1) * per).min(lines) {
+        prefetch_ahead(addr.wrapping_add(l * super::LINE));
+    }
+}
+
 /// `RM` rows against `H · S::LANES` columns of one weight tile: `H` is 1, or 2 for both halves of
 /// a 256-bit set's 16-column tile in one pass, so that each record is read once and the weight
 /// stream never waits on a second pass over what is already cached (each half's outputs are the
@@ -218,13 +228,7 @@ pub(super) unsafe fn rows<S: DotSimd, F: Format, const RM: usize, const H: usize
             if S::PREFETCH > 0 {
                 prefetch(r.wrapping_add(S::PREFETCH), F::L.bytes);
             }
-            if t.ahead_lines > 0 {
-                let per = t.ahead_lines.div_ceil(t.nsb);
-                let (a, b) = ((sb * per).min(t.ahead_lines), ((sb + 1) * per).min(t.ahead_lines));
-                for l in a..b {
-                    prefetch_ahead(t.ahead.wrapping_add(l * super::LINE));
-                }
-            }
+            prefetch_share((t.ahead, t.ahead_lines), sb, t.nsb);
             let sbs: [_; H] = std::array::from_fn(|h| F::sb::<S>(r, t.c0 + h * S::LANES));
             for s in 0..subs {
                 let b = sb * subs + s;

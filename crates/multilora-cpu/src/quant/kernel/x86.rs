@@ -14,6 +14,15 @@ unsafe fn x4(x: *const i8, g: usize) -> i32 {
     unsafe { x.add(4 * g).cast::<i32>().read_unaligned() }
 }
 
+/// How many 4-value groups `vpmaddubsw`'s i16 sums may add before they are widened: it sums two
+/// products into an i16 that saturates, so several groups only while `per · 2 · maxw · 127` stays
+/// below 32,768 (a signed weight, made |w| against ±x, has |w| up to 128: one group at a time).
+pub(super) const fn i16_groups(maxw: i32, signed: bool) -> usize {
+    let w = if maxw > 1 { maxw } else { 1 };
+    let per = 32767 / (254 * w);
+    if signed || per < 1 { 1 } else { per as usize }
+}
+
 /// `R` rows' dot products with `vpdpbusd` (`dp(acc, w, x4)`), group by group across the rows, so
 /// that independent instructions sit side by side; tiles of one or two rows split each row's
 /// chain over the even and odd groups (exact integer sums, added at the end).
@@ -141,10 +150,7 @@ impl<const VNNI: bool> DotSimd for Avx256<VNNI> {
                 let dp = |a, w, x| _mm256_dpbusd_avx_epi32(a, w, _mm256_set1_epi32(x));
                 return vnni_rows::<R, _>(w, x, _mm256_setzero_si256(), |a, b| _mm256_add_epi32(a, b), dp);
             }
-            // `vpmaddubsw` sums two products into an i16 that saturates: several groups are
-            // added in i16 only while `per · 2 · maxw · 127` stays below 32,768 (a signed
-            // weight, made |w| against ±x, has |w| up to 128: one group at a time).
-            let per = if signed { 1 } else { (32767 / (254 * maxw.max(1))).max(1) as usize };
+            let per = i16_groups(maxw, signed);
             let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_si256(); R];
             let mut g = 0;
