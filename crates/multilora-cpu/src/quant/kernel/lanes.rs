@@ -92,7 +92,6 @@ pub(super) unsafe fn job<F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, m
     let nb = act.k / 32;
     let (p0, p1) = (j.m0 / PANEL, j.m1.div_ceil(PANEL));
     let span = |p: usize| (j.m0.max(p * PANEL), j.m1.min((p + 1) * PANEL));
-    let lanes = |p: usize| row_lane(j, p);
     // Out of the thread's slot while in use, so that the work is in no closure (which would
     // not have this function's instruction sets).
     let mut xt = XT.with_borrow_mut(std::mem::take);
@@ -100,11 +99,12 @@ pub(super) unsafe fn job<F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, m
     if xt.len() < need {
         xt.resize(need, 0);
     }
-    for p in (p0..p1).filter(|&p| lanes(p)) {
+    for p in (p0..p1).filter(|&p| row_lane(j, p)) {
         let (xo, _, _) = act.at(p * PANEL);
         transpose(&act.qs[xo..xo + nb * BLOCK], nb, &mut xt[(p - p0) * nb * XT_BLOCK..]);
     }
-    let calls = (j.t1 - j.t0) * (p1 - p0) * 2;
+    // The read-ahead lines spread over the job's (tile, panel) calls, one share each.
+    let calls = (j.t1 - j.t0) * (p1 - p0);
     let per_call = pf.left().div_ceil(calls.max(1));
     let mut budget = 0;
     for t in j.t0..j.t1 {
@@ -114,7 +114,7 @@ pub(super) unsafe fn job<F: Format>(s: &Seg<'_>, act: &Act, out: Out, j: &Job, m
             budget += per_call;
             let ahead = pf.take(budget);
             budget -= ahead.1;
-            if lanes(p) {
+            if row_lane(j, p) {
                 let nsb = act.k / F::L.sb;
                 let (_, mo, _) = act.at(p * PANEL);
                 // SAFETY: tile `t` of the segment and panel `p` of the activations (row-lane
